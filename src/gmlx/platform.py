@@ -1,0 +1,122 @@
+"""Bring-up before the first `import mlx`, and facts about the device and memory.
+
+On Linux the CPU wheel of MLX links the reference BLAS, so its float matmul runs at
+a few GFLOP/s. Loading an optimized BLAS with RTLD_GLOBAL first makes MLX resolve
+`sgemm_` and friends to it (about 30x faster here). Call `prepare()` before
+anything imports `mlx`; `gmlx/__init__.py` does.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import sys
+import sysconfig
+from dataclasses import dataclass
+from functools import cache
+
+BLAS_INSTALL_HINT = "sudo apt-get install libopenblas0-pthread  (Debian/Ubuntu)"
+_BLAS_NAMES = ("libopenblas.so.0", "libopenblas.so", "libopenblasp-r0.so")
+
+
+@dataclass(frozen=True)
+class BlasInfo:
+    name: str  # "openblas", "reference" (MLX's own), or "accelerate"/"none" off Linux
+    path: str | None
+
+    @property
+    def optimized(self) -> bool:
+        return self.name not in ("reference",)
+
+
+def _blas_candidates() -> list[str]:
+    """Paths where an OpenBLAS may live, most specific first."""
+    found: list[str] = []
+    if env := os.environ.get("GMLX_BLAS"):
+        found.append(env)
+    multiarch = sysconfig.get_config_var("MULTIARCH") or ""
+    dirs = [
+        f"/usr/lib/{multiarch}/openblas-pthread",
+        f"/usr/lib/{multiarch}",
+        "/usr/lib64",
+        "/usr/lib",
+        "/usr/local/lib",
+    ]
+    for d in dirs:
+        for name in _BLAS_NAMES:
+            found.extend(sorted(glob.glob(os.path.join(d, name))))
+    return found
+
+
+@cache
+def prepare() -> BlasInfo:
+    """Preload an optimized BLAS on Linux; idempotent. Must run before `import mlx`."""
+    if not sys.platform.startswith("linux"):
+        return BlasInfo("accelerate" if sys.platform == "darwin" else "none", None)
+    if os.environ.get("GMLX_BLAS") == "reference":
+        return BlasInfo("reference", None)
+    # One OpenBLAS thread per core was fastest here; respect a user's own choice.
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", str(os.cpu_count() or 1))
+    for path in _blas_candidates():
+        try:
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        except OSError:
+            continue
+        return BlasInfo("openblas", path)
+    return BlasInfo("reference", None)
+
+
+def blas_warning(info: BlasInfo) -> str | None:
+    """A one-line warning when MLX's float matmul will run on the reference BLAS."""
+    if info.name != "reference" or backend() != "cpu":
+        return None
+    return (
+        "no optimized BLAS found: float matmul on the CPU will be slow. "
+        f"Install OpenBLAS: {BLAS_INSTALL_HINT}"
+    )
+
+
+@cache
+def backend() -> str:
+    """"metal", "cuda" or "cpu": where MLX runs by default."""
+    import mlx.core as mx
+
+    if mx.metal.is_available():
+        return "metal"
+    cuda = getattr(mx, "cuda", None)
+    if cuda is not None and cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def device_name() -> str:
+    import mlx.core as mx
+
+    try:
+        info = mx.device_info()
+    except Exception:
+        return backend()
+    return str(info.get("device_name") or info.get("architecture") or backend())
+
+
+def total_memory_bytes() -> int:
+    """Memory the model's arrays live in: the GPU's own on CUDA, else system RAM."""
+    import psutil
+
+    if backend() == "cuda":
+        try:
+            import mlx.core as mx
+
+            size = mx.device_info().get("memory_size")
+            if size:
+                return int(size)
+        except Exception:
+            pass
+    return int(psutil.virtual_memory().total)
+
+
+def available_memory_bytes() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().available)
