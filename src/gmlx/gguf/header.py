@@ -177,15 +177,22 @@ def read_header(path: str | os.PathLike) -> GGUFHeader:
         raise GGUFError(f"not a GGUF file (only {size} bytes): {path}")
     with open(path, "rb") as f:
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        return _parse(path, buf, size)
+    except GGUFError as e:
+        raise GGUFError(f"{e}: {path}") from None
+
+
+def _parse(path: Path, buf: mmap.mmap, size: int) -> GGUFHeader:
     if buf[:4] != GGUF_MAGIC:
-        raise GGUFError(f"not a GGUF file (bad magic {bytes(buf[:4])!r}): {path}")
+        raise GGUFError(f"not a GGUF file (bad magic {bytes(buf[:4])!r})")
     cur = _Cursor(buf, 4)
     version = cur.unpack("I")
     if version not in (2, 3):
-        raise GGUFError(f"unsupported GGUF version {version} (gmlx reads versions 2 and 3): {path}")
+        raise GGUFError(f"unsupported GGUF version {version} (gmlx reads versions 2 and 3)")
     n_tensors, n_kv = cur.unpack("Q"), cur.unpack("Q")
     if n_tensors > 1_000_000 or n_kv > 1_000_000:
-        raise GGUFError(f"corrupt GGUF header ({n_tensors} tensors, {n_kv} keys): {path}")
+        raise GGUFError(f"corrupt GGUF header ({n_tensors} tensors, {n_kv} keys)")
 
     metadata: dict[str, Any] = {}
     for _ in range(n_kv):
@@ -197,18 +204,17 @@ def read_header(path: str | os.PathLike) -> GGUFHeader:
         name = cur.string()
         n_dims = cur.unpack("I")
         if n_dims > 8:
-            raise GGUFError(f"corrupt GGUF tensor table (tensor {name!r} has {n_dims} dims): {path}")
+            raise GGUFError(f"corrupt GGUF tensor table (tensor {name!r} has {n_dims} dims)")
         shape = tuple(cur.unpack("Q") for _ in range(n_dims))
         infos.append((name, shape, cur.unpack("I"), cur.unpack("Q")))
 
     alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
     data_offset = -(-cur.pos // alignment) * alignment
     tensors = {name: TensorInfo(name, shape, t, data_offset + off) for name, shape, t, off in infos}
-    header = GGUFHeader(path, version, metadata, tensors, data_offset, size, buf)
     end = max((t.offset + t.nbytes for t in tensors.values()), default=data_offset)
     if end > size:
-        raise GGUFError(f"truncated GGUF: tensor data needs {end} bytes, the file has {size}: {path}")
-    return header
+        raise GGUFError(f"truncated GGUF: tensor data needs {end} bytes, the file has {size}")
+    return GGUFHeader(path, version, metadata, tensors, data_offset, size, buf)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,18 @@
+"""The `gmlx` command: thin typer commands over the modules below."""
+
+from __future__ import annotations
+
+import typer
+
+from gmlx.cli import inspect, run, serve
+
+app = typer.Typer(
+    name="gmlx",
+    help="Serve GGUF language models on MLX, and say how much more work the server can take.",
+    no_args_is_help=True,
+    add_completion=True,
+    pretty_exceptions_enable=False,
+)
+app.command("inspect")(inspect.inspect_command)
+app.command("run")(run.run_command)
+app.command("serve")(serve.serve_command)

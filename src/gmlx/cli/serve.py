@@ -1,0 +1,103 @@
+"""`gmlx serve`: the OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+import gmlx
+from gmlx import platform
+from gmlx.cli.common import EXIT_BAD_MODEL, JSON_OPT, MODEL_ARG, console, fail, human_bytes, model_errors, model_path, print_json
+from gmlx.server.settings import Settings, SettingsError, describe, resolve_settings
+
+log = logging.getLogger("gmlx.serve")
+
+
+def serve_command(
+    model: str = MODEL_ARG,
+    host: str = typer.Option(None, help="Address to listen on.  [default: 127.0.0.1]", show_default=False),
+    port: int = typer.Option(None, help="Port to listen on.  [default: 8080]", show_default=False),
+    api_key: str = typer.Option(None, "--api-key", help="Require `Authorization: Bearer KEY` on every route but /health."),
+    decode_batch: int = typer.Option(None, "--decode-batch", help="Streams decoding together.  [default: 8]", show_default=False),
+    queue_size: int = typer.Option(None, "--queue-size", help="Requests that may wait for a slot.  [default: 2 x decode batch]", show_default=False),
+    queue_timeout: float = typer.Option(None, "--queue-timeout", help="Seconds a request may wait for a slot.  [default: 120]", show_default=False),
+    max_body_bytes: int = typer.Option(None, "--max-body-bytes", help="Largest request body accepted.  [default: 4 MiB]", show_default=False),
+    weights: str = typer.Option(None, help="auto, native (MLX quantized) or float.  [default: auto]", show_default=False),
+    prefill_step: int = typer.Option(None, "--prefill-step", help="Prompt tokens per prefill chunk between decode steps.", show_default=False),
+    max_tokens: int = typer.Option(None, "--max-tokens", help="max_tokens for a request that sets none.", show_default=False),
+    log_input_text: bool = typer.Option(None, "--log-input-text/--no-log-input-text", help="Log prompts and outputs.", show_default=False),
+    shutdown_timeout: float = typer.Option(None, "--shutdown-timeout", help="Seconds running streams get to finish on shutdown.", show_default=False),
+    log_level: str = typer.Option(None, "--log-level", help="debug, info, warning or error.", show_default=False),
+    config: Path = typer.Option(None, "--config", help="A TOML or YAML file of settings (below flags and environment)."),
+    print_config: bool = typer.Option(False, "--print-config", help="Show each setting and where it came from, then exit."),
+    json_out: bool = JSON_OPT,
+) -> None:
+    """Serve a GGUF model over an OpenAI-compatible API with continuous batching."""
+    flags = dict(model=model, host=host, port=port, api_key=api_key, decode_batch=decode_batch, queue_size=queue_size,
+                 queue_timeout=queue_timeout, max_body_bytes=max_body_bytes, weights=weights, prefill_step=prefill_step,
+                 max_tokens_default=max_tokens, log_input_text=log_input_text, shutdown_timeout=shutdown_timeout,
+                 log_level=log_level)
+    try:
+        settings = resolve_settings(flags, config=config)
+    except SettingsError as e:
+        fail(str(e), 2)
+    if print_config:
+        _print_config(settings, json_out)
+        return
+    raise typer.Exit(_serve(settings))
+
+
+def _print_config(settings: Settings, json_out: bool) -> None:
+    rows = describe(settings)
+    if json_out:
+        print_json({name: {"value": value, "source": source} for name, value, source in rows})
+        return
+    table = Table("setting", "value", "source", box=None, pad_edge=False)
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+
+
+def _serve(settings: Settings) -> int:
+    import uvicorn
+
+    from gmlx.engine.engine import Engine
+    from gmlx.gguf.header import read_header
+    from gmlx.models.loader import architecture_for, load
+    from gmlx.server.app import create_app
+
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    path = model_path(settings.model)
+    with model_errors():  # a file we cannot serve fails now, not after the server is up
+        architecture_for(read_header(path))
+    if warning := platform.blas_warning(gmlx.BLAS):
+        log.warning(warning)
+
+    engine = Engine(lambda: load(path, settings.weights), path.stem, settings.decode_batch, settings.prefill_step)
+    app = create_app(settings, engine, path.stem)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_level=settings.log_level,
+        timeout_graceful_shutdown=settings.shutdown_timeout, access_log=False,
+    ))
+
+    def report_load() -> None:
+        engine.ready.wait()
+        if engine.load_error or engine.loaded is None:
+            log.error("cannot serve %s: %s", path, engine.load_error)
+            server.should_exit = True
+            return
+        m = engine.loaded
+        log.info("ready: %s (%s, %s weights, %s) loaded in %.1f s; decode batch %d, queue %d, context %d tokens",
+                 m.model_id, m.geometry.architecture, m.mode, human_bytes(m.report.resident_bytes), m.load_seconds,
+                 settings.decode_batch, settings.queue_size, m.context_length)
+
+    log.info("serving %s on http://%s:%d (loading the model; /health?ready=1 says when it is ready)",
+             path.name, settings.host, settings.port)
+    engine.start()
+    threading.Thread(target=report_load, name="load-report", daemon=True).start()
+    server.run()
+    return EXIT_BAD_MODEL if engine.load_error else 0

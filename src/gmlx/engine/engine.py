@@ -1,0 +1,293 @@
+"""The engine: one thread that owns every MLX call for one model (DESIGN.md, decision 1).
+
+Requests come in through a thread-safe command queue; their tokens go out through each
+request's `emit` callback, called on this thread (the server hands them to its event loop).
+Scheduling is mlx_lm's BatchGenerator: up to `decode_batch` streams decode together and new
+prompts are prefilled in `prefill_step`-token chunks between decode steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from mlx_lm.generate import BatchGenerator
+
+from gmlx.engine.sampling import SamplingParams, make_sampler
+from gmlx.engine.stops import StopMatcher
+from gmlx.models.loader import LoadedModel
+
+log = logging.getLogger("gmlx.engine")
+_RATE_WINDOW_S = 10.0  # the "recent" in recent decode rates
+
+
+@dataclass
+class Chunk:
+    text: str
+
+
+@dataclass
+class Finished:
+    finish_reason: str  # "stop", "length" or "cancelled"
+    prompt_tokens: int
+    completion_tokens: int
+    ttft_s: float | None
+    decode_tok_s: float | None
+
+
+@dataclass
+class Failed:
+    message: str
+
+
+Event = Chunk | Finished | Failed
+
+
+@dataclass
+class Request:
+    id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    emit: Callable[[Event], None] = lambda _: None
+    # Live state, written by the engine thread and read by snapshots.
+    state: str = "queued"  # queued -> prefill -> decode -> done
+    uid: int | None = None
+    submitted_at: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    prefilled: int = 0
+    generated: int = 0
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.submitted_at
+
+    def decode_tok_s(self, now: float | None = None) -> float | None:
+        if self.first_token_at is None or self.generated < 2:
+            return None
+        span = (now or time.monotonic()) - self.first_token_at
+        return (self.generated - 1) / span if span > 0 else None
+
+
+@dataclass
+class EngineStats:
+    """Figures the server reports and plans with; written only by the engine thread."""
+
+    finished: int = 0
+    generated_total: int = 0  # by finished requests, for the mean per request
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    recent_steps: deque = field(default_factory=lambda: deque(maxlen=4096))  # (t, decode tokens)
+
+    def mean_generated(self) -> float | None:
+        return self.generated_total / self.finished if self.finished else None
+
+    def decode_tok_s_recent(self, now: float | None = None) -> float | None:
+        """Aggregate decode tokens per second over the last few seconds, all streams together."""
+        now = now or time.monotonic()
+        steps = [(t, n) for t, n in list(self.recent_steps) if now - t <= _RATE_WINDOW_S]
+        if len(steps) < 2:
+            return None
+        span = steps[-1][0] - steps[0][0]
+        return sum(n for _, n in steps[1:]) / span if span > 0 else None
+
+    def decode_tok_s_lifetime(self) -> float | None:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else None
+
+    def prefill_tok_s(self) -> float | None:
+        return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds > 0 else None
+
+
+class Engine:
+    """Serves one model. `load` runs on the engine thread too, so that thread owns the
+    model's arrays from the start; `ready` is set once it has returned."""
+
+    def __init__(self, load: Callable[[], LoadedModel], name: str, decode_batch: int = 8, prefill_step: int = 512):
+        self._load = load
+        self.loaded: LoadedModel | None = None
+        self.load_error: str | None = None
+        self.ready = threading.Event()
+        self.decode_batch = decode_batch
+        self.prefill_step = prefill_step
+        self.stats = EngineStats()
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._active: dict[int, Request] = {}  # uid -> request, owned by the engine thread
+        self._requests: dict[str, Request] = {}  # id -> request, for snapshots and cancels
+        self._lock = threading.Lock()
+        self._detok: dict[int, object] = {}
+        self._stops: dict[int, StopMatcher] = {}
+        self._thread = threading.Thread(target=self._run, name=f"engine-{name}", daemon=True)
+
+    # --- called from any thread -------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, request: Request) -> None:
+        with self._lock:
+            self._requests[request.id] = request
+        self._commands.put(("submit", request))
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a request within one step; its slot and KV cache are freed."""
+        self._commands.put(("cancel", request_id))
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._commands.put(("stop", None))
+        self._thread.join(timeout)
+
+    def requests(self) -> list[Request]:
+        with self._lock:
+            return list(self._requests.values())
+
+    @property
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._requests)
+
+    @property
+    def decoding(self) -> int:
+        return sum(1 for r in self.requests() if r.state == "decode")
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # --- the engine thread ---------------------------------------------------------------
+
+    def _new_generator(self) -> BatchGenerator:
+        assert self.loaded is not None
+        eos = [[t] for t in sorted(self.loaded.tokenizer.eos_token_ids)]
+        return BatchGenerator(
+            self.loaded.model,
+            stop_tokens=eos,
+            completion_batch_size=self.decode_batch,
+            prefill_batch_size=self.decode_batch,
+            prefill_step_size=self.prefill_step,
+        )
+
+    def _run(self) -> None:
+        try:
+            self.loaded = self._load()
+        except Exception as e:
+            log.exception("loading the model failed")
+            self.load_error = str(e)
+            return
+        finally:
+            self.ready.set()
+        gen = self._new_generator()
+        while True:
+            try:
+                if not self._take_commands(gen, block=not self._active):
+                    break
+                if self._active:
+                    self._step(gen)
+            except Exception as e:  # the thread must outlive any one request's failure
+                log.exception("engine step failed; failing %d request(s) and starting afresh", len(self._active))
+                for req in list(self._active.values()):
+                    self._finish(req, Failed(f"generation failed: {e}"))
+                gen = self._new_generator()
+        for req in list(self._active.values()):
+            self._finish(req, self._cancelled(req))
+        gen.close()
+
+    @staticmethod
+    def _cancelled(req: Request) -> Finished:
+        return Finished("cancelled", len(req.prompt_ids), req.generated, req.ttft_s, req.decode_tok_s())
+
+    def _take_commands(self, gen: BatchGenerator, block: bool) -> bool:
+        """Apply waiting commands; False once asked to stop."""
+        while True:
+            try:
+                kind, arg = self._commands.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if kind == "stop":
+                return False
+            if kind == "submit":
+                self._insert(gen, arg)
+            elif kind == "cancel":
+                req = self._requests.get(arg)
+                if req is not None and req.uid in self._active:
+                    gen.remove([req.uid])
+                    self._finish(req, self._cancelled(req))
+
+    def _insert(self, gen: BatchGenerator, req: Request) -> None:
+        assert self.loaded is not None
+        if not req.prompt_ids or req.max_tokens < 1:
+            self._finish(req, Failed("empty prompt or max_tokens < 1"))
+            return
+        [uid] = gen.insert([req.prompt_ids], [req.max_tokens], samplers=[make_sampler(req.sampling)])
+        req.uid, req.state = uid, "prefill"
+        self._active[uid] = req
+        self._detok[uid] = self.loaded.tokenizer.detokenizer
+        self._stops[uid] = StopMatcher(req.stop)
+
+    def _step(self, gen: BatchGenerator) -> None:
+        with gen.stats() as s:
+            prompt_responses, generation_responses = gen.next()
+        now = time.monotonic()
+        st = self.stats
+        st.prefill_tokens += s.prompt_tokens
+        st.prefill_seconds += s.prompt_time
+        if generation_responses:
+            st.decode_tokens += len(generation_responses)
+            st.decode_seconds += s.decode_time
+            st.recent_steps.append((now, len(generation_responses)))
+
+        for p in prompt_responses:
+            if (req := self._active.get(p.uid)) is not None:
+                req.prefilled = p.progress[0]
+                if p.end_of_sequence:
+                    req.state = "decode"
+        for r in generation_responses:
+            if (req := self._active.get(r.uid)) is not None:
+                self._on_token(gen, req, r.token, r.finish_reason, now)
+
+    def _on_token(self, gen: BatchGenerator, req: Request, token: int, finish_reason: str | None, now: float) -> None:
+        if req.first_token_at is None:
+            req.first_token_at, req.state = now, "decode"
+        detok, stops = self._detok[req.uid], self._stops[req.uid]
+        if finish_reason != "stop":  # "stop" here means an EOS token, which has no text
+            req.generated += 1
+            detok.add_token(token)
+        if finish_reason is not None:
+            detok.finalize()
+        text, hit = stops.feed(detok.last_segment)
+        if finish_reason is not None and not hit:
+            text += stops.flush()
+        if text:
+            self._emit(req, Chunk(text))
+        if hit and finish_reason is None:
+            gen.remove([req.uid])
+        if hit or finish_reason is not None:
+            reason = "stop" if hit else finish_reason
+            self._finish(req, Finished(reason, len(req.prompt_ids), req.generated, req.ttft_s, req.decode_tok_s(now)))
+
+    def _finish(self, req: Request, event: Event) -> None:
+        if isinstance(event, Finished) and event.finish_reason != "cancelled":
+            self.stats.finished += 1
+            self.stats.generated_total += req.generated
+        req.state = "done"
+        self._active.pop(req.uid, None)
+        self._detok.pop(req.uid, None)
+        self._stops.pop(req.uid, None)
+        with self._lock:
+            self._requests.pop(req.id, None)
+        self._emit(req, event)
+
+    @staticmethod
+    def _emit(req: Request, event: Event) -> None:
+        try:
+            req.emit(event)
+        except Exception:  # a consumer that went away must not stop the engine
+            log.exception("request %s: delivering an event failed", req.id)

@@ -1,0 +1,47 @@
+"""Per-request samplers: each stream samples with its own parameters and its own random key."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, greedy_sampler
+
+Sampler = Callable[[mx.array], mx.array]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0 or self.top_k == 1
+
+
+def make_sampler(p: SamplingParams) -> Sampler:
+    """A sampler over log-probabilities. Greedy requests share one function object,
+    so a batch of them samples in one call; others carry their own key, so a seeded
+    request repeats whatever else runs beside it."""
+    if p.greedy:
+        return greedy_sampler
+    key = mx.random.key(p.seed if p.seed is not None else secrets.randbits(63))
+
+    def sample(logprobs: mx.array) -> mx.array:
+        nonlocal key
+        key, step_key = mx.random.split(key)
+        if 0 < p.top_p < 1:
+            logprobs = apply_top_p(logprobs, p.top_p)
+        if p.min_p > 0:
+            logprobs = apply_min_p(logprobs, p.min_p)
+        if p.top_k > 0:
+            logprobs = apply_top_k(logprobs, p.top_k)
+        return mx.random.categorical(logprobs * (1 / p.temperature), key=step_key)
+
+    return sample

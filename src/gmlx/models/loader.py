@@ -1,0 +1,105 @@
+"""A GGUF file -> an mlx_lm model, its tokenizer and chat template."""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from gmlx.gguf.header import GGUFError, GGUFHeader, ModelGeometry, read_header
+from gmlx.gguf.tensors import LoadReport, load_tensors
+from gmlx.gguf.tokenizer import load_tokenizer
+from gmlx.models.architecture import Architecture
+from gmlx.models.gemma3 import Gemma3
+from gmlx.models.llama import Llama
+from gmlx.models.qwen import Qwen2, Qwen3
+from gmlx.models.weights_mode import WeightsOption, choose_mode
+
+ARCHITECTURES: dict[str, Architecture] = {a.gguf_name: a for a in (Llama(), Qwen2(), Qwen3(), Gemma3())}
+_SUFFIXES = ("weight", "bias", "scales", "biases")
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: object  # mlx_lm.tokenizer_utils.TokenizerWrapper
+    header: GGUFHeader
+    mode: str  # "native" or "float"
+    report: LoadReport
+    load_seconds: float
+
+    @property
+    def geometry(self) -> ModelGeometry:
+        return self.header.geometry
+
+    @property
+    def model_id(self) -> str:
+        return self.header.path.stem
+
+    @property
+    def context_length(self) -> int:
+        return self.geometry.context_length
+
+
+def architecture_for(h: GGUFHeader) -> Architecture:
+    try:
+        return ARCHITECTURES[h.architecture]
+    except KeyError:
+        supported = ", ".join(sorted(ARCHITECTURES))
+        raise GGUFError(f"unsupported architecture {h.architecture!r} (supported: {supported})") from None
+
+
+def load(path: str | Path, weights: WeightsOption = "auto", progress: Progress | None = None) -> LoadedModel:
+    """Load a GGUF model; raises GGUFError with a one-line reason for a file gmlx cannot use."""
+    step = progress or (lambda _: None)
+    start = time.perf_counter()
+    step("header")
+    h = read_header(path)
+    arch = architecture_for(h)
+    mode = choose_mode(weights, h)
+
+    step("weights")
+    arrays, quant, report = load_tensors(h, mode)  # type: ignore[arg-type]
+    step("model")
+    model = _build(arch, h, arrays, quant)
+    mx.eval(model.parameters())
+    step("tokenizer")
+    tokenizer = load_tokenizer(h)
+    return LoadedModel(model, tokenizer, h, mode, report, time.perf_counter() - start)
+
+
+def _build(
+    arch: Architecture, h: GGUFHeader, arrays: dict[str, mx.array], quant: dict[str, tuple[int, int]]
+) -> nn.Module:
+    module = importlib.import_module(f"mlx_lm.models.{arch.model_type}")
+    args = module.ModelArgs.from_dict(arch.model_args(h))
+    model = module.Model(args)
+
+    weights: dict[str, mx.array] = {}
+    configs: dict[str, dict] = {}
+    for name, array in arrays.items():
+        base, _, suffix = name.rpartition(".")
+        target = arch.mlx_name(base) if suffix in _SUFFIXES else None
+        if target is None:
+            continue  # e.g. rope_freqs: used by arch.finish, not a parameter
+        weights[f"{target}.{suffix}"] = arch.adjust(name, array)
+        if name in quant:
+            bits, group_size = quant[name]
+            configs[target] = {"bits": bits, "group_size": group_size}
+
+    weights = model.sanitize(weights)
+    if configs:
+        nn.quantize(model, class_predicate=lambda path, _: configs.get(path, False))
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise GGUFError(f"{h.architecture}: tensors do not match the model ({e})") from None
+    arch.finish(model, h, arrays)
+    return model

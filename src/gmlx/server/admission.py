@@ -1,0 +1,84 @@
+"""The admission gate: at most `width` requests run, at most `cap` wait, none waits forever.
+
+It lives on the event loop (no locks): a request takes a slot at once when one is free
+and nobody is waiting, else queues in arrival order; a finished request hands its slot
+straight to the oldest waiter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import deque
+from collections.abc import Callable
+
+from gmlx.server.errors import APIError
+
+# Before any request has finished there is no drain rate to go on (spec defaults).
+RETRY_AFTER_FULL_S = 5
+RETRY_AFTER_TIMEOUT_S = 10
+RETRY_AFTER_MAX_S = 60
+
+
+class AdmissionGate:
+    def __init__(self, width: int, cap: int, timeout_s: float,
+                 drain: Callable[[], tuple[float | None, float | None]] = lambda: (None, None)):
+        """`drain` returns (mean generated tokens per request, aggregate decode tok/s), or Nones."""
+        self.width, self.cap, self.timeout_s = width, cap, timeout_s
+        self._drain = drain
+        self.running = 0
+        self._waiters: deque[asyncio.Future] = deque()
+        self.rejections = 0
+        self.last_reject_reason: str | None = None
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    def retry_after(self, fallback: int = RETRY_AFTER_FULL_S, waiting: int | None = None) -> int:
+        """Seconds until the queue ahead would drain: waiting x mean tokens / decode rate."""
+        mean, rate = self._drain()
+        if not mean or not rate:
+            return fallback
+        ahead = self.waiting if waiting is None else waiting
+        return min(RETRY_AFTER_MAX_S, max(1, math.ceil(ahead * mean / rate)))
+
+    async def acquire(self) -> None:
+        """Wait for a slot; raises APIError 503 `queue_full` or `queue_timeout`.
+        Cancelling the caller (a client gone) gives its place, or its slot, back."""
+        if self.running < self.width and not self._waiters:
+            self.running += 1
+            return
+        if len(self._waiters) >= self.cap:
+            raise self._reject("queue_full", "the admission queue is full", self.retry_after(RETRY_AFTER_FULL_S))
+        slot = asyncio.get_running_loop().create_future()
+        self._waiters.append(slot)
+        try:
+            await asyncio.wait_for(asyncio.shield(slot), self.timeout_s)
+        except asyncio.TimeoutError:
+            if slot.done():  # handed a slot just as the time ran out: keep it
+                return
+            self._waiters.remove(slot)
+            message = f"waited {self.timeout_s:g} s for a slot"
+            raise self._reject("queue_timeout", message, self.retry_after(RETRY_AFTER_TIMEOUT_S)) from None
+        except asyncio.CancelledError:
+            if slot.done():
+                self.release()
+            else:
+                self._waiters.remove(slot)
+                slot.cancel()
+            raise
+
+    def release(self) -> None:
+        """Free a slot: the oldest waiter takes it over, else the running count drops."""
+        while self._waiters:
+            slot = self._waiters.popleft()
+            if not slot.done():
+                slot.set_result(None)
+                return
+        self.running -= 1
+
+    def _reject(self, code: str, message: str, retry_after: int) -> APIError:
+        self.rejections += 1
+        self.last_reject_reason = code
+        return APIError(503, f"server busy: {message}; retry after {retry_after} s", code, retry_after=retry_after)

