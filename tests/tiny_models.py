@@ -8,7 +8,8 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
-from tiny_vocab import add_tiny_vocab
+from tiny_quant import tensor_bytes
+from tiny_vocab import TINY_VOCAB_SIZE, add_tiny_vocab
 
 ARCHES = ("llama", "qwen2", "qwen3", "gemma3")
 VOCAB_KIND = {"llama": "llama", "gemma3": "llama", "qwen2": "gpt2", "qwen3": "gpt2"}
@@ -39,22 +40,20 @@ def write_model(path: Path, arch: str = "llama", qtype: Q = Q.F32, tied: bool = 
     w.add_rope_freq_base(10000.0)
     if arch == "gemma3":
         w.add_sliding_window(64)
-    vocab = add_tiny_vocab(w, VOCAB_KIND[arch])
+    add_tiny_vocab(w, VOCAB_KIND[arch])
+    vocab = TINY_VOCAB_SIZE[VOCAB_KIND[arch]]
 
     def matrix(name: str, rows: int, cols: int, scale: float = 0.05) -> None:
         data = (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
         if qtype == Q.F32:
             w.add_tensor(name, data)
-        elif qtype == Q.F16:
-            w.add_tensor(name, data.astype(np.float16))
         else:
-            w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+            w.add_tensor(name, tensor_bytes(qtype, (rows, cols), rng), raw_dtype=qtype)
 
     def vector(name: str, size: int, base: float = 1.0) -> None:
         w.add_tensor(name, (base + rng.standard_normal(size) * 0.05).astype(np.float32))
 
-    # gemma stores RMSNorm weights with +1 folded in; the others store them as they are.
-    norm_base = 1.0
+    norm_base = 1.0  # gemma's converter folds mlx_lm's "+1" into its norms; a weight near 1 works for all
     matrix("token_embd.weight", vocab, HIDDEN, scale=0.5)
     vector("output_norm.weight", HIDDEN, norm_base)
     if not tied:

@@ -1,0 +1,118 @@
+"""Loading tiny GGUF models of every architecture and tensor type into mlx_lm."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import mlx.core as mx
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from gmlx.gguf.header import GGUFError, read_header
+from gmlx.models.loader import load
+from tiny_models import ARCHES, write_model
+
+EXACT = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K]
+REQUANTIZED = [Q.Q6_K, Q.Q3_K, Q.Q2_K]
+PROMPT = [2, 10, 20, 30, 40, 50]
+
+
+def logits(path: Path, weights: str) -> np.ndarray:
+    m = load(path, weights)  # type: ignore[arg-type]
+    out = m.model(mx.array([PROMPT]))
+    return np.array(out[0].astype(mx.float32))
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_every_architecture_loads_and_generates(tiny_models: dict[str, Path], arch: str) -> None:
+    m = load(tiny_models[arch], "float")
+    assert m.model_id == f"tiny-{arch}" and m.mode == "float"
+    out = m.model(mx.array([PROMPT]))
+    assert out.shape == (1, len(PROMPT), m.geometry.vocab_size)
+    assert bool(mx.all(mx.isfinite(out)))
+    # native mode on F32 weights is the same model
+    np.testing.assert_allclose(logits(tiny_models[arch], "native"), np.array(out[0]), rtol=1e-4, atol=1e-4)
+
+
+def test_gemma_norms_lose_the_stored_plus_one(tiny_models: dict[str, Path]) -> None:
+    h = read_header(tiny_models["gemma3"])
+    stored = np.frombuffer(h._buffer(), np.float32, count=h.tensors["output_norm.weight"].n_elements,
+                           offset=h.tensors["output_norm.weight"].offset)
+    m = load(tiny_models["gemma3"], "float")
+    np.testing.assert_allclose(np.array(m.model.model.norm.weight), stored - 1.0, atol=1e-6)
+    args = m.model.args
+    assert (args.sliding_window, args.sliding_window_pattern, args.query_pre_attn_scalar) == (64, 6, 64)
+    assert args.rope_local_base_freq == 10000.0
+
+
+def test_llama_uses_interleaved_rope(tiny_models: dict[str, Path]) -> None:
+    # llama.cpp's converter permutes Q/K for interleaved RoPE: `traditional` in MLX.
+    m = load(tiny_models["llama"], "float")
+    assert m.model.model.layers[0].self_attn.rope.traditional is True
+    q = load(tiny_models["qwen3"], "float")
+    assert q.model.model.layers[0].self_attn.rope.traditional is False
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_tied_and_untied_embeddings(tmp_path: Path, tied: bool) -> None:
+    path = write_model(tmp_path / "m.gguf", "qwen3", tied=tied)
+    m = load(path, "native")
+    assert m.model.args.tie_word_embeddings is tied
+    assert ("lm_head" in dict(m.model.children())) is not tied
+
+
+@pytest.mark.parametrize("qtype", EXACT, ids=lambda q: q.name)
+def test_exact_formats_native_matches_float(tmp_path: Path, qtype: Q) -> None:
+    """Native repacks compute the model that float dequantization does, up to matmul rounding."""
+    path = write_model(tmp_path / f"{qtype.name}.gguf", "llama", qtype=qtype)
+    native, floats = logits(path, "native"), logits(path, "float")
+    assert np.abs(native - floats).max() <= 2e-3 * np.abs(floats).max()
+    assert (native.argmax(-1) == floats.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("qtype", REQUANTIZED, ids=lambda q: q.name)
+def test_sixteen_wide_formats_are_requantized_and_reported(tmp_path: Path, qtype: Q) -> None:
+    # Accuracy per group is checked in test_tensors; random blocks make model-level logits meaningless.
+    m = load(write_model(tmp_path / f"{qtype.name}.gguf", "llama", qtype=qtype), "native")
+    assert m.report.by_type[qtype.name]["action"].startswith("re-quantized")
+    assert bool(mx.all(mx.isfinite(m.model(mx.array([PROMPT])))))
+
+
+def test_unknown_architecture_is_a_clear_error(tmp_path: Path) -> None:
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "mamba")
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(GGUFError, match="unsupported architecture 'mamba'"):
+        load(tmp_path / "m.gguf")
+
+
+def test_missing_tensor_is_a_clear_error(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    src = read_header(tiny_models["llama"])
+    w = gguf.GGUFWriter(str(tmp_path / "broken.gguf"), "llama")
+    for key in ("block_count", "context_length", "embedding_length", "feed_forward_length",
+                "attention.head_count", "attention.head_count_kv", "attention.layer_norm_rms_epsilon"):
+        value = src.arch_key(key)
+        (w.add_float32 if isinstance(value, float) else w.add_uint32)(f"llama.{key}", value)
+    w.add_tensor("token_embd.weight", np.zeros((8, 256), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(GGUFError):
+        load(tmp_path / "broken.gguf")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("weights", ["float", "native"])
+def test_default_model_writes_about_the_sea(default_model: Path, weights: str) -> None:
+    from mlx_lm import generate
+
+    m = load(default_model, weights)  # type: ignore[arg-type]
+    prompt = m.tokenizer.encode("Here is a short poem about the sea:\n")
+    text = generate(m.model, m.tokenizer, prompt, max_tokens=8)
+    assert text.startswith("The sea is a beautiful place"), text

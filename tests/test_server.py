@@ -1,0 +1,268 @@
+"""End-to-end: a real server on a loopback port, driven by httpx and the openai client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from conftest import LiveServer
+
+CHAT = "/v1/chat/completions"
+
+
+def chat_body(content: str = "Hello there", **kw: object) -> dict:
+    return {"messages": [{"role": "user", "content": content}], "temperature": 0, **kw}
+
+
+def sse_events(response: httpx.Response) -> list[dict]:
+    out = []
+    for line in response.iter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            out.append(json.loads(line[6:]))
+    return out
+
+
+def test_chat_non_streaming_and_usage(live_server: LiveServer) -> None:
+    with live_server.client() as c:
+        r = c.post(CHAT, json=chat_body(max_tokens=12))
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["model"] == live_server.model_id
+    choice = body["choices"][0]
+    assert choice["message"]["role"] == "assistant" and isinstance(choice["message"]["content"], str)
+    tokenizer = live_server.engine.loaded.tokenizer
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Hello there"}], add_generation_prompt=True, tokenize=False)
+    usage = body["usage"]
+    assert usage["prompt_tokens"] == len(tokenizer.encode(text, add_special_tokens=False))
+    assert 1 <= usage["completion_tokens"] <= 12
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    if choice["finish_reason"] == "length":
+        assert usage["completion_tokens"] == 12
+
+
+def test_streaming_matches_non_streaming(live_server: LiveServer) -> None:
+    with live_server.client() as c:
+        whole = c.post(CHAT, json=chat_body(max_tokens=16)).json()
+        with c.stream("POST", CHAT, json=chat_body(max_tokens=16, stream=True,
+                                                   stream_options={"include_usage": True})) as r:
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            events = sse_events(r)
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"])
+    assert text == whole["choices"][0]["message"]["content"]
+    finishes = [e["choices"][0]["finish_reason"] for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
+    assert finishes == [whole["choices"][0]["finish_reason"]]
+    assert events[-1]["choices"] == [] and events[-1]["usage"] == whole["usage"]
+
+
+def test_completions_max_tokens_and_stop(live_server: LiveServer) -> None:
+    with live_server.client() as c:
+        free = c.post("/v1/completions", json={"prompt": "the cat", "max_tokens": 24, "temperature": 0}).json()
+        text = free["choices"][0]["text"]
+        assert free["object"] == "text_completion"
+        assert free["usage"]["completion_tokens"] <= 24
+        if len(text) < 6:
+            pytest.skip("the random model ended too early to pick a stop string")
+        stop = text[len(text) // 2 : len(text) // 2 + 3]
+        stopped = c.post("/v1/completions", json={"prompt": "the cat", "max_tokens": 24, "temperature": 0,
+                                                  "stop": [stop]}).json()
+    assert stopped["choices"][0]["text"] == text[: text.index(stop)]
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+
+
+def test_seeded_sampling_repeats(live_server: LiveServer) -> None:
+    body = chat_body(max_tokens=16, temperature=1.0, seed=1234)
+    with live_server.client() as c:
+        texts = [c.post(CHAT, json=body).json()["choices"][0]["message"]["content"] for _ in range(2)]
+        other = [c.post(CHAT, json={**body, "seed": s}).json()["choices"][0]["message"]["content"] for s in (1, 2, 3)]
+    assert texts[0] == texts[1]
+    assert any(t != texts[0] for t in other)
+
+
+def test_openai_client(live_server: LiveServer) -> None:
+    client = openai.OpenAI(base_url=live_server.url + "/v1", api_key="unused")
+    assert [m.id for m in client.models.list().data] == [live_server.model_id]
+    r = client.chat.completions.create(model=live_server.model_id, messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=8, temperature=0)
+    assert r.choices[0].message.role == "assistant" and r.usage.completion_tokens >= 1
+    stream = client.chat.completions.create(model=live_server.model_id, messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=8, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == r.choices[0].message.content
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code"),
+    [
+        ("{not json", 400, "invalid_request"),
+        ([1, 2], 400, "invalid_request"),
+        ({"messages": "hi"}, 400, "invalid_request"),
+        ({"messages": [{"role": "user", "content": "x"}], "max_tokens": "ten"}, 400, "invalid_request"),
+        ({"messages": [{"role": "user", "content": "x"}], "temperature": True}, 400, "invalid_request"),
+        ({"messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "invalid_request"),
+        ({"messages": [{"role": "user", "content": "x"}], "model": "gpt-4"}, 404, "model_not_found"),
+        ({"messages": [{"role": "user", "content": "word " * 400}]}, 400, "context_length_exceeded"),
+    ],
+)
+def test_bad_requests(live_server: LiveServer, body: object, status: int, code: str) -> None:
+    content = body if isinstance(body, str) else json.dumps(body)
+    with live_server.client() as c:
+        r = c.post(CHAT, content=content, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["code"] == code and r.json()["error"]["message"]
+    # Nothing leaked: the slot is free and the next request is served.
+    assert live_server.state.gate.running == 0
+    with live_server.client() as c:
+        assert c.post(CHAT, json=chat_body(max_tokens=2)).status_code == 200
+
+
+def test_unknown_fields_ignored_and_body_too_large(tiny_models: dict[str, Path]) -> None:
+    with LiveServer(tiny_models["llama"], max_body_bytes=2000) as server, server.client() as c:
+        assert c.post(CHAT, json=chat_body(max_tokens=2, frobnicate={"x": 1})).status_code == 200
+        r = c.post(CHAT, json=chat_body("x" * 5000))
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_api_key(tiny_models: dict[str, Path]) -> None:
+    with LiveServer(tiny_models["llama"], api_key="s3cret") as server, server.client() as c:
+        assert c.get("/v1/models").status_code == 401
+        r = c.post(CHAT, json=chat_body(max_tokens=2), headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert c.get("/v1/models", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        assert c.get("/health").json()["status"] == "healthy"  # open without a key
+
+
+def test_health_and_loading(tiny_models: dict[str, Path]) -> None:
+    from gmlx.models.loader import load
+
+    gate = threading.Event()
+    server = LiveServer(tiny_models["llama"])
+    real_load = server.engine._load
+    server.engine._load = lambda: (gate.wait(30), real_load())[1]
+    server.engine.start()
+    server._thread.start()
+    server.wait_until(lambda: server.server.started)
+    port = server.server.servers[0].sockets[0].getsockname()[1]
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}") as c:
+            assert c.get("/health").json()["status"] == "healthy"
+            r = c.get("/health", params={"ready": 1})
+            assert r.status_code == 503 and r.json()["reason"] == "loading" and int(r.headers["Retry-After"]) > 0
+            r = c.post(CHAT, json=chat_body())
+            assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading"
+            gate.set()
+            server.wait_until(lambda: server.engine.loaded is not None)
+            r = c.get("/health", params={"ready": 1})
+            assert r.status_code == 200 and r.json()["ready"] is True
+    finally:
+        gate.set()
+        server.__exit__()
+    assert load  # the loader the server used is the real one
+
+
+def test_batching_is_real(tiny_models: dict[str, Path]) -> None:
+    """Four streams decode together, and each gives what it gives alone (greedy)."""
+    prompts = [f"prompt number {i} says" for i in range(4)]
+    with LiveServer(tiny_models["llama"], decode_batch=4) as server:
+        with server.client() as c:
+            alone = [c.post("/v1/completions", json={"prompt": p, "max_tokens": 48, "temperature": 0}).json()
+                     for p in prompts]
+        seen = []
+
+        def watch() -> None:
+            server.wait_until(lambda: server.engine.decoding == 4 or bool(seen), timeout=60)
+            seen.append(server.engine.decoding)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+
+        async def burst() -> list[dict]:
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as ac:
+                rs = await asyncio.gather(*(ac.post("/v1/completions", json={"prompt": p, "max_tokens": 48,
+                                                                               "temperature": 0}) for p in prompts))
+            return [r.json() for r in rs]
+
+        together = asyncio.run(burst())
+        seen.append(-1)
+        watcher.join()
+    assert seen[0] == 4, "the four requests were never in decode at the same time"
+    assert [t["choices"][0]["text"] for t in together] == [a["choices"][0]["text"] for a in alone]
+
+
+def test_queue_full_and_retry_after(tiny_models: dict[str, Path]) -> None:
+    with LiveServer(tiny_models["llama"], decode_batch=1, queue_size=2) as server:
+        body = {"prompt": "a long one", "max_tokens": 200, "temperature": 0}
+        snapshot = {}
+
+        async def burst() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as ac:
+                tasks = [asyncio.create_task(ac.post("/v1/completions", json=body)) for _ in range(3)]
+                while server.state.gate.waiting < 2:
+                    await asyncio.sleep(0.005)
+                extra = await asyncio.gather(*(ac.post("/v1/completions", json=body) for _ in range(3)))
+                snapshot.update(running=server.state.gate.running, waiting=server.state.gate.waiting)
+                return list(extra) + list(await asyncio.gather(*tasks))
+
+        responses = asyncio.run(burst())
+    rejected = [r for r in responses if r.status_code == 503]
+    assert snapshot == {"running": 1, "waiting": 2}
+    assert len(rejected) == 3 and sum(r.status_code == 200 for r in responses) == 3
+    for r in rejected:
+        assert r.json()["error"]["code"] == "queue_full"
+        assert 1 <= int(r.headers["Retry-After"]) <= 60
+
+
+def test_queue_timeout(tiny_models: dict[str, Path]) -> None:
+    with LiveServer(tiny_models["llama"], decode_batch=1, queue_timeout=0.2) as server:
+        async def run() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as ac:
+                first = asyncio.create_task(ac.post("/v1/completions", json={"prompt": "x", "max_tokens": 200}))
+                while server.state.gate.running < 1:
+                    await asyncio.sleep(0.005)
+                second = await ac.post("/v1/completions", json={"prompt": "y", "max_tokens": 2})
+                return [await first, second]
+
+        first, second = asyncio.run(run())
+    assert first.status_code == 200
+    assert second.status_code == 503 and second.json()["error"]["code"] == "queue_timeout"
+    assert int(second.headers["Retry-After"]) >= 1
+
+
+def test_queued_client_that_disconnects_frees_its_place(tiny_models: dict[str, Path]) -> None:
+    with LiveServer(tiny_models["llama"], decode_batch=1, queue_size=1) as server:
+        gate = server.state.gate
+
+        async def run() -> int:
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as ac:
+                first = asyncio.create_task(ac.post("/v1/completions", json={"prompt": "x", "max_tokens": 200}))
+                while gate.running < 1:
+                    await asyncio.sleep(0.005)
+                async with httpx.AsyncClient(base_url=server.url, timeout=60) as gone:
+                    queued = asyncio.create_task(gone.post("/v1/completions", json={"prompt": "y", "max_tokens": 2}))
+                    while gate.waiting < 1:
+                        await asyncio.sleep(0.005)
+                    queued.cancel()
+                while gate.waiting:
+                    await asyncio.sleep(0.005)
+                third = await ac.post("/v1/completions", json={"prompt": "z", "max_tokens": 2})
+                await first
+                return third.status_code
+
+        assert asyncio.run(run()) == 200
+
+
+def test_dropped_streams_never_leak_a_slot(tiny_models: dict[str, Path]) -> None:
+    with LiveServer(tiny_models["llama"], decode_batch=2) as server:
+        with server.client() as c:
+            for _ in range(50):
+                with c.stream("POST", CHAT, json=chat_body(max_tokens=200, stream=True)) as r:
+                    next(r.iter_lines())  # the first event, then hang up mid-decode
+            server.wait_until(lambda: server.engine.in_flight == 0 and server.state.gate.running == 0)
+            assert server.engine.alive
+            assert c.post(CHAT, json=chat_body(max_tokens=4)).status_code == 200
