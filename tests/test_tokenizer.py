@@ -14,7 +14,9 @@ from gmlx.gguf.header import read_header
 from gmlx.gguf.tokenizer import load_tokenizer
 from tiny_vocab import TINY_VOCAB_SIZE, add_tiny_vocab
 
-REFERENCE = Path(__file__).parent / "data" / "gemma3_270m_llamacpp_tokens.json"
+DATA = Path(__file__).parent / "data"
+REFERENCE = DATA / "gemma3_270m_llamacpp_tokens.json"
+TINY_REFERENCE = DATA / "tiny_llamacpp_tokens.json"  # regenerate if tiny_vocab.py changes
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
         {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}]
 
@@ -162,6 +164,12 @@ def test_default_cache_dir_from_env(tmp_path, monkeypatch):
     monkeypatch.setenv("GMLX_CACHE_DIR", str(tmp_path / "env-cache"))
     load_tokenizer(read_header(write_vocab(tmp_path / "v.gguf", "qwen2", "gpt2")))
     assert list((tmp_path / "env-cache" / "tokenizers").glob("*.json"))
+
+
+def test_tiny_vocab_matches_llama_cpp(tiny):
+    kind, tok = tiny
+    cases = json.loads(TINY_REFERENCE.read_text(encoding="utf-8"))[kind]
+    assert [tok.encode(c["text"]) for c in cases] == [c["ids"] for c in cases]
 
 
 @pytest.mark.slow

@@ -1,7 +1,9 @@
 """Small GGUF vocabularies for test fixtures, in the two shapes llama.cpp writes.
 
 `add_tiny_vocab(writer, kind)` writes the tokenizer keys; a tiny model fixture then uses
-`TINY_VOCAB_SIZE[kind]` as its vocab_size (the embedding's row count).
+`TINY_VOCAB_SIZE[kind]` as its vocab_size (the embedding's row count). llama.cpp's token ids
+for these vocabularies are saved in data/tiny_llamacpp_tokens.json: changing a vocabulary
+here means regenerating them.
 """
 
 from __future__ import annotations

@@ -37,8 +37,8 @@ if TYPE_CHECKING:
 # Bump when the built tokenizer would change for the same file, to invalidate old caches.
 _BUILD_VERSION = 1
 
-# llama.cpp's token types (llama_token_type in gguf).
-_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+# llama.cpp's token types (gguf.TokenType) that decide how a token is matched.
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4
 
 # Tokens that close a chat turn in some family's template; generation must stop on them.
 END_OF_TURN_TOKENS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>")

@@ -1,0 +1,3 @@
+from gmlx.cli.main import app
+
+app(prog_name="gmlx")
