@@ -54,7 +54,7 @@ def write_model(path: Path, arch: str = "llama", qtype: Q = Q.F32, tied: bool = 
         w.add_tensor(name, (base + rng.standard_normal(size) * 0.05).astype(np.float32))
 
     norm_base = 1.0  # gemma's converter folds mlx_lm's "+1" into its norms; a weight near 1 works for all
-    matrix("token_embd.weight", vocab, HIDDEN, scale=0.5)
+    matrix("token_embd.weight", vocab, HIDDEN, scale=0.1)
     vector("output_norm.weight", HIDDEN, norm_base)
     if not tied:
         matrix("output.weight", vocab, HIDDEN)

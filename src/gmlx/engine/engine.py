@@ -247,7 +247,7 @@ class Engine:
         for p in prompt_responses:
             if (req := self._active.get(p.uid)) is not None:
                 req.prefilled = p.progress[0]
-                if p.end_of_sequence:
+                if p.end_of_prompt:
                     req.state = "decode"
         for r in generation_responses:
             if (req := self._active.get(r.uid)) is not None:

@@ -1,0 +1,215 @@
+"""Settings for `gmlx serve`, resolved once: flag, then environment, then config file, then default.
+
+Each field is declared once, in `Settings`, with its default, converter, environment names (highest
+priority first) and range check, so resolution, validation and `--print-config` share one table.
+Every resolved value remembers its source, which `describe` shows beside it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+_LOG_LEVELS = ("debug", "info", "warning", "error", "critical")  # what both logging and uvicorn accept
+
+
+class SettingsError(ValueError):
+    """A setting that cannot be used; the message is one line naming the field, source and value."""
+
+
+# Converters and checks raise ValueError with the tail of the message ("is not an integer").
+Convert = Callable[[Any], Any]
+Check = Callable[[Any], None]
+
+
+def _int(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, str)):  # bool is an int subclass; YAML `yes` is not a count
+        raise ValueError("is not an integer")
+    try:
+        return int(v)
+    except ValueError:
+        raise ValueError("is not an integer") from None
+
+
+def _float(v: Any) -> float:
+    try:
+        if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+            raise ValueError
+        f = float(v)
+    except ValueError:
+        raise ValueError("is not a number") from None
+    if not math.isfinite(f):
+        raise ValueError("is not a finite number")
+    return f
+
+
+def _bool(v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    word = str(v).strip().lower() if isinstance(v, (str, int)) else None
+    if word in _TRUE or word in _FALSE:
+        return word in _TRUE
+    raise ValueError("is not a boolean (use true/false, 1/0, yes/no or on/off)")
+
+
+def _str(v: Any) -> str:
+    if not isinstance(v, str):
+        raise ValueError("is not a string")
+    return v
+
+
+def _lower(v: Any) -> str:
+    return _str(v).strip().lower()
+
+
+def _opt_str(v: Any) -> str | None:
+    # An empty value (`--api-key ""`) explicitly means "none", so a flag can switch off an env key.
+    return _str(v) or None
+
+
+def _at_least(lo: float) -> Check:
+    def check(v: Any) -> None:
+        if v < lo:
+            raise ValueError(f"must be >= {lo:g}")
+    return check
+
+
+def _above(lo: float) -> Check:
+    def check(v: Any) -> None:
+        if v <= lo:
+            raise ValueError(f"must be > {lo:g}")
+    return check
+
+
+def _one_of(*choices: str) -> Check:
+    def check(v: Any) -> None:
+        if v not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}")
+    return check
+
+
+def _port(v: int) -> None:
+    if not 0 <= v <= 65535:  # 0 asks the OS for a free port, which tests use
+        raise ValueError("must be between 0 and 65535")
+
+
+def _nonempty(v: str) -> None:
+    if not v:
+        raise ValueError("must not be empty")
+
+
+@dataclass(frozen=True)
+class _Spec:
+    default: Any
+    convert: Convert
+    env: tuple[str, ...]
+    check: Check | None
+
+
+def _f(default: Any, convert: Convert, *env: str, check: Check | None = None) -> Any:
+    return field(metadata={"spec": _Spec(default, convert, env, check)})
+
+
+@dataclass(frozen=True)
+class Settings:
+    model: str | None = _f(None, _opt_str, "GMLX_MODEL")
+    host: str = _f("127.0.0.1", _str, "GMLX_HOST", check=_nonempty)
+    port: int = _f(8080, _int, "GMLX_PORT", "PORT", check=_port)
+    api_key: str | None = _f(None, _opt_str, "GMLX_API_KEY")
+    decode_batch: int = _f(8, _int, "GMLX_DECODE_BATCH", "MAX_CONCURRENCY", check=_at_least(1))
+    # None until resolved; resolve_settings always stores an int (2 x decode_batch when unset).
+    queue_size: int = _f(None, _int, "GMLX_QUEUE_SIZE", "QUEUE_SIZE", check=_at_least(0))
+    queue_timeout: float = _f(120.0, _float, "GMLX_QUEUE_TIMEOUT", "QUEUE_TIMEOUT_S", check=_above(0))
+    max_body_bytes: int = _f(4 * 1024 * 1024, _int, "GMLX_MAX_BODY_BYTES", check=_at_least(1))
+    weights: str = _f("auto", _lower, "GMLX_WEIGHTS", check=_one_of("auto", "native", "float"))
+    prefill_step: int = _f(512, _int, "GMLX_PREFILL_STEP", check=_at_least(16))
+    max_tokens_default: int = _f(512, _int, "GMLX_MAX_TOKENS", check=_at_least(1))
+    log_input_text: bool = _f(False, _bool, "GMLX_LOG_INPUT_TEXT", "LOG_INPUT_TEXT")
+    shutdown_timeout: float = _f(10.0, _float, "GMLX_SHUTDOWN_TIMEOUT", check=_at_least(0))
+    log_level: str = _f("info", _lower, "GMLX_LOG_LEVEL", check=_one_of(*_LOG_LEVELS))
+    sources: dict[str, str] = field(default_factory=dict)
+
+
+_SPECS: dict[str, _Spec] = {f.name: f.metadata["spec"] for f in fields(Settings) if "spec" in f.metadata}
+
+
+def _load_config(path: Path) -> dict[str, Any]:
+    where = f"config {path}"
+    if not path.is_file():
+        raise SettingsError(f"{where}: file not found")
+    try:
+        if path.suffix.lower() in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        else:
+            import tomllib
+
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except Exception as e:  # any parser's error becomes one line naming the file
+        raise SettingsError(f"{where}: cannot parse: {' '.join(str(e).split())}") from None
+    if data is None:  # an empty YAML file
+        return {}
+    if not isinstance(data, dict):
+        raise SettingsError(f"{where}: expected a table of settings, got {type(data).__name__}")
+    out = {str(k).replace("-", "_"): v for k, v in data.items()}
+    if len(out) < len(data):
+        raise SettingsError(f"{where}: a key is given both with dashes and with underscores")
+    if unknown := sorted(k for k in data if str(k).replace("-", "_") not in _SPECS):
+        raise SettingsError(f"{where}: unknown key(s): {', '.join(map(str, unknown))}")
+    return out
+
+
+def resolve_settings(flags: Mapping[str, Any], env: Mapping[str, str] | None = None,
+                     config: str | Path | None = None) -> Settings:
+    """Resolve every field. `flags` holds CLI values (None = not given); keys that are not fields are ignored."""
+    env = os.environ if env is None else env
+    config = config if config is not None else env.get("GMLX_CONFIG") or None
+    cfg = _load_config(Path(config)) if config is not None else {}
+
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for name, spec in _SPECS.items():
+        raw, source = None, "default"
+        if flags.get(name) is not None:
+            raw, source = flags[name], "flag"
+        elif var := next((v for v in spec.env if env.get(v, "").strip()), None):  # empty env var = unset
+            raw, source = env[var], f"env {var}"
+        elif cfg.get(name) is not None:  # YAML `key:` (null) = unset
+            raw, source = cfg[name], f"config {config}"
+        if source == "default":
+            values[name] = spec.default
+        else:
+            try:
+                values[name] = spec.convert(raw)
+                if spec.check is not None and values[name] is not None:
+                    spec.check(values[name])
+            except ValueError as e:
+                raise SettingsError(f"{name}: {raw!r} from {source} {e}") from None
+        sources[name] = source
+
+    if values["queue_size"] is None:
+        values["queue_size"] = 2 * values["decode_batch"]
+        sources["queue_size"] = "default (2 x decode_batch)"
+    return Settings(**values, sources=sources)
+
+
+def _show(name: str, value: Any) -> str:
+    if name == "api_key":  # never in clear: --print-config output ends up in logs and bug reports
+        return f"set ({len(value)} chars)" if value else "not set"
+    if value is None:
+        return "not set"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def describe(settings: Settings) -> list[tuple[str, str, str]]:
+    """(name, shown value, source) for every field, in declaration order, api_key masked."""
+    return [(name, _show(name, getattr(settings, name)), settings.sources.get(name, "default")) for name in _SPECS]
