@@ -10,9 +10,9 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
+from tiny_models import write_model
 
 import gmlx  # noqa: F401  (preloads the BLAS before anything imports mlx)
-from tiny_models import write_model
 
 
 @pytest.fixture(scope="session")
@@ -39,6 +39,7 @@ class LiveServer:
         from gmlx.engine.engine import Engine
         from gmlx.models.loader import load
         from gmlx.server.app import create_app
+        from gmlx.server.lifecycle import DrainingServer
         from gmlx.server.settings import resolve_settings
 
         flags = {"decode_batch": 4, "weights": "float", "log_level": "warning", **overrides}
@@ -49,7 +50,7 @@ class LiveServer:
         self.model_id = model.stem
         config = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning", access_log=False,
                                 timeout_graceful_shutdown=2)
-        self.server = uvicorn.Server(config)
+        self.server = DrainingServer(config, self.app.state.gmlx, self.settings.shutdown_timeout)
         self._thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> LiveServer:

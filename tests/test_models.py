@@ -9,10 +9,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
+from tiny_models import ARCHES, write_model
 
 from gmlx.gguf.header import GGUFError, read_header
 from gmlx.models.loader import load
-from tiny_models import ARCHES, write_model
 
 EXACT = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K]
 REQUANTIZED = [Q.Q6_K, Q.Q3_K, Q.Q2_K]

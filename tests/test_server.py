@@ -10,7 +10,6 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-
 from conftest import LiveServer
 
 CHAT = "/v1/chat/completions"
@@ -266,3 +265,29 @@ def test_dropped_streams_never_leak_a_slot(tiny_models: dict[str, Path]) -> None
             server.wait_until(lambda: server.engine.in_flight == 0 and server.state.gate.running == 0)
             assert server.engine.alive
             assert c.post(CHAT, json=chat_body(max_tokens=4)).status_code == 200
+
+
+def test_graceful_shutdown_ends_every_stream_properly(tiny_models: dict[str, Path]) -> None:
+    server = LiveServer(tiny_models["llama"], decode_batch=1, shutdown_timeout=0.3).__enter__()
+    gate = server.state.gate
+    lines: list[str] = []
+
+    def stream() -> None:
+        with server.client() as c, c.stream("POST", CHAT, json=chat_body(max_tokens=250, stream=True)) as r:
+            lines.extend(r.iter_lines())
+
+    streaming = threading.Thread(target=stream)
+    streaming.start()
+    server.wait_until(lambda: server.engine.decoding == 1)
+    queued: list[httpx.Response] = []
+    waiter = threading.Thread(target=lambda: queued.append(server.client().post(CHAT, json=chat_body(max_tokens=2))))
+    waiter.start()
+    server.wait_until(lambda: gate.waiting == 1)
+    server.__exit__()
+    streaming.join(10)
+    waiter.join(10)
+    assert not server._thread.is_alive()
+    assert queued[0].status_code == 503 and queued[0].json()["error"]["code"] == "shutting_down"
+    events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+    assert events[-1]["error"]["message"] == "the server is shutting down"
+    assert lines[-1] == "data: [DONE]" or lines[-2] == "data: [DONE]"

@@ -6,13 +6,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from gguf import GGUFWriter
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.constants import GGMLQuantizationType as T
 from gguf.quants import dequantize, quantize
+from tiny_quant import random_blocks, tensor_bytes
 
 from gmlx.gguf import tensors as tz
 from gmlx.gguf.header import GGUFError, read_header
 from gmlx.gguf.tensors import load_tensors
-from tiny_quant import random_blocks, tensor_bytes
 
 EXACT_BITS = {T.Q8_0: 8, T.Q4_0: 4, T.Q4_1: 4, T.Q5_0: 5, T.Q5_1: 5, T.Q4_K: 4, T.Q5_K: 5}
 REQUANT_BITS = {T.Q6_K: 8, T.Q3_K: 4, T.Q2_K: 3}

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import gguf
 import pytest
+from tiny_vocab import TINY_VOCAB_SIZE, add_tiny_vocab
 
 from gmlx.gguf import tokenizer as tokmod
 from gmlx.gguf.chat_templates import CHATML, GEMMA, INST, LLAMA3, chat_template_for
 from gmlx.gguf.header import read_header
 from gmlx.gguf.tokenizer import load_tokenizer
-from tiny_vocab import TINY_VOCAB_SIZE, add_tiny_vocab
 
 DATA = Path(__file__).parent / "data"
 REFERENCE = DATA / "gemma3_270m_llamacpp_tokens.json"

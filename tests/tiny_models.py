@@ -7,7 +7,6 @@ from pathlib import Path
 import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as Q
-
 from tiny_quant import tensor_bytes
 from tiny_vocab import TINY_VOCAB_SIZE, add_tiny_vocab
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import numpy as np
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.constants import GGMLQuantizationType as T
 from gguf.quants import quantize
 
 # Byte offsets of the fp16 scale fields in each block, set to sane values in random blocks.

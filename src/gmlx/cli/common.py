@@ -10,7 +10,10 @@ from typing import Any, Iterator, NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
+import gmlx
+from gmlx import platform
 from gmlx.default_model import DefaultModelMissing, resolve_model
 from gmlx.gguf.header import GGUFError
 
@@ -28,8 +31,13 @@ JSON_OPT = typer.Option(False, "--json", help="Print one JSON object instead of 
 
 
 def fail(message: str, code: int = EXIT_FAILED) -> NoReturn:
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
+
+
+def warn_if_slow_blas() -> None:
+    if warning := platform.blas_warning(gmlx.BLAS):
+        err_console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False)
 
 
 @contextmanager

@@ -11,7 +11,16 @@ from rich.table import Table
 import gmlx
 from gmlx import platform
 from gmlx.capacity.memory import kv_layer_kinds
-from gmlx.cli.common import JSON_OPT, MODEL_ARG, console, err_console, human_bytes, model_errors, model_path, print_json
+from gmlx.cli.common import (
+    JSON_OPT,
+    MODEL_ARG,
+    console,
+    human_bytes,
+    model_errors,
+    model_path,
+    print_json,
+    warn_if_slow_blas,
+)
 from gmlx.gguf.header import read_header
 from gmlx.models.weights_mode import WeightsOption, choose_mode, resident_bytes
 
@@ -83,6 +92,5 @@ def inspect_command(
     for key, value in rows:
         table.add_row(key, value)
     console.print(table)
-    if warning := platform.blas_warning(gmlx.BLAS):
-        err_console.print(f"[yellow]warning:[/] {warning}")
+    warn_if_slow_blas()
 

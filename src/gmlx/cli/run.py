@@ -9,9 +9,17 @@ from typing import Iterator
 import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-import gmlx
-from gmlx import platform
-from gmlx.cli.common import JSON_OPT, MODEL_ARG, err_console, fail, human_bytes, model_errors, model_path, print_json
+from gmlx.cli.common import (
+    JSON_OPT,
+    MODEL_ARG,
+    err_console,
+    fail,
+    human_bytes,
+    model_errors,
+    model_path,
+    print_json,
+    warn_if_slow_blas,
+)
 
 LOAD_STEPS = ("header", "weights", "model", "tokenizer")
 
@@ -54,8 +62,7 @@ def run_command(
             fail("no prompt: pass --prompt TEXT or pipe it on stdin", 2)
         prompt = sys.stdin.read()
     path = model_path(model)
-    if warning := platform.blas_warning(gmlx.BLAS):
-        err_console.print(f"[yellow]warning:[/] {warning}")
+    warn_if_slow_blas()
 
     import mlx.core as mx
     from mlx_lm import stream_generate

@@ -11,10 +11,21 @@ from rich.table import Table
 
 import gmlx
 from gmlx import platform
-from gmlx.cli.common import EXIT_BAD_MODEL, JSON_OPT, MODEL_ARG, console, fail, human_bytes, model_errors, model_path, print_json
+from gmlx.cli.common import (
+    EXIT_BAD_MODEL,
+    JSON_OPT,
+    MODEL_ARG,
+    console,
+    fail,
+    human_bytes,
+    model_errors,
+    model_path,
+    print_json,
+)
 from gmlx.server.settings import Settings, SettingsError, describe, resolve_settings
 
 log = logging.getLogger("gmlx.serve")
+_CONNECTION_CLOSE_S = 3  # after draining, what open connections get before uvicorn cuts them
 
 
 def serve_command(
@@ -69,6 +80,7 @@ def _serve(settings: Settings) -> int:
     from gmlx.gguf.header import read_header
     from gmlx.models.loader import architecture_for, load
     from gmlx.server.app import create_app
+    from gmlx.server.lifecycle import DrainingServer
 
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     path = model_path(settings.model)
@@ -79,10 +91,9 @@ def _serve(settings: Settings) -> int:
 
     engine = Engine(lambda: load(path, settings.weights), path.stem, settings.decode_batch, settings.prefill_step)
     app = create_app(settings, engine, path.stem)
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=settings.host, port=settings.port, log_level=settings.log_level,
-        timeout_graceful_shutdown=settings.shutdown_timeout, access_log=False,
-    ))
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                            timeout_graceful_shutdown=_CONNECTION_CLOSE_S, access_log=False)
+    server = DrainingServer(config, app.state.gmlx, settings.shutdown_timeout)
 
     def report_load() -> None:
         engine.ready.wait()

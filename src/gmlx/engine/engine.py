@@ -140,6 +140,9 @@ class Engine:
         """Stop a request within one step; its slot and KV cache are freed."""
         self._commands.put(("cancel", request_id))
 
+    def cancel_all(self) -> None:
+        self._commands.put(("cancel_all", None))
+
     def stop(self, timeout: float = 5.0) -> None:
         self._commands.put(("stop", None))
         self._thread.join(timeout)
@@ -199,6 +202,10 @@ class Engine:
             self._finish(req, self._cancelled(req))
         gen.close()
 
+    def _cancel(self, gen: BatchGenerator, req: Request) -> None:
+        gen.remove([req.uid])
+        self._finish(req, self._cancelled(req))
+
     @staticmethod
     def _cancelled(req: Request) -> Finished:
         return Finished("cancelled", len(req.prompt_ids), req.generated, req.ttft_s, req.decode_tok_s())
@@ -218,8 +225,10 @@ class Engine:
             elif kind == "cancel":
                 req = self._requests.get(arg)
                 if req is not None and req.uid in self._active:
-                    gen.remove([req.uid])
-                    self._finish(req, self._cancelled(req))
+                    self._cancel(gen, req)
+            elif kind == "cancel_all":
+                for req in list(self._active.values()):
+                    self._cancel(gen, req)
 
     def _insert(self, gen: BatchGenerator, req: Request) -> None:
         assert self.loaded is not None

@@ -18,7 +18,8 @@ from typing import Callable, Iterable, Literal
 
 import mlx.core as mx
 import numpy as np
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.constants import GGMLQuantizationType as T
 from gguf.quants import dequantize as gguf_dequantize
 
 from gmlx.gguf.header import GGUFError, GGUFHeader, TensorInfo

@@ -25,7 +25,16 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+)
 
 from gmlx.gguf.chat_templates import chat_template_for
 from gmlx.gguf.header import GGUFError, GGUFHeader
@@ -68,7 +77,11 @@ _SPECIAL_IDS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id",
 def load_tokenizer(header: GGUFHeader, cache_dir: Path | None = None) -> TokenizerWrapper:
     """The file's tokenizer as an mlx_lm `TokenizerWrapper`, built once and then read from cache."""
     # Imported here: mlx_lm imports mlx, which platform.py must be able to precede (BLAS preload).
-    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer, TokenizerWrapper
+    from mlx_lm.tokenizer_utils import (
+        BPEStreamingDetokenizer,
+        SPMStreamingDetokenizer,
+        TokenizerWrapper,
+    )
     from transformers import PreTrainedTokenizerFast
 
     kind = header.get("tokenizer.ggml.model")

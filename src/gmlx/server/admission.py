@@ -30,6 +30,7 @@ class AdmissionGate:
         self._waiters: deque[asyncio.Future] = deque()
         self.rejections = 0
         self.last_reject_reason: str | None = None
+        self.closed = False
 
     @property
     def waiting(self) -> int:
@@ -46,6 +47,8 @@ class AdmissionGate:
     async def acquire(self) -> None:
         """Wait for a slot; raises APIError 503 `queue_full` or `queue_timeout`.
         Cancelling the caller (a client gone) gives its place, or its slot, back."""
+        if self.closed:
+            raise self._shutting_down()
         if self.running < self.width and not self._waiters:
             self.running += 1
             return
@@ -56,18 +59,29 @@ class AdmissionGate:
         try:
             await asyncio.wait_for(asyncio.shield(slot), self.timeout_s)
         except asyncio.TimeoutError:
-            if slot.done():  # handed a slot just as the time ran out: keep it
+            if _granted(slot):  # handed a slot just as the time ran out: keep it
                 return
             self._waiters.remove(slot)
             message = f"waited {self.timeout_s:g} s for a slot"
             raise self._reject("queue_timeout", message, self.retry_after(RETRY_AFTER_TIMEOUT_S)) from None
         except asyncio.CancelledError:
-            if slot.done():
+            if _granted(slot):
                 self.release()
-            else:
+            elif not slot.done():
                 self._waiters.remove(slot)
                 slot.cancel()
             raise
+
+    def close(self) -> None:
+        """Shutting down: every waiter, and every request from now on, gets 503."""
+        self.closed = True
+        for slot in self._waiters:
+            if not slot.done():
+                slot.set_exception(self._shutting_down())
+        self._waiters.clear()
+
+    def _shutting_down(self) -> APIError:
+        return APIError(503, "the server is shutting down", "shutting_down", retry_after=RETRY_AFTER_FULL_S)
 
     def release(self) -> None:
         """Free a slot: the oldest waiter takes it over, else the running count drops."""
@@ -82,3 +96,7 @@ class AdmissionGate:
         self.rejections += 1
         self.last_reject_reason = code
         return APIError(503, f"server busy: {message}; retry after {retry_after} s", code, retry_after=retry_after)
+
+
+def _granted(slot: asyncio.Future) -> bool:
+    return slot.done() and not slot.cancelled() and slot.exception() is None

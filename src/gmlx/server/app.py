@@ -239,6 +239,8 @@ async def health(request: Request) -> Response:
     reason, retry = None, 0
     if not state.engine.ready.is_set() or state.engine.loaded is None:
         reason, retry = "loading", LOADING_RETRY_AFTER_S
+    elif gate.closed:
+        reason, retry = "shutting_down", RETRY_AFTER_FULL_S
     elif gate.waiting:
         reason, retry = "queue", gate.retry_after()
     elif gate.running >= gate.width:

