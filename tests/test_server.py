@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 from conftest import LiveServer
+from tiny_models import write_model
 
 CHAT = "/v1/chat/completions"
 
@@ -221,14 +222,14 @@ def test_queue_timeout(tiny_models: dict[str, Path]) -> None:
     with LiveServer(tiny_models["llama"], decode_batch=1, queue_timeout=0.2) as server:
         async def run() -> list[httpx.Response]:
             async with httpx.AsyncClient(base_url=server.url, timeout=60) as ac:
-                first = asyncio.create_task(ac.post("/v1/completions", json={"prompt": "x", "max_tokens": 200}))
+                first = asyncio.create_task(ac.post("/v1/completions", json={"prompt": "x", "max_tokens": 200, "temperature": 0}))
                 while server.state.gate.running < 1:
                     await asyncio.sleep(0.005)
                 second = await ac.post("/v1/completions", json={"prompt": "y", "max_tokens": 2})
                 return [await first, second]
 
         first, second = asyncio.run(run())
-    assert first.status_code == 200
+    assert first.status_code == 200 and first.json()["choices"][0]["finish_reason"] == "length"
     assert second.status_code == 503 and second.json()["error"]["code"] == "queue_timeout"
     assert int(second.headers["Retry-After"]) >= 1
 
@@ -239,7 +240,7 @@ def test_queued_client_that_disconnects_frees_its_place(tiny_models: dict[str, P
 
         async def run() -> int:
             async with httpx.AsyncClient(base_url=server.url, timeout=60) as ac:
-                first = asyncio.create_task(ac.post("/v1/completions", json={"prompt": "x", "max_tokens": 200}))
+                first = asyncio.create_task(ac.post("/v1/completions", json={"prompt": "x", "max_tokens": 200, "temperature": 0}))
                 while gate.running < 1:
                     await asyncio.sleep(0.005)
                 async with httpx.AsyncClient(base_url=server.url, timeout=60) as gone:
@@ -267,13 +268,15 @@ def test_dropped_streams_never_leak_a_slot(tiny_models: dict[str, Path]) -> None
             assert c.post(CHAT, json=chat_body(max_tokens=4)).status_code == 200
 
 
-def test_graceful_shutdown_ends_every_stream_properly(tiny_models: dict[str, Path]) -> None:
-    server = LiveServer(tiny_models["llama"], decode_batch=1, shutdown_timeout=0.3).__enter__()
+def test_graceful_shutdown_ends_every_stream_properly(tmp_path: Path) -> None:
+    # A context long enough that the stream is still running when the drain runs out.
+    model = write_model(tmp_path / "long.gguf", "llama", context=8192)
+    server = LiveServer(model, decode_batch=1, shutdown_timeout=0.3).__enter__()
     gate = server.state.gate
     lines: list[str] = []
 
     def stream() -> None:
-        with server.client() as c, c.stream("POST", CHAT, json=chat_body(max_tokens=250, stream=True)) as r:
+        with server.client() as c, c.stream("POST", CHAT, json=chat_body(max_tokens=8000, stream=True)) as r:
             lines.extend(r.iter_lines())
 
     streaming = threading.Thread(target=stream)
@@ -291,3 +294,22 @@ def test_graceful_shutdown_ends_every_stream_properly(tiny_models: dict[str, Pat
     events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
     assert events[-1]["error"]["message"] == "the server is shutting down"
     assert lines[-1] == "data: [DONE]" or lines[-2] == "data: [DONE]"
+
+
+def test_engine_survives_a_failing_step(live_server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlx_lm.generate import BatchGenerator
+
+    real_next, calls = BatchGenerator.next, []
+
+    def next_failing_once(self: BatchGenerator):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        return real_next(self)
+
+    monkeypatch.setattr(BatchGenerator, "next", next_failing_once)
+    with live_server.client() as c:
+        r = c.post(CHAT, json=chat_body(max_tokens=4))
+        assert r.status_code == 500 and "boom" in r.json()["error"]["message"]
+        assert live_server.engine.alive and live_server.state.gate.running == 0
+        assert c.post(CHAT, json=chat_body(max_tokens=4)).status_code == 200
