@@ -5,13 +5,11 @@ from __future__ import annotations
 import importlib
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-import mlx_lm.tokenizer_utils  # noqa: F401  (imported here, not in two threads at once)
 
 from gmlx.gguf.header import GGUFError, GGUFHeader, ModelGeometry, read_header
 from gmlx.gguf.tensors import LoadReport, load_tensors
@@ -67,16 +65,14 @@ def load(path: str | Path, weights: WeightsOption = "auto", progress: Progress |
     arch = architecture_for(h)
     mode = choose_mode(weights, h)
 
-    # The tokenizer (mostly Rust parsing its JSON) loads beside the weights (mostly numpy).
-    with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
-        pending_tokenizer = pool.submit(load_tokenizer, h)
-        step("weights")
-        arrays, quant, report = load_tensors(h, mode)  # type: ignore[arg-type]
-        step("model")
-        model = _build(arch, h, arrays, quant)
-        mx.eval(model.parameters())
-        step("tokenizer")
-        tokenizer = pending_tokenizer.result()
+    step("weights")
+    arrays, quant, report = load_tensors(h, mode)  # type: ignore[arg-type]
+    step("model")
+    model = _build(arch, h, arrays, quant)
+    mx.eval(model.parameters())
+    # Not beside the weights in a thread: tokenizers parses its JSON holding the GIL (measured: no gain).
+    step("tokenizer")
+    tokenizer = load_tokenizer(h)
     return LoadedModel(model, tokenizer, h, mode, report, time.perf_counter() - start)
 
 

@@ -252,6 +252,7 @@ async def health(request: Request) -> Response:
 
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
+    log.info("%s %s -> %d %s", request.method, request.url.path, exc.status, exc.code)
     return exc.response()
 
 

@@ -1,0 +1,69 @@
+"""The admission gate on its own: slots, the queue, Retry-After arithmetic, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gmlx.server.admission import AdmissionGate
+from gmlx.server.errors import APIError
+
+
+def test_retry_after_follows_the_drain_rate() -> None:
+    gate = AdmissionGate(1, 4, 10, drain=lambda: (100.0, 50.0))  # 100 tokens a request, 50 tok/s
+    assert gate.retry_after(waiting=3) == 6
+    assert gate.retry_after(waiting=0) == 1  # clamped up
+    assert gate.retry_after(waiting=1000) == 60  # clamped down
+    assert AdmissionGate(1, 4, 10).retry_after(10) == 10  # no finished request yet: the fallback
+
+
+def test_slots_queue_and_handover() -> None:
+    async def run() -> None:
+        gate = AdmissionGate(1, 1, 10)
+        await gate.acquire()
+        waiter = asyncio.create_task(gate.acquire())
+        await asyncio.sleep(0)
+        assert (gate.running, gate.waiting) == (1, 1)
+        with pytest.raises(APIError) as full:
+            await gate.acquire()
+        assert full.value.code == "queue_full" and full.value.retry_after == 5
+        gate.release()  # the slot passes to the waiter, the count stays
+        await waiter
+        assert (gate.running, gate.waiting) == (1, 0)
+        gate.release()
+        assert gate.running == 0 and gate.rejections == 1
+
+    asyncio.run(run())
+
+
+def test_cancelled_waiter_leaves_no_trace() -> None:
+    async def run() -> None:
+        gate = AdmissionGate(1, 2, 10)
+        await gate.acquire()
+        waiter = asyncio.create_task(gate.acquire())
+        await asyncio.sleep(0)
+        waiter.cancel()
+        await asyncio.gather(waiter, return_exceptions=True)
+        assert gate.waiting == 0
+        gate.release()
+        assert gate.running == 0
+
+    asyncio.run(run())
+
+
+def test_timeout_and_close() -> None:
+    async def run() -> None:
+        gate = AdmissionGate(1, 2, 0.05)
+        await gate.acquire()
+        with pytest.raises(APIError) as late:
+            await gate.acquire()
+        assert late.value.code == "queue_timeout" and late.value.retry_after == 10
+        waiter = asyncio.create_task(gate.acquire())
+        await asyncio.sleep(0)
+        gate.close()
+        with pytest.raises(APIError) as closing:
+            await waiter
+        assert closing.value.code == "shutting_down" and gate.waiting == 0 and gate.running == 1
+
+    asyncio.run(run())
