@@ -316,3 +316,32 @@ def test_engine_survives_a_failing_step(live_server: LiveServer, monkeypatch: py
         assert r.status_code == 500 and "boom" in r.json()["error"]["message"]
         assert live_server.engine.alive and live_server.state.gate.running == 0
         assert c.post(CHAT, json=chat_body(max_tokens=4)).status_code == 200
+
+
+def test_long_prompt_prefills_in_chunks_between_decode_steps(tmp_path: Path) -> None:
+    """A long prompt arriving while a stream decodes does not stall it: the running stream keeps
+    generating while the newcomer's prefill advances chunk by chunk (read from engine state)."""
+    model = write_model(tmp_path / "long.gguf", "llama", context=8192)
+    with LiveServer(model, decode_batch=2, prefill_step=16) as server:
+        engine, progress = server.engine, []
+
+        def long_prompt_seen() -> bool:
+            rows = {r.id.split("-")[0]: r for r in engine.requests()}
+            running, newcomer = rows.get("cmpl"), rows.get("chatcmpl")
+            if running and newcomer and newcomer.state == "prefill" and newcomer.prefilled:
+                progress.append((newcomer.prefilled, running.generated))
+            return len(progress) >= 2 and progress[-1][0] > progress[0][0] and progress[-1][1] > progress[0][1]
+
+        def stream() -> None:
+            with server.client() as c:
+                c.post("/v1/completions", json={"prompt": "x", "max_tokens": 4000, "temperature": 0})
+
+        first = threading.Thread(target=stream)
+        first.start()
+        server.wait_until(lambda: engine.decoding == 1)
+        second = threading.Thread(target=lambda: server.client().post(CHAT, json=chat_body("word " * 3000, max_tokens=2)))
+        second.start()
+        server.wait_until(long_prompt_seen, timeout=60)
+        engine.cancel_all()
+        first.join(30)
+        second.join(30)

@@ -7,6 +7,7 @@ import hmac
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
@@ -43,6 +44,9 @@ class ServerState:
     model_id: str
     gate: AdmissionGate = field(init=False)
     started_at: float = field(default_factory=time.time)
+    # transformers' fast tokenizers may reconfigure the shared Rust object per call
+    # ("Already borrowed" when two threads meet), so encoding takes turns.
+    _tokenizer_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         s, stats = self.settings, self.engine.stats
@@ -54,6 +58,10 @@ class ServerState:
             raise APIError(503, "the model is still loading", "model_loading", retry_after=LOADING_RETRY_AFTER_S)
 
     def tokenize(self, p: openai_api.GenerationParams) -> list[int]:
+        with self._tokenizer_lock:
+            return self._tokenize(p)
+
+    def _tokenize(self, p: openai_api.GenerationParams) -> list[int]:
         tokenizer = self.engine.loaded.tokenizer  # type: ignore[union-attr]
         if p.chat:
             try:
