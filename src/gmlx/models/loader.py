@@ -10,6 +10,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from gmlx.gguf.header import GGUFError, GGUFHeader, ModelGeometry, read_header
 from gmlx.gguf.tensors import LoadReport, load_tensors
@@ -29,7 +30,7 @@ Progress = Callable[[str], None]
 @dataclass
 class LoadedModel:
     model: nn.Module
-    tokenizer: object  # mlx_lm.tokenizer_utils.TokenizerWrapper
+    tokenizer: TokenizerWrapper
     header: GGUFHeader
     mode: str  # "native" or "float"
     report: LoadReport
