@@ -157,7 +157,7 @@ def test_health_and_loading(tiny_models: dict[str, Path]) -> None:
             r = c.post(CHAT, json=chat_body())
             assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading"
             gate.set()
-            server.wait_until(lambda: server.engine.loaded is not None)
+            server.wait_until(server.engine.ready.is_set)
             r = c.get("/health", params={"ready": 1})
             assert r.status_code == 200 and r.json()["ready"] is True
     finally:

@@ -15,8 +15,11 @@ import sys
 import sysconfig
 from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
 
 BLAS_INSTALL_HINT = "sudo apt-get install libopenblas0-pthread  (Debian/Ubuntu)"
+# cgroup v2, then v1: the memory limit a container is held to.
+CGROUP_LIMIT_FILES = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))
 _BLAS_NAMES = ("libopenblas.so.0", "libopenblas.so", "libopenblasp-r0.so")
 
 
@@ -101,7 +104,8 @@ def device_name() -> str:
 
 
 def total_memory_bytes() -> int:
-    """Memory the model's arrays live in: the GPU's own on CUDA, else system RAM."""
+    """Memory the model's arrays live in: the GPU's own on CUDA, else system RAM, or the
+    cgroup's limit when that is smaller (a container's share, which psutil does not see)."""
     import psutil
 
     if backend() == "cuda":
@@ -113,7 +117,15 @@ def total_memory_bytes() -> int:
                 return int(size)
         except Exception:
             pass
-    return int(psutil.virtual_memory().total)
+    total = int(psutil.virtual_memory().total)
+    for path in CGROUP_LIMIT_FILES:
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():  # v2 says "max" when unlimited; v1's huge number loses to min()
+            total = min(total, int(text))
+    return total
 
 
 def available_memory_bytes() -> int:

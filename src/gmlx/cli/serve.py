@@ -105,6 +105,8 @@ def _serve(settings: Settings) -> int:
         log.info("ready: %s (%s, %s weights, %s) loaded in %.1f s; decode batch %d, queue %d, context %d tokens",
                  m.model_id, m.geometry.architecture, m.mode, human_bytes(m.report.resident_bytes), m.load_seconds,
                  settings.decode_batch, settings.queue_size, m.context_length)
+        if (table := app.state.gmlx.table()) is not None:
+            log.info(table.headline())
 
     log.info("serving %s on http://%s:%d (loading the model; /health?ready=1 says when it is ready)",
              path.name, settings.host, settings.port)

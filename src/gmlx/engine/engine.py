@@ -16,7 +16,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import make_prompt_cache
 
 from gmlx.engine.sampling import SamplingParams, make_sampler
 from gmlx.engine.stops import StopMatcher
@@ -24,6 +26,7 @@ from gmlx.models.loader import LoadedModel
 
 log = logging.getLogger("gmlx.engine")
 _RATE_WINDOW_S = 10.0  # the "recent" in recent decode rates
+WARMUP_TOKENS = 32
 
 
 @dataclass
@@ -106,6 +109,47 @@ class EngineStats:
         return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds > 0 else None
 
 
+@dataclass(frozen=True)
+class Measured:
+    """What a short warm-up at start measured, to show beside what capacity predicts."""
+
+    tokens: int  # prompt tokens of the warm-up stream
+    kv_bytes: int  # MLX active memory its cache took (caches allocate in 256-token steps)
+    kv_dtype_bytes: int  # element size of the cache, as the model computes
+    prefill_tok_s: float
+    decode_tok_s: float
+    prefill_peak_bytes: int  # working memory above the cache while prefilling
+
+
+def warm_up(loaded: LoadedModel, tokens: int = WARMUP_TOKENS, decode_steps: int = 4) -> Measured:
+    """Prefill a few tokens and decode a few more on one stream: times both, and measures the
+    cache's bytes. Short on purpose: MLX's quantized CPU kernels prefill at a few tok/s."""
+    tokens = max(1, min(tokens, loaded.context_length - decode_steps - 1))
+    prompt = mx.array([[loaded.tokenizer.bos_token_id or 0] * tokens])
+    mx.synchronize()
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()  # to 0, not to `before`: subtract it below
+    cache = make_prompt_cache(loaded.model)
+    start = time.perf_counter()
+    logits = loaded.model(prompt, cache=cache)
+    mx.eval(logits[:, -1], [c.state for c in cache])
+    prefill_s = time.perf_counter() - start
+    dtype_bytes = logits.dtype.size
+    del logits
+    mx.clear_cache()
+    kv = mx.get_active_memory() - before
+    peak = mx.get_peak_memory() - before - kv
+    token = mx.array([[prompt[0, 0].item()]])
+    start = time.perf_counter()
+    for _ in range(decode_steps):
+        mx.eval(loaded.model(token, cache=cache))
+    decode_s = time.perf_counter() - start
+    del cache
+    mx.clear_cache()
+    return Measured(tokens, kv, dtype_bytes, tokens / prefill_s, decode_steps / decode_s, max(0, peak))
+
+
 class Engine:
     """Serves one model. `load` runs on the engine thread too, so that thread owns the
     model's arrays from the start; `ready` is set once it has returned."""
@@ -113,6 +157,7 @@ class Engine:
     def __init__(self, load: Callable[[], LoadedModel], name: str, decode_batch: int = 8, prefill_step: int = 512):
         self._load = load
         self.loaded: LoadedModel | None = None
+        self.measured: Measured | None = None
         self.load_error: str | None = None
         self.ready = threading.Event()
         self.decode_batch = decode_batch
@@ -180,6 +225,7 @@ class Engine:
     def _run(self) -> None:
         try:
             self.loaded = self._load()
+            self.measured = warm_up(self.loaded)
         except Exception as e:
             log.exception("loading the model failed")
             self.load_error = str(e)

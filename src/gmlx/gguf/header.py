@@ -244,6 +244,7 @@ class ModelGeometry:
     file_bytes: int
     tensor_types: dict[str, int]  # GGML type name -> tensor count
     has_chat_template: bool
+    rope_dim: int | None = None  # rotary dimensions; MLA caches this many beside its latent
 
     @classmethod
     def from_header(cls, h: GGUFHeader) -> ModelGeometry:
@@ -283,6 +284,7 @@ class ModelGeometry:
             file_bytes=h.file_size,
             tensor_types=dict(Counter(t.type_name for t in h.tensors.values()).most_common()),
             has_chat_template="tokenizer.chat_template" in h.metadata,
+            rope_dim=_opt_int(h.arch_key("rope.dimension_count")),
         )
 
 

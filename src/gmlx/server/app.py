@@ -7,12 +7,9 @@ import hmac
 import json
 import logging
 import os
-import threading
-import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -23,58 +20,15 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from gmlx.engine.engine import Chunk, Engine, Event, Failed, Finished
 from gmlx.engine.engine import Request as EngineRequest
 from gmlx.server import openai_api
-from gmlx.server.admission import RETRY_AFTER_FULL_S, AdmissionGate
-from gmlx.server.errors import APIError, bad_request
+from gmlx.server.admission import RETRY_AFTER_FULL_S
+from gmlx.server.capacity_routes import capacity_plan, estimate_body, estimate_route
+from gmlx.server.errors import APIError
+from gmlx.server.http import ClientGone, read_json, unless_disconnected
 from gmlx.server.settings import Settings
+from gmlx.server.state import LOADING_RETRY_AFTER_S, ServerState
 
 log = logging.getLogger("gmlx.server")
 OPEN_PATHS = frozenset({"/health", "/system"})
-LOADING_RETRY_AFTER_S = 5
-T = TypeVar("T")
-
-
-class ClientGone(Exception):
-    """The client disconnected before its answer was ready."""
-
-
-@dataclass
-class ServerState:
-    settings: Settings
-    engine: Engine
-    model_id: str
-    gate: AdmissionGate = field(init=False)
-    started_at: float = field(default_factory=time.time)
-    # transformers' fast tokenizers may reconfigure the shared Rust object per call
-    # ("Already borrowed" when two threads meet), so encoding takes turns.
-    _tokenizer_lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def __post_init__(self) -> None:
-        s, stats = self.settings, self.engine.stats
-        rate = lambda: stats.decode_tok_s_recent() or stats.decode_tok_s_lifetime()  # noqa: E731
-        self.gate = AdmissionGate(s.decode_batch, s.queue_size, s.queue_timeout, lambda: (stats.mean_generated(), rate()))
-
-    def require_ready(self) -> None:
-        if not self.engine.ready.is_set() or self.engine.loaded is None:
-            raise APIError(503, "the model is still loading", "model_loading", retry_after=LOADING_RETRY_AFTER_S)
-
-    def tokenize(self, p: openai_api.GenerationParams) -> list[int]:
-        with self._tokenizer_lock:
-            return self._tokenize(p)
-
-    def _tokenize(self, p: openai_api.GenerationParams) -> list[int]:
-        tokenizer = self.engine.loaded.tokenizer  # type: ignore[union-attr]
-        if p.chat:
-            try:
-                text = tokenizer.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=False)
-            except Exception as e:  # a template's own error, e.g. roles that must alternate
-                raise bad_request(f"the chat template rejected the messages: {e}", "messages") from None
-            return tokenizer.encode(text, add_special_tokens=False)
-        if isinstance(p.prompt, list):
-            vocab = self.engine.loaded.geometry.vocab_size  # type: ignore[union-attr]
-            if not all(0 <= t < vocab for t in p.prompt):
-                raise bad_request(f"token ids must be in [0, {vocab})", "prompt")
-            return list(p.prompt)
-        return tokenizer.encode(p.prompt)
 
 
 class APIKeyMiddleware:
@@ -94,43 +48,6 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-async def read_json(request: Request, limit: int) -> Any:
-    length = request.headers.get("content-length")
-    if length and length.isdigit() and int(length) > limit:
-        raise APIError(413, f"the request body is over {limit} bytes", "request_too_large")
-    body = bytearray()
-    async for part in request.stream():
-        body += part
-        if len(body) > limit:
-            raise APIError(413, f"the request body is over {limit} bytes", "request_too_large")
-    try:
-        return json.loads(body)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise bad_request(f"the request body is not valid JSON: {e}") from None
-
-
-async def until_disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await `work`, cancelling it (and raising ClientGone) if the client goes away first."""
-    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(until_disconnected(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    try:
-        await task
-    except asyncio.CancelledError:
-        pass
-    raise ClientGone
-
-
 def _log_finished(state: ServerState, rid: str, e: Finished, prompt: Any, text: str) -> None:
     ttft = f"{e.ttft_s:.3f}s" if e.ttft_s is not None else "-"
     rate = f"{e.decode_tok_s:.1f}" if e.decode_tok_s is not None else "-"
@@ -143,9 +60,11 @@ def _log_finished(state: ServerState, rid: str, e: Finished, prompt: Any, text: 
 async def generate(request: Request, chat: bool) -> Response:
     state: ServerState = request.app.state.gmlx
     state.require_ready()
-    p = openai_api.parse(await read_json(request, state.settings.max_body_bytes), chat)
-    if p.model is not None and p.model != state.model_id:
-        raise APIError(404, f"model {p.model!r} is not served here (this server serves {state.model_id!r})", "model_not_found")
+    body = await read_json(request, state.settings.max_body_bytes)
+    if chat and isinstance(body, dict) and body.get("dry_run") is True:
+        return JSONResponse(await estimate_body(state, body))
+    p = openai_api.parse(body, chat)
+    state.check_model(p.model)
     prompt_ids = await asyncio.to_thread(state.tokenize, p)
     context = state.engine.loaded.context_length  # type: ignore[union-attr]
     if len(prompt_ids) >= context:
@@ -233,8 +152,10 @@ async def completions(request: Request) -> Response:
 async def models(request: Request) -> Response:
     state: ServerState = request.app.state.gmlx
     entry: dict[str, Any] = {"id": state.model_id, "object": "model", "created": int(state.started_at), "owned_by": "gmlx"}
-    if state.engine.loaded is not None:
-        entry["context_length"] = state.engine.loaded.context_length
+    if (loaded := state.engine.loaded) is not None:
+        entry["context_length"] = loaded.context_length
+    table = state.table()
+    entry["max_context_at_width_1"] = table.max_context_at_width(1) if table else None
     return JSONResponse({"object": "list", "data": [entry]})
 
 
@@ -245,7 +166,7 @@ async def health(request: Request) -> Response:
         return JSONResponse(body)
     gate = state.gate
     reason, retry = None, 0
-    if not state.engine.ready.is_set() or state.engine.loaded is None:
+    if not state.ready:
         reason, retry = "loading", LOADING_RETRY_AFTER_S
     elif gate.closed:
         reason, retry = "shutting_down", RETRY_AFTER_FULL_S
@@ -285,6 +206,8 @@ def create_app(settings: Settings, engine: Engine, model_id: str) -> Starlette:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
+        Route("/v1/capacity/plan", capacity_plan, methods=["GET"]),
+        Route("/v1/estimate", estimate_route, methods=["POST"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={APIError: _api_error, 404: _not_found, 405: _not_found})

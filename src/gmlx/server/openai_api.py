@@ -164,3 +164,18 @@ def chunk(p: GenerationParams, rid: str, model: str, text: str | None = None, fi
         choice["text"] = text or ""
     out["choices"] = [choice]
     return out
+
+
+def prompt_token_ids(tokenizer: Any, p: GenerationParams, vocab_size: int) -> list[int]:
+    """The prompt as the engine will see it: the chat template applied, or the raw prompt."""
+    if p.chat:
+        try:
+            text = tokenizer.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # a template's own error, e.g. roles that must alternate
+            raise bad_request(f"the chat template rejected the messages: {e}", "messages") from None
+        return tokenizer.encode(text, add_special_tokens=False)
+    if isinstance(p.prompt, list):
+        if not all(0 <= t < vocab_size for t in p.prompt):
+            raise bad_request(f"token ids must be in [0, {vocab_size})", "prompt")
+        return list(p.prompt)
+    return tokenizer.encode(p.prompt)

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from gmlx.capacity.budget import parse_bytes
+
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")  # what both logging and uvicorn accept
@@ -94,6 +96,17 @@ def _one_of(*choices: str) -> Check:
     return check
 
 
+def _bytes(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, str)):
+        raise ValueError("is not a size (such as 64GiB or 512MiB)")
+    return parse_bytes(str(v))
+
+
+def _fraction(v: float) -> None:
+    if not 0 <= v < 1:
+        raise ValueError("must be at least 0 and below 1")
+
+
 def _port(v: int) -> None:
     if not 0 <= v <= 65535:  # 0 asks the OS for a free port, which tests use
         raise ValueError("must be between 0 and 65535")
@@ -133,6 +146,11 @@ class Settings:
     log_input_text: bool = _f(False, _bool, "GMLX_LOG_INPUT_TEXT", "LOG_INPUT_TEXT")
     shutdown_timeout: float = _f(10.0, _float, "GMLX_SHUTDOWN_TIMEOUT", check=_at_least(0))
     log_level: str = _f("info", _lower, "GMLX_LOG_LEVEL", check=_one_of(*_LOG_LEVELS))
+    # Capacity: the memory the table plans with (None: device or system memory) and what it keeps back.
+    memory: int | None = _f(None, _bytes, "GMLX_MEMORY")
+    reserve_fraction: float = _f(0.10, _float, "GMLX_RESERVE_FRACTION", check=_fraction)
+    reserve_floor: int = _f(512 * 2**20, _bytes, "GMLX_RESERVE_FLOOR")
+    overcommit: bool = _f(False, _bool, "GMLX_OVERCOMMIT")
     sources: dict[str, str] = field(default_factory=dict)
 
 

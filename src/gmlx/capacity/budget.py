@@ -1,0 +1,76 @@
+"""The memory budget: what is left for KV caches once weights, a reserve and one prefill are paid."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from gmlx.gguf.header import ModelGeometry
+
+FLOAT32_BYTES = 4  # activations are float32 wherever the engine runs float weights or float32 scales
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    total_bytes: int  # device memory, or on CPU min(physical RAM, cgroup limit)
+    weight_bytes: int  # resident weights as loaded, in the weight mode in use
+    prefill_bytes: int  # working set of one prefill chunk
+    reserve_floor_bytes: int = 512 * 2**20
+    reserve_fraction: float = 0.10
+
+    @property
+    def reserve_bytes(self) -> int:
+        return max(self.reserve_floor_bytes, int(self.reserve_fraction * self.total_bytes))
+
+    @property
+    def kv_bytes(self) -> int:
+        return max(0, self.total_bytes - self.weight_bytes - self.reserve_bytes - self.prefill_bytes)
+
+    def to_json(self) -> dict:
+        return {"total_bytes": self.total_bytes, "weight_bytes": self.weight_bytes,
+                "reserve_bytes": self.reserve_bytes, "prefill_bytes": self.prefill_bytes,
+                "kv_bytes": self.kv_bytes}
+
+
+def prefill_working_bytes(g: ModelGeometry, chunk_tokens: int, context_tokens: int) -> int:
+    """An estimate of the float32 activations one prefill chunk holds at its peak.
+
+    With C = min(chunk_tokens, context_tokens) tokens in the chunk and K keys it attends to
+    (context_tokens, the most any chunk sees; min(context_tokens, window - 1 + C) when every
+    layer slides), the working set is
+
+        4 x ( C x (n_embd x 4 + n_ff x 3)     hidden states and MLP intermediates
+            + n_heads x C x K                 attention scores of one layer
+            + vocab_size )                    logits of the last position only
+
+    Layers run one after another, so one layer's scores count, not all of them; mlx_lm
+    evaluates only the cache during prefill, so the LM head runs for one position.
+    """
+    chunk = min(chunk_tokens, context_tokens)
+    keys = context_tokens
+    if g.sliding_window and g.sliding_layers and all(g.sliding_layers):
+        keys = min(context_tokens, g.sliding_window - 1 + chunk)
+    elements = chunk * (g.n_embd * 4 + g.n_ff * 3) + g.n_heads * chunk * keys + g.vocab_size
+    return elements * FLOAT32_BYTES
+
+
+# Bare letters and "iB" are binary (as `docker --memory 1g` reads them); "B" after a letter is decimal.
+_UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", re.IGNORECASE)
+
+
+def parse_bytes(text: str) -> int:
+    """'64GiB', '512MiB', '8GB', '1.5G', '1048576' -> bytes."""
+    match = _SIZE.fullmatch(text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(
+            f"not a memory size: {text!r} (write a number with an optional unit: B, K, M, G, T, "
+            "KiB, MiB, GiB, TiB for powers of 1024, or KB, MB, GB, TB for powers of 1000)"
+        )
+    number = match.group(1)
+    if number.isdigit():  # exact for plain integers of any size
+        return int(number) * _UNITS[unit]
+    return int(float(number) * _UNITS[unit])

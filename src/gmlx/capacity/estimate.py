@@ -1,0 +1,47 @@
+"""The estimate answer: what one request would need, whether it fits, and when its first token comes."""
+
+from __future__ import annotations
+
+from gmlx.capacity.memory import FP16, KVFormat, kv_bytes
+from gmlx.gguf.header import ModelGeometry
+
+
+def estimate(
+    g: ModelGeometry,
+    *,
+    prompt_tokens: int,
+    max_tokens: int | None,
+    context_limit: int,
+    prefill_bytes: int,
+    free_now_bytes: int | None,
+    free_drained_bytes: int | None,
+    prefill_tok_s: float | None,
+    queue_wait_s: float,
+    warm_tokens: int = 0,
+    cache_tier: str = "miss",
+    resident: bool = True,
+    kv: KVFormat = FP16,
+) -> dict:
+    """The fields of POST /v1/estimate.
+
+    need_bytes is one prefill chunk's working set plus the KV cache, as mlx_lm allocates it,
+    for the prompt and `max_tokens` more when set. context_ok asks only that the prompt leave
+    room for one generated token (prompt_tokens < context_limit); a max_tokens that reaches
+    past the window does not make it false. est_ttft_s is the queue wait plus the cold
+    prompt tokens at the measured prefill rate; null without a rate.
+    """
+    need = prefill_bytes + kv_bytes(g, prompt_tokens + (max_tokens or 0), kv, allocated=True)
+    cold = max(0, prompt_tokens - warm_tokens)
+    ttft = round(queue_wait_s + cold / prefill_tok_s, 3) if prefill_tok_s else None
+    return {
+        "prompt_tokens": prompt_tokens,
+        "warm_tokens": warm_tokens,
+        "cache_tier": cache_tier,
+        "need_bytes": need,
+        "fits_now": None if free_now_bytes is None else need <= free_now_bytes,
+        "fits_drained": None if free_drained_bytes is None else need <= free_drained_bytes,
+        "context_ok": prompt_tokens < context_limit,
+        "context_limit": context_limit,
+        "est_ttft_s": ttft,
+        "resident": resident,
+    }

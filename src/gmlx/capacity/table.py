@@ -1,0 +1,123 @@
+"""The capacity table: how many streams of how many tokens fit in the KV budget."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from gmlx.capacity.budget import MemoryBudget, prefill_working_bytes
+from gmlx.capacity.memory import FP16, KVFormat, KVProfile, kv_profile, profile_bytes
+from gmlx.gguf.header import ModelGeometry
+
+DEPTH_GRID_START = 512
+
+
+def depth_grid(context_length: int) -> list[int]:
+    """Powers of two from 512 below the context window, then the window itself."""
+    grid, depth = [], DEPTH_GRID_START
+    while depth < context_length:
+        grid.append(depth)
+        depth *= 2
+    return [*grid, context_length]
+
+
+@dataclass(frozen=True)
+class CapacityTable:
+    """Figures use the bytes mlx_lm's caches allocate (whole steps of 256 tokens), not the bare count."""
+
+    geometry: ModelGeometry
+    budget: MemoryBudget
+    kv: KVFormat
+    decode_batch: int
+    context_length: int  # the window the server uses: the GGUF's, or max_kv_size when smaller
+
+    @cached_property
+    def _profile(self) -> KVProfile:
+        return kv_profile(self.geometry, self.kv)
+
+    def stream_bytes(self, depth: int) -> int:
+        return profile_bytes(self._profile, depth, True)
+
+    def max_context_at_width(self, width: int) -> int:
+        """Largest depth <= the window with `width` streams of it in the budget; 0 if 1 token does not fit."""
+        budget = self.budget.kv_bytes
+        lo, hi = 0, self.context_length  # invariant: lo fits (0 always does); above hi is out of the window
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if width * self.stream_bytes(mid) <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def max_width_at_depth(self, depth: int) -> int:
+        """Streams of `depth` tokens that fit, at most decode_batch; 0 past the window."""
+        if depth > self.context_length:
+            return 0
+        need = self.stream_bytes(depth)
+        return self.decode_batch if need == 0 else min(self.decode_batch, self.budget.kv_bytes // need)
+
+    def widths(self) -> dict[int, int]:
+        return {w: self.max_context_at_width(w) for w in range(1, self.decode_batch + 1)}
+
+    def depths(self) -> dict[int, int]:
+        return {d: self.max_width_at_depth(d) for d in depth_grid(self.context_length)}
+
+    def headline(self) -> str:
+        """One line for the start-up log, such as 'capacity: 8 streams of 32768 tokens, or 1 stream of 131072'."""
+        one, batch = self.max_context_at_width(1), self.decode_batch
+        if one == 0:
+            return f"capacity: no room for a KV cache ({self.budget.kv_bytes} bytes left after weights and reserve)"
+        full = self.max_context_at_width(batch)
+        if batch == 1 or full == one:
+            return f"capacity: {_streams(batch)} of {full} tokens"
+        if full == 0:
+            return f"capacity: 1 stream of {one} tokens; {batch} streams do not fit"
+        return f"capacity: {_streams(batch)} of {full} tokens, or 1 stream of {one}"
+
+    def to_json(self) -> dict:
+        return {
+            "kv_format": self.kv.to_json(),
+            "budget": self.budget.to_json(),
+            "decode_batch": self.decode_batch,
+            "context_length": self.context_length,
+            "headline": self.headline(),
+            "widths": {str(w): c for w, c in self.widths().items()},
+            "depths": {str(d): w for d, w in self.depths().items()},
+        }
+
+
+def _streams(n: int) -> str:
+    return f"{n} stream" if n == 1 else f"{n} streams"
+
+
+def build_table(
+    g: ModelGeometry, budget: MemoryBudget, decode_batch: int, kv: KVFormat = FP16, context_length: int | None = None
+) -> CapacityTable:
+    """`context_length` is max_kv_size where the server sets one; the GGUF's window caps it."""
+    if decode_batch < 1:
+        raise ValueError(f"decode_batch must be at least 1, not {decode_batch}")
+    window = g.context_length if context_length is None else min(context_length, g.context_length)
+    return CapacityTable(g, budget, kv, decode_batch, window)
+
+
+def capacity_table(
+    g: ModelGeometry,
+    *,
+    weight_bytes: int,
+    decode_batch: int,
+    prefill_step: int,
+    memory: int,
+    kv: KVFormat = FP16,
+    reserve_fraction: float = 0.10,
+    reserve_floor: int = 512 * 2**20,
+    context_length: int | None = None,
+) -> CapacityTable:
+    """The table the server builds at start and `gmlx plan` builds offline, from the same budget arithmetic.
+
+    The prefill working set is one `prefill_step` chunk attending across the whole window.
+    """
+    window = g.context_length if context_length is None else min(context_length, g.context_length)
+    budget = MemoryBudget(memory, weight_bytes, prefill_working_bytes(g, prefill_step, window),
+                          reserve_floor, reserve_fraction)
+    return build_table(g, budget, decode_batch, kv, window)

@@ -1,0 +1,113 @@
+"""GET /v1/capacity/plan and POST /v1/estimate (also `"dry_run": true` on chat completions)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import mlx.core as mx
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from gmlx.capacity.estimate import estimate
+from gmlx.capacity.plan import LiveState, plan
+from gmlx.server import openai_api
+from gmlx.server.errors import bad_request
+from gmlx.server.http import read_json
+from gmlx.server.state import ServerState
+
+_MEDIA_PARTS = ("image_url", "input_image", "image", "input_audio", "audio", "video", "video_url", "file")
+
+
+def _positive_int(request: Request, name: str) -> int:
+    raw = request.query_params.get(name)
+    if raw is None:
+        raise bad_request(f"'{name}' is required (a positive integer)", name)
+    try:
+        value = int(raw)
+    except ValueError:
+        raise bad_request(f"'{name}' must be an integer, not {raw!r}", name) from None
+    if value < 1:
+        raise bad_request(f"'{name}' must be at least 1, not {value}", name)
+    return value
+
+
+def live_state(state: ServerState) -> LiveState:
+    return LiveState(state.settings.decode_batch, state.gate.running, state.gate.waiting, band=None)
+
+
+async def capacity_plan(request: Request) -> Response:
+    state: ServerState = request.app.state.gmlx
+    width, depth = _positive_int(request, "width"), _positive_int(request, "depth")
+    return JSONResponse(plan(state.table(), width, depth, live_state(state), state.model_id,
+                             overcommit=state.settings.overcommit))
+
+
+def media_parts(body: Any) -> list[str]:
+    """The kinds of non-text content parts in a chat body's messages."""
+    found = []
+    for m in body.get("messages") or [] if isinstance(body, dict) else []:
+        content = m.get("content") if isinstance(m, dict) else None
+        for part in content if isinstance(content, list) else []:
+            if isinstance(part, dict) and part.get("type") in _MEDIA_PARTS:
+                found.append(part["type"])
+    return found
+
+
+def _text_only(body: dict) -> dict:
+    """The body with media parts dropped, so its text can be rendered and counted."""
+    messages = []
+    for m in body.get("messages") or []:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list):
+            m = {**m, "content": [p for p in content if not (isinstance(p, dict) and p.get("type") in _MEDIA_PARTS)]}
+        messages.append(m)
+    return {**body, "messages": messages}
+
+
+async def estimate_body(state: ServerState, body: Any) -> dict:
+    """The estimate for a chat-completions body; renders the prompt exactly as a real request would."""
+    media = media_parts(body)
+    p = openai_api.parse(_text_only(body) if media else body, chat=True)
+    state.check_model(p.model)
+    prompt_ids = await asyncio.to_thread(state.tokenize, p)
+    loaded, table = state.engine.loaded, state.table()
+    assert loaded is not None and table is not None
+    budget = table.budget
+    stats, measured = state.engine.stats, state.engine.measured
+    prefill_rate = stats.prefill_tok_s() or (measured.prefill_tok_s if measured else None)
+    # Free now: what the reserve leaves beside everything MLX holds at this moment.
+    free_now = budget.total_bytes - budget.reserve_bytes - mx.get_active_memory()
+    free_drained = budget.total_bytes - budget.reserve_bytes - budget.weight_bytes
+    out = estimate(loaded.geometry, prompt_tokens=len(prompt_ids), max_tokens=p.max_tokens,
+                   context_limit=loaded.context_length, prefill_bytes=budget.prefill_bytes,
+                   free_now_bytes=free_now, free_drained_bytes=free_drained, prefill_tok_s=prefill_rate,
+                   queue_wait_s=queue_wait_s(state), kv=table.kv)
+    out["model"] = state.model_id
+    if media:
+        # Rendered (prompt_tokens counts the text) but not estimated: this engine is text-only.
+        out.update(need_bytes=None, fits_now=None, fits_drained=None, est_ttft_s=None, estimated=False,
+                   note=f"not estimated: the body has {', '.join(sorted(set(media)))} content, "
+                        "which this text-only model does not take")
+    else:
+        out["estimated"] = True
+    return out
+
+
+def queue_wait_s(state: ServerState) -> float:
+    """Expected wait for a slot: none when one is free and nobody queues, else the drain time
+    of everyone ahead (the Retry-After arithmetic, unrounded)."""
+    gate = state.gate
+    if gate.running < gate.width and not gate.waiting:
+        return 0.0
+    stats = state.engine.stats
+    mean, rate = stats.mean_generated(), stats.decode_tok_s_recent() or stats.decode_tok_s_lifetime()
+    if not mean or not rate:
+        return float(gate.retry_after())
+    return round((gate.waiting + 1) * mean / rate, 3)
+
+
+async def estimate_route(request: Request) -> Response:
+    state: ServerState = request.app.state.gmlx
+    state.require_ready()
+    return JSONResponse(await estimate_body(state, await read_json(request, state.settings.max_body_bytes)))

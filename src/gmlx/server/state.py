@@ -1,0 +1,67 @@
+"""What the routes share: settings, the engine, the admission gate, and the capacity table."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from gmlx import platform
+from gmlx.capacity.memory import KVFormat
+from gmlx.capacity.table import CapacityTable, capacity_table
+from gmlx.engine.engine import Engine
+from gmlx.server import openai_api
+from gmlx.server.admission import AdmissionGate
+from gmlx.server.errors import APIError
+from gmlx.server.settings import Settings
+
+LOADING_RETRY_AFTER_S = 5
+
+
+@dataclass
+class ServerState:
+    settings: Settings
+    engine: Engine
+    model_id: str
+    gate: AdmissionGate = field(init=False)
+    started_at: float = field(default_factory=time.time)
+    # transformers' fast tokenizers may reconfigure the shared Rust object per call
+    # ("Already borrowed" when two threads meet), so encoding takes turns.
+    _tokenizer_lock: threading.Lock = field(default_factory=threading.Lock)
+    _table: CapacityTable | None = None
+
+    def __post_init__(self) -> None:
+        s, stats = self.settings, self.engine.stats
+        rate = lambda: stats.decode_tok_s_recent() or stats.decode_tok_s_lifetime()  # noqa: E731
+        self.gate = AdmissionGate(s.decode_batch, s.queue_size, s.queue_timeout, lambda: (stats.mean_generated(), rate()))
+
+    @property
+    def ready(self) -> bool:
+        return self.engine.ready.is_set() and self.engine.loaded is not None
+
+    def require_ready(self) -> None:
+        if not self.ready:
+            raise APIError(503, "the model is still loading", "model_loading", retry_after=LOADING_RETRY_AFTER_S)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_id:
+            raise APIError(404, f"model {model!r} is not served here (this server serves {self.model_id!r})",
+                           "model_not_found")
+
+    def table(self) -> CapacityTable | None:
+        """The capacity table, built once the model is loaded (None before)."""
+        loaded, measured = self.engine.loaded, self.engine.measured
+        if self._table is None and loaded is not None and measured is not None:
+            s = self.settings
+            self._table = capacity_table(
+                loaded.geometry, weight_bytes=loaded.report.resident_bytes, decode_batch=s.decode_batch,
+                prefill_step=s.prefill_step, kv=KVFormat(float_bytes=measured.kv_dtype_bytes),
+                memory=s.memory or platform.total_memory_bytes(), reserve_fraction=s.reserve_fraction,
+                reserve_floor=s.reserve_floor, context_length=loaded.context_length)
+        return self._table
+
+    def tokenize(self, p: openai_api.GenerationParams) -> list[int]:
+        loaded = self.engine.loaded
+        assert loaded is not None
+        with self._tokenizer_lock:
+            return openai_api.prompt_token_ids(loaded.tokenizer, p, loaded.geometry.vocab_size)

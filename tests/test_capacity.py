@@ -1,0 +1,316 @@
+"""The capacity arithmetic against hand-computed cases: no MLX, no model files."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import pytest
+
+from gmlx.capacity.budget import (
+    MemoryBudget,
+    parse_bytes,
+    prefill_working_bytes,
+)
+from gmlx.capacity.estimate import estimate
+from gmlx.capacity.memory import (
+    FP16,
+    FP32,
+    KVFormat,
+    LayerKind,
+    kv_bytes,
+    kv_layer_kinds,
+    layer_bytes_per_token,
+)
+from gmlx.capacity.plan import LiveState, plan
+from gmlx.capacity.table import CapacityTable, build_table, capacity_table, depth_grid
+from gmlx.gguf.header import ModelGeometry
+
+KiB, MiB, GiB = 2**10, 2**20, 2**30
+
+
+def geometry(n_layers: int = 32, n_kv: int | tuple[int, ...] = 8, head: int = 128, **kw) -> ModelGeometry:
+    fields = {
+        "architecture": "llama", "name": "test", "n_layers": n_layers, "n_embd": 4096, "n_ff": 14336, "n_heads": 32,
+        "n_kv_heads": n_kv if isinstance(n_kv, tuple) else (n_kv,) * n_layers, "key_length": head, "value_length": head,
+        "context_length": 131072, "vocab_size": 128256, "sliding_window": None, "sliding_layers": (False,) * n_layers,
+        "rope_theta": 500000.0, "norm_eps": 1e-5, "kv_lora_rank": None, "q_lora_rank": None, "n_experts": None,
+        "n_params": 0, "weight_bytes": 0, "file_bytes": 0, "tensor_types": {}, "has_chat_template": False,
+    }
+    return ModelGeometry(**{**fields, **kw})
+
+
+LLAMA = geometry()  # 32 layers, 8 KV heads of 128
+GEMMA3 = geometry(
+    18, 1, 256, architecture="gemma3", n_embd=640, n_ff=2048, n_heads=4, context_length=32768, vocab_size=262144,
+    sliding_window=512, sliding_layers=tuple((i + 1) % 6 != 0 for i in range(18)),
+)
+MLA = geometry(4, 16, 192, value_length=128, architecture="deepseek2", kv_lora_rank=512, q_lora_rank=1536, rope_dim=64)
+Q8 = KVFormat(bits=8, group_size=64)
+
+# Per-token bytes, by hand.
+LLAMA_TOKEN = 32 * 8 * (128 + 128) * 2  # layers x KV heads x (K + V widths) x fp16 = 131072
+GEMMA_FULL_TOKEN = 3 * 1 * (256 + 256) * 2  # layers 6, 12, 18 are global: 3072
+GEMMA_SLIDING_TOKEN = 15 * 1 * (256 + 256) * 2  # the other 15 keep 512 tokens: 15360
+
+
+# ---- memory ----------------------------------------------------------------------------------
+
+
+def test_dense_llama_kv_bytes() -> None:
+    assert LLAMA_TOKEN == 131072
+    assert layer_bytes_per_token(LLAMA, 0) == 8 * 256 * 2
+    assert kv_bytes(LLAMA, 1000) == 1000 * 131072
+    assert kv_bytes(LLAMA, 0) == 0
+
+
+def test_grouped_kv_heads_per_layer() -> None:
+    g = geometry(4, (2, 2, 4, 8), 64, n_heads=16)
+    assert [layer_bytes_per_token(g, i) for i in range(4)] == [2 * 128 * 2, 2 * 128 * 2, 4 * 128 * 2, 8 * 128 * 2]
+    assert kv_bytes(g, 100) == (2 + 2 + 4 + 8) * 128 * 2 * 100
+
+
+def test_gemma3_sliding_and_global_layers() -> None:
+    assert kv_layer_kinds(GEMMA3) == [
+        LayerKind("full", 3, GEMMA_FULL_TOKEN, None),
+        LayerKind("sliding", 15, GEMMA_SLIDING_TOKEN, 512),
+    ]
+    # Under the window every layer holds every token; past it the sliding layers stop at 512.
+    assert kv_bytes(GEMMA3, 300) == (3072 + 15360) * 300
+    assert kv_bytes(GEMMA3, 2048) == 3072 * 2048 + 15360 * 512 == 14155776
+
+
+def test_allocation_rounds_to_steps_of_256() -> None:
+    assert kv_bytes(LLAMA, 1000, allocated=True) == 1024 * LLAMA_TOKEN
+    assert kv_bytes(LLAMA, 1024, allocated=True) == 1024 * LLAMA_TOKEN
+    assert kv_bytes(LLAMA, 1025, allocated=True) == 1280 * LLAMA_TOKEN
+    # Sliding layers grow in the same steps but never past the window.
+    assert kv_bytes(GEMMA3, 300, allocated=True) == (3072 + 15360) * 512
+    assert kv_bytes(GEMMA3, 2049, allocated=True) == 3072 * 2304 + 15360 * 512
+
+
+def test_mla_caches_latent_plus_rope_key() -> None:
+    # One latent of 512 plus a rotary key of 64 per token and layer; heads and V width do not count.
+    assert layer_bytes_per_token(MLA, 0) == (512 + 64) * 2
+    assert kv_bytes(MLA, 10) == 4 * 576 * 2 * 10
+
+
+def test_quantized_kv_format() -> None:
+    # 8 bits per element, plus an fp16 scale and bias per 64 elements: 128 wide -> 128 + 2 x 4 bytes.
+    assert Q8.element_bytes() == 1 + 4 / 64
+    assert 128 * Q8.element_bytes() == 128 + 2 * (2 + 2)
+    assert kv_bytes(LLAMA, 1000, Q8) == 32 * 8 * 2 * 136 * 1000
+    assert KVFormat(bits=4, group_size=32, float_bytes=4).element_bytes() == 0.5 + 8 / 32
+    assert FP16.element_bytes() == 2 and FP32.element_bytes() == 4
+    assert kv_bytes(LLAMA, 10, FP32) == 2 * kv_bytes(LLAMA, 10)
+    assert (FP16.describe(), FP32.describe(), Q8.describe()) == ("fp16", "fp32", "8-bit g64, fp16 scales")
+    with pytest.raises(ValueError, match="bits"):
+        KVFormat(bits=5)
+
+
+def test_capacity_imports_no_mlx() -> None:
+    import subprocess
+
+    code = "import sys, gmlx.capacity.plan, gmlx.capacity.estimate; print('mlx' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
+# ---- budget ----------------------------------------------------------------------------------
+
+
+def test_budget_reserve_and_kv() -> None:
+    b = MemoryBudget(total_bytes=16 * GiB, weight_bytes=4 * GiB, prefill_bytes=1 * GiB)
+    assert b.reserve_bytes == int(0.1 * 16 * GiB)  # the fraction beats the 512 MiB floor
+    assert b.kv_bytes == 16 * GiB - 4 * GiB - 1 * GiB - int(0.1 * 16 * GiB)
+    small = MemoryBudget(total_bytes=2 * GiB, weight_bytes=1 * GiB, prefill_bytes=256 * MiB)
+    assert small.reserve_bytes == 512 * MiB  # 10% would be 205 MiB: the floor wins
+    assert small.kv_bytes == 256 * MiB
+    assert MemoryBudget(total_bytes=GiB, weight_bytes=GiB, prefill_bytes=0).kv_bytes == 0  # never negative
+
+
+def test_prefill_working_bytes() -> None:
+    chunk, context = 512, 32768
+    hidden = chunk * (640 * 4 + 2048 * 3)
+    scores = 4 * chunk * context  # heads x chunk x keys: a global layer sees the whole window
+    assert prefill_working_bytes(GEMMA3, chunk, context) == 4 * (hidden + scores + 262144)
+    # A chunk longer than the context is cut to it.
+    assert prefill_working_bytes(GEMMA3, 4096, 100) == 4 * (100 * 8704 + 4 * 100 * 100 + 262144)
+    # When every layer slides, keys stop at window - 1 + chunk.
+    mistral = dataclasses.replace(LLAMA, sliding_window=4096, sliding_layers=(True,) * 32)
+    expected = 4 * (512 * (4096 * 4 + 14336 * 3) + 32 * 512 * (4096 - 1 + 512) + 128256)
+    assert prefill_working_bytes(mistral, 512, 32768) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("64GiB", 64 * GiB), ("512MiB", 512 * MiB), ("8GB", 8 * 10**9), ("1.5G", 3 * GiB // 2), ("1048576", MiB),
+     (" 2 gi ", 2 * GiB), ("4k", 4 * KiB), ("100B", 100), ("99999999999999999999", 99999999999999999999)],
+)
+def test_parse_bytes(text: str, expected: int) -> None:
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "-1G", "12Q", "1.2.3G", "ten"])
+def test_parse_bytes_rejects(text: str) -> None:
+    with pytest.raises(ValueError, match="not a memory size"):
+        parse_bytes(text)
+
+
+# ---- table -----------------------------------------------------------------------------------
+
+# 2 layers x 1 KV head x (64 + 64) x fp16 = 512 bytes a token, so 256 tokens take 128 KiB,
+# and a 1 MiB KV budget holds 2048 tokens.
+SMALL = geometry(2, 1, 64, context_length=4096)
+ONE_MIB = MemoryBudget(total_bytes=MiB, weight_bytes=0, prefill_bytes=0, reserve_floor_bytes=0, reserve_fraction=0)
+
+
+def small_table(**kw) -> CapacityTable:
+    return build_table(SMALL, ONE_MIB, 8, **kw)
+
+
+def test_table_small_hand_case() -> None:
+    t = small_table()
+    # 1 MiB / width, rounded down to whole 256-token steps of 128 KiB.
+    assert t.widths() == {1: 2048, 2: 1024, 3: 512, 4: 512, 5: 256, 6: 256, 7: 256, 8: 256}
+    assert t.max_context_at_width(9) == 0  # 9 x 128 KiB > 1 MiB
+    assert t.depths() == {512: 4, 1024: 2, 2048: 1, 4096: 0}
+    assert t.max_width_at_depth(1) == 8  # 1 MiB / 128 KiB = 8: the decode batch caps it anyway
+    assert t.max_width_at_depth(4097) == 0  # past the window
+    assert t.headline() == "capacity: 8 streams of 256 tokens, or 1 stream of 2048"
+    j = t.to_json()
+    assert j["widths"]["1"] == 2048 and j["depths"]["4096"] == 0 and j["budget"]["kv_bytes"] == MiB
+    assert j["kv_format"]["describe"] == "fp16" and j["headline"] == t.headline()
+
+
+def test_table_capped_by_window() -> None:
+    t = small_table(context_length=1024)
+    assert t.context_length == 1024 and t.max_context_at_width(1) == 1024
+    assert t.headline() == "capacity: 8 streams of 256 tokens, or 1 stream of 1024"
+    assert small_table(context_length=10**6).context_length == 4096  # max_kv_size never widens the GGUF's
+    assert build_table(SMALL, ONE_MIB, 1).headline() == "capacity: 1 stream of 2048 tokens"
+    empty = dataclasses.replace(ONE_MIB, total_bytes=0)
+    assert build_table(SMALL, empty, 8).max_context_at_width(1) == 0
+    assert build_table(SMALL, empty, 8).headline().startswith("capacity: no room")
+
+
+def test_table_monotonic_on_a_real_shape() -> None:
+    b = MemoryBudget(total_bytes=64 * GiB, weight_bytes=16 * GiB, prefill_bytes=GiB)
+    t = build_table(LLAMA, b, 16)
+    widths = list(t.widths().values())
+    assert widths == sorted(widths, reverse=True) and widths[0] > 0
+    depths = list(t.depths().values())
+    assert depths == sorted(depths, reverse=True)
+    assert list(t.depths()) == [512 * 2**i for i in range(9)]  # 512 .. 131072
+    for w, d in t.widths().items():  # each answer fits and one step more does not
+        assert w * kv_bytes(LLAMA, d, allocated=True) <= b.kv_bytes
+        assert d == LLAMA.context_length or w * kv_bytes(LLAMA, d + 1, allocated=True) > b.kv_bytes
+
+
+def test_capacity_table_composes_budget_and_table() -> None:
+    t = capacity_table(GEMMA3, weight_bytes=GiB, decode_batch=4, prefill_step=512, memory=8 * GiB, kv=FP32,
+                       reserve_fraction=0.2, reserve_floor=0, context_length=8192)
+    prefill = prefill_working_bytes(GEMMA3, 512, 8192)  # the chunk sees the server's window, not the GGUF's
+    assert t.budget == MemoryBudget(8 * GiB, GiB, prefill, 0, 0.2)
+    assert t.budget.kv_bytes == 8 * GiB - GiB - int(0.2 * 8 * GiB) - prefill
+    assert (t.context_length, t.decode_batch, t.kv) == (8192, 4, FP32)
+
+
+def test_gemma3_table_saturates_sliding_layers() -> None:
+    t = build_table(GEMMA3, MemoryBudget(total_bytes=562 * MiB, weight_bytes=0, prefill_bytes=0), 8)
+    assert t.budget.kv_bytes == 50 * MiB  # 562 MiB less the 512 MiB floor
+    # Past 512 tokens only the 3 global layers grow: 3072 bytes a token on top of 15360 x 512.
+    # (50 MiB - 15360 x 512) / 3072 = 14506.7 tokens, rounded down to whole steps of 256.
+    assert t.max_context_at_width(1) == 14336
+    assert 3072 * 14336 + 15360 * 512 <= 50 * MiB < 3072 * (14336 + 256) + 15360 * 512
+    # 8 streams get 50 MiB / 8 = 6.25 MiB each: 256 tokens take 18432 x 256 = 4.5 MiB, 512 take 9 MiB.
+    assert t.max_context_at_width(8) == 256
+    assert depth_grid(32768)[-1] == 32768 and depth_grid(300) == [300]
+
+
+# ---- plan ------------------------------------------------------------------------------------
+
+IDLE = LiveState(decode_batch=8, in_flight=0, waiting=0, band="green")
+
+
+def test_plan_ok() -> None:
+    p = plan(small_table(), 4, 512, dataclasses.replace(IDLE, in_flight=1), "m")
+    assert p == {
+        "width": 4, "depth": 512, "ok": True, "max_context_at_width": 512, "max_width_at_depth": 4,
+        "model": "m", "band": "green", "decode_batch": 8, "in_flight": 1, "waiting": 0, "slots": 7,
+        "admit_now": True, "reason": "ok",
+    }
+
+
+@pytest.mark.parametrize(
+    ("width", "depth", "live", "reason"),
+    [
+        (2, 2048, IDLE, "depth 2048 exceeds max context 1024 at width 2"),
+        (1, 256, dataclasses.replace(IDLE, band="orange"), "governor orange"),
+        (1, 256, dataclasses.replace(IDLE, band="red"), "governor red"),
+        (1, 256, dataclasses.replace(IDLE, waiting=2), "2 waiting for a slot"),
+        (4, 256, dataclasses.replace(IDLE, in_flight=5), "3 free slot(s) of 8, need 4"),
+        (1, 256, dataclasses.replace(IDLE, in_flight=9), "0 free slot(s) of 8, need 1"),
+        # The memory answer comes first, then the governor, then the queue, then slots.
+        (2, 2048, LiveState(8, 8, 3, "red"), "depth 2048 exceeds max context 1024 at width 2"),
+        (1, 256, LiveState(8, 8, 3, "orange"), "governor orange"),
+        (1, 256, LiveState(8, 8, 3, "green"), "3 waiting for a slot"),
+    ],
+)
+def test_plan_reasons(width: int, depth: int, live: LiveState, reason: str) -> None:
+    p = plan(small_table(), width, depth, live, "m")
+    assert p["reason"] == reason and p["admit_now"] is False
+    assert p["slots"] == max(0, live.decode_batch - live.in_flight)
+
+
+def test_plan_yellow_counts_one_slot() -> None:
+    yellow = dataclasses.replace(IDLE, band="yellow")
+    assert plan(small_table(), 1, 256, yellow, "m")["admit_now"] is True
+    p = plan(small_table(), 2, 256, yellow, "m")
+    assert p["reason"] == "1 free slot(s) of 8, need 2" and p["slots"] == 8 and not p["admit_now"]
+    full = dataclasses.replace(yellow, in_flight=8)
+    assert plan(small_table(), 1, 256, full, "m")["reason"] == "0 free slot(s) of 8, need 1"
+
+
+def test_plan_without_table_or_under_overcommit() -> None:
+    p = plan(None, 2, 10**6, LiveState(8, 0, 0), "m")
+    assert p["ok"] is None and p["max_context_at_width"] is None and p["max_width_at_depth"] is None
+    assert p["band"] is None and p["admit_now"] is True and p["reason"] == "ok"
+    p = plan(small_table(), 2, 2048, IDLE, "m", overcommit=True)
+    assert p["ok"] is None and p["admit_now"] is True  # memory no longer decides
+    assert p["max_context_at_width"] == 1024 and p["max_width_at_depth"] == 1  # but is still reported
+    with pytest.raises(ValueError, match="width"):
+        plan(None, 0, 1, IDLE, "m")
+
+
+# ---- estimate --------------------------------------------------------------------------------
+
+
+def test_estimate_fields() -> None:
+    need = 1000 + (3072 + 15360) * 512  # prefill + KV of 300 + 212 tokens, allocated
+    e = estimate(
+        GEMMA3, prompt_tokens=300, max_tokens=212, context_limit=32768, prefill_bytes=1000,
+        free_now_bytes=need, free_drained_bytes=need - 1, prefill_tok_s=400.0, queue_wait_s=0.5,
+        warm_tokens=100, cache_tier="block",
+    )
+    assert e == {
+        "prompt_tokens": 300, "warm_tokens": 100, "cache_tier": "block", "need_bytes": need,
+        "fits_now": True, "fits_drained": False, "context_ok": True, "context_limit": 32768,
+        "est_ttft_s": 1.0,  # 0.5 s queue + 200 cold tokens at 400 tok/s
+        "resident": True,
+    }
+
+
+def test_estimate_without_rates_or_free_figures() -> None:
+    e = estimate(
+        LLAMA, prompt_tokens=4096, max_tokens=None, context_limit=4096, prefill_bytes=0,
+        free_now_bytes=None, free_drained_bytes=None, prefill_tok_s=None, queue_wait_s=0.0, resident=False,
+        kv=Q8,
+    )
+    assert e["need_bytes"] == kv_bytes(LLAMA, 4096, Q8) == 4096 * 32 * 8 * 2 * 136
+    assert e["fits_now"] is None and e["fits_drained"] is None and e["est_ttft_s"] is None
+    assert e["context_ok"] is False  # no room left for one generated token
+    assert e["resident"] is False and e["cache_tier"] == "miss" and e["warm_tokens"] == 0
+    e = estimate(LLAMA, prompt_tokens=3, max_tokens=None, context_limit=4096, prefill_bytes=0, free_now_bytes=None,
+                 free_drained_bytes=None, prefill_tok_s=3.0, queue_wait_s=0.0)
+    assert e["est_ttft_s"] == 1.0
