@@ -21,6 +21,7 @@ from gmlx.capacity.memory import (
     kv_bytes,
     kv_layer_kinds,
     layer_bytes_per_token,
+    stream_bytes,
 )
 from gmlx.capacity.plan import LiveState, plan
 from gmlx.capacity.table import CapacityTable, build_table, capacity_table, depth_grid
@@ -159,10 +160,13 @@ def test_parse_bytes_rejects(text: str) -> None:
 
 # ---- table -----------------------------------------------------------------------------------
 
-# 2 layers x 1 KV head x (64 + 64) x fp16 = 512 bytes a token, so 256 tokens take 128 KiB,
-# and a 1 MiB KV budget holds 2048 tokens.
-SMALL = geometry(2, 1, 64, context_length=4096)
-ONE_MIB = MemoryBudget(total_bytes=MiB, weight_bytes=0, prefill_bytes=0, reserve_floor_bytes=0, reserve_fraction=0)
+# 2 layers x 1 KV head x (64 + 64) x fp16 = 512 bytes a token, so 256 tokens take 128 KiB.
+# A decoding stream also holds 2 logits rows: 2 x 64 (vocabulary) x fp16 = 256 bytes. The
+# budget is 1 MiB of KV plus that overhead for 8 streams, so one stream holds 2048 tokens.
+SMALL = geometry(2, 1, 64, context_length=4096, vocab_size=64)
+OVERHEAD = 2 * 64 * 2
+ONE_MIB = MemoryBudget(total_bytes=MiB + 8 * OVERHEAD, weight_bytes=0, prefill_bytes=0, reserve_floor_bytes=0,
+                       reserve_fraction=0)
 
 
 def small_table(**kw) -> CapacityTable:
@@ -171,15 +175,15 @@ def small_table(**kw) -> CapacityTable:
 
 def test_table_small_hand_case() -> None:
     t = small_table()
-    # 1 MiB / width, rounded down to whole 256-token steps of 128 KiB.
+    # (budget / width - overhead), rounded down to whole 256-token steps of 128 KiB.
     assert t.widths() == {1: 2048, 2: 1024, 3: 512, 4: 512, 5: 256, 6: 256, 7: 256, 8: 256}
-    assert t.max_context_at_width(9) == 0  # 9 x 128 KiB > 1 MiB
+    assert t.max_context_at_width(9) == 0  # 9 x (128 KiB + overhead) > the budget
     assert t.depths() == {512: 4, 1024: 2, 2048: 1, 4096: 0}
     assert t.max_width_at_depth(1) == 8  # 1 MiB / 128 KiB = 8: the decode batch caps it anyway
     assert t.max_width_at_depth(4097) == 0  # past the window
     assert t.headline() == "capacity: 8 streams of 256 tokens, or 1 stream of 2048"
     j = t.to_json()
-    assert j["widths"]["1"] == 2048 and j["depths"]["4096"] == 0 and j["budget"]["kv_bytes"] == MiB
+    assert j["widths"]["1"] == 2048 and j["depths"]["4096"] == 0 and j["budget"]["kv_bytes"] == MiB + 8 * OVERHEAD
     assert j["kv_format"]["describe"] == "fp16" and j["headline"] == t.headline()
 
 
@@ -203,8 +207,8 @@ def test_table_monotonic_on_a_real_shape() -> None:
     assert depths == sorted(depths, reverse=True)
     assert list(t.depths()) == [512 * 2**i for i in range(9)]  # 512 .. 131072
     for w, d in t.widths().items():  # each answer fits and one step more does not
-        assert w * kv_bytes(LLAMA, d, allocated=True) <= b.kv_bytes
-        assert d == LLAMA.context_length or w * kv_bytes(LLAMA, d + 1, allocated=True) > b.kv_bytes
+        assert w * stream_bytes(LLAMA, d) <= b.kv_bytes
+        assert d == LLAMA.context_length or w * stream_bytes(LLAMA, d + 1) > b.kv_bytes
 
 
 def test_capacity_table_composes_budget_and_table() -> None:
@@ -217,13 +221,14 @@ def test_capacity_table_composes_budget_and_table() -> None:
 
 
 def test_gemma3_table_saturates_sliding_layers() -> None:
-    t = build_table(GEMMA3, MemoryBudget(total_bytes=562 * MiB, weight_bytes=0, prefill_bytes=0), 8)
-    assert t.budget.kv_bytes == 50 * MiB  # 562 MiB less the 512 MiB floor
+    t = build_table(GEMMA3, MemoryBudget(total_bytes=563 * MiB, weight_bytes=0, prefill_bytes=0), 8)
+    assert t.budget.kv_bytes == 51 * MiB  # 563 MiB less the 512 MiB floor
+    # A stream's 2 logits rows over 262144 tokens in fp16 take 1 MiB, which leaves 50 MiB of KV.
     # Past 512 tokens only the 3 global layers grow: 3072 bytes a token on top of 15360 x 512.
     # (50 MiB - 15360 x 512) / 3072 = 14506.7 tokens, rounded down to whole steps of 256.
     assert t.max_context_at_width(1) == 14336
     assert 3072 * 14336 + 15360 * 512 <= 50 * MiB < 3072 * (14336 + 256) + 15360 * 512
-    # 8 streams get 50 MiB / 8 = 6.25 MiB each: 256 tokens take 18432 x 256 = 4.5 MiB, 512 take 9 MiB.
+    # 8 streams get 51 / 8 - 1 = 5.375 MiB of KV each: 256 tokens take 18432 x 256 = 4.5 MiB, 512 take 9.
     assert t.max_context_at_width(8) == 256
     assert depth_grid(32768)[-1] == 32768 and depth_grid(300) == [300]
 
@@ -287,7 +292,7 @@ def test_plan_without_table_or_under_overcommit() -> None:
 
 
 def test_estimate_fields() -> None:
-    need = 1000 + (3072 + 15360) * 512  # prefill + KV of 300 + 212 tokens, allocated
+    need = 1000 + (3072 + 15360) * 512 + 2 * 262144 * 2  # prefill + KV of 300 + 212 tokens + logits rows
     e = estimate(
         GEMMA3, prompt_tokens=300, max_tokens=212, context_limit=32768, prefill_bytes=1000,
         free_now_bytes=need, free_drained_bytes=need - 1, prefill_tok_s=400.0, queue_wait_s=0.5,
@@ -307,7 +312,7 @@ def test_estimate_without_rates_or_free_figures() -> None:
         free_now_bytes=None, free_drained_bytes=None, prefill_tok_s=None, queue_wait_s=0.0, resident=False,
         kv=Q8,
     )
-    assert e["need_bytes"] == kv_bytes(LLAMA, 4096, Q8) == 4096 * 32 * 8 * 2 * 136
+    assert e["need_bytes"] == kv_bytes(LLAMA, 4096, Q8) + 2 * 128256 * 2 == 4096 * 32 * 8 * 2 * 136 + 513024
     assert e["fits_now"] is None and e["fits_drained"] is None and e["est_ttft_s"] is None
     assert e["context_ok"] is False  # no room left for one generated token
     assert e["resident"] is False and e["cache_tier"] == "miss" and e["warm_tokens"] == 0

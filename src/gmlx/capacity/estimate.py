@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gmlx.capacity.memory import FP16, KVFormat, kv_bytes
+from gmlx.capacity.memory import FP16, KVFormat, stream_bytes
 from gmlx.gguf.header import ModelGeometry
 
 
@@ -24,13 +24,13 @@ def estimate(
 ) -> dict:
     """The fields of POST /v1/estimate.
 
-    need_bytes is one prefill chunk's working set plus the KV cache, as mlx_lm allocates it,
-    for the prompt and `max_tokens` more when set. context_ok asks only that the prompt leave
+    need_bytes is one prefill chunk's working set plus the stream's memory (its KV cache as
+    mlx_lm allocates it, and its logits rows) for the prompt and `max_tokens` more when set. context_ok asks only that the prompt leave
     room for one generated token (prompt_tokens < context_limit); a max_tokens that reaches
     past the window does not make it false. est_ttft_s is the queue wait plus the cold
     prompt tokens at the measured prefill rate; null without a rate.
     """
-    need = prefill_bytes + kv_bytes(g, prompt_tokens + (max_tokens or 0), kv, allocated=True)
+    need = prefill_bytes + stream_bytes(g, prompt_tokens + (max_tokens or 0), kv)
     cold = max(0, prompt_tokens - warm_tokens)
     ttft = round(queue_wait_s + cold / prefill_tok_s, 3) if prefill_tok_s else None
     return {

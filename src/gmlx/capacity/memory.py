@@ -107,6 +107,18 @@ def kv_bytes(g: ModelGeometry, depth: int, kv: KVFormat = FP16, *, allocated: bo
     return profile_bytes(kv_profile(g, kv), depth, allocated)
 
 
+def decode_overhead_bytes(g: ModelGeometry, kv: KVFormat = FP16) -> int:
+    """Memory a decoding stream holds besides its cache: mlx_lm's BatchGenerator keeps two rows
+    of log-probabilities over the vocabulary (this step's and the next, computed ahead). With
+    a 262k vocabulary that is 2 MiB a stream in float32, worth counting."""
+    return 2 * g.vocab_size * kv.float_bytes
+
+
+def stream_bytes(g: ModelGeometry, depth: int, kv: KVFormat = FP16) -> int:
+    """All one decoding stream of `depth` tokens holds: its cache as allocated, and its logits."""
+    return kv_bytes(g, depth, kv, allocated=True) + decode_overhead_bytes(g, kv)
+
+
 @dataclass(frozen=True)
 class LayerKind:
     kind: str  # "full" or "sliding"

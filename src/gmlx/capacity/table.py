@@ -6,7 +6,14 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from gmlx.capacity.budget import MemoryBudget, prefill_working_bytes
-from gmlx.capacity.memory import FP16, KVFormat, KVProfile, kv_profile, profile_bytes
+from gmlx.capacity.memory import (
+    FP16,
+    KVFormat,
+    KVProfile,
+    decode_overhead_bytes,
+    kv_profile,
+    profile_bytes,
+)
 from gmlx.gguf.header import ModelGeometry
 
 DEPTH_GRID_START = 512
@@ -35,8 +42,13 @@ class CapacityTable:
     def _profile(self) -> KVProfile:
         return kv_profile(self.geometry, self.kv)
 
+    @cached_property
+    def _overhead(self) -> int:
+        return decode_overhead_bytes(self.geometry, self.kv)
+
     def stream_bytes(self, depth: int) -> int:
-        return profile_bytes(self._profile, depth, True)
+        """One stream's cache as allocated, plus what it holds to decode (see memory.stream_bytes)."""
+        return profile_bytes(self._profile, depth, True) + self._overhead
 
     def max_context_at_width(self, width: int) -> int:
         """Largest depth <= the window with `width` streams of it in the budget; 0 if 1 token does not fit."""

@@ -33,7 +33,7 @@ def _positive_int(request: Request, name: str) -> int:
 
 
 def live_state(state: ServerState) -> LiveState:
-    return LiveState(state.settings.decode_batch, state.gate.running, state.gate.waiting, band=None)
+    return LiveState(state.settings.decode_batch, state.gate.running, state.gate.waiting, band=state.band)
 
 
 async def capacity_plan(request: Request) -> Response:

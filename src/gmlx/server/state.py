@@ -29,6 +29,8 @@ class ServerState:
     # ("Already borrowed" when two threads meet), so encoding takes turns.
     _tokenizer_lock: threading.Lock = field(default_factory=threading.Lock)
     _table: CapacityTable | None = None
+    # The memory governor's band; None until a governor runs (a test may set it meanwhile).
+    band: str | None = None
 
     def __post_init__(self) -> None:
         s, stats = self.settings, self.engine.stats

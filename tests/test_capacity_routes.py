@@ -1,0 +1,136 @@
+"""The capacity routes on a live server: /v1/capacity/plan, /v1/estimate, dry_run, /v1/models."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import LiveServer
+
+from gmlx.capacity.memory import KVFormat
+from gmlx.capacity.table import capacity_table
+from gmlx.gguf.header import read_header
+from gmlx.models.weights_mode import resident_bytes
+
+PLAN = "/v1/capacity/plan"
+FIELDS = ["width", "depth", "ok", "max_context_at_width", "max_width_at_depth", "model", "band",
+          "decode_batch", "in_flight", "waiting", "slots", "admit_now", "reason"]
+MiB = 2**20
+
+
+def offline_table(path: Path, memory: int, decode_batch: int = 4):
+    h = read_header(path)
+    return capacity_table(h.geometry, weight_bytes=resident_bytes(h, "float"), decode_batch=decode_batch,
+                          prefill_step=512, kv=KVFormat(float_bytes=4), memory=memory,
+                          reserve_fraction=0.10, reserve_floor=512 * MiB, context_length=h.geometry.context_length)
+
+
+@pytest.fixture
+def small_memory_model(tmp_path: Path) -> tuple[Path, int]:
+    """A tiny model with a 4096-token window on a budget that holds about 1500 tokens of KV."""
+    from tiny_models import write_model
+
+    path = write_model(tmp_path / "cap.gguf", "llama", context=4096)
+    probe = offline_table(path, 10**12)
+    kv_per_token = probe.stream_bytes(256) // 256
+    budget = probe.budget
+    memory = int((budget.weight_bytes + budget.prefill_bytes + 512 * MiB + 1500 * kv_per_token) / 0.999)
+    return path, memory
+
+
+def test_plan_fields_and_memory_answer(small_memory_model: tuple[Path, int]) -> None:
+    path, memory = small_memory_model
+    expected = offline_table(path, memory)
+    with LiveServer(path, memory=memory) as server, server.client() as c:
+        fits = c.get(PLAN, params={"width": 1, "depth": 512}).json()
+        assert list(fits) == FIELDS
+        assert fits["ok"] is True and fits["admit_now"] is True and fits["reason"] == "ok"
+        assert fits["model"] == "cap" and fits["decode_batch"] == 4 and fits["slots"] == 4
+        assert fits["max_context_at_width"] == expected.max_context_at_width(1) < 4096
+        big = c.get(PLAN, params={"width": 4, "depth": 1024}).json()
+        limit = expected.max_context_at_width(4)
+        assert big["ok"] is False and big["admit_now"] is False
+        assert big["reason"] == f"depth 1024 exceeds max context {limit} at width 4"
+        assert big["max_width_at_depth"] == expected.max_width_at_depth(1024)
+        models = c.get("/v1/models").json()["data"][0]
+        assert models["max_context_at_width_1"] == expected.max_context_at_width(1)
+        assert models["context_length"] == 4096
+
+
+def test_plan_under_overcommit(small_memory_model: tuple[Path, int]) -> None:
+    path, memory = small_memory_model
+    with LiveServer(path, memory=memory, overcommit=True) as server, server.client() as c:
+        r = c.get(PLAN, params={"width": 4, "depth": 4000}).json()
+    assert r["ok"] is None and r["admit_now"] is True and r["reason"] == "ok"
+
+
+@pytest.mark.parametrize("query", [{}, {"width": 2}, {"width": "x", "depth": 5}, {"width": 0, "depth": 5},
+                                   {"width": 2, "depth": -1}])
+def test_plan_rejects_bad_queries(live_server: LiveServer, query: dict) -> None:
+    with live_server.client() as c:
+        r = c.get(PLAN, params=query)
+    assert r.status_code == 400
+    param = r.json()["error"]["param"]
+    assert param in ("width", "depth") and param in r.json()["error"]["message"]
+
+
+def test_plan_timing_reasons(tiny_models: dict[str, Path]) -> None:
+    with LiveServer(tiny_models["llama"], decode_batch=1, queue_size=4) as server:
+        state = server.state
+
+        async def run() -> dict[str, dict]:
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as ac:
+                body = {"prompt": "x", "max_tokens": 200, "temperature": 0}
+                first = asyncio.create_task(ac.post("/v1/completions", json=body))
+                while state.gate.running < 1:
+                    await asyncio.sleep(0.005)
+                busy = (await ac.get(PLAN, params={"width": 1, "depth": 64})).json()
+                second = asyncio.create_task(ac.post("/v1/completions", json=body))
+                while state.gate.waiting < 1:
+                    await asyncio.sleep(0.005)
+                queued = (await ac.get(PLAN, params={"width": 1, "depth": 64})).json()
+                await asyncio.gather(first, second)
+                return {"busy": busy, "queued": queued}
+
+        got = asyncio.run(run())
+    assert got["busy"]["reason"] == "0 free slot(s) of 1, need 1" and got["busy"]["in_flight"] == 1
+    assert got["queued"]["reason"] == "1 waiting for a slot" and got["queued"]["waiting"] == 1
+
+
+def test_plan_governor_bands(live_server: LiveServer) -> None:
+    with live_server.client() as c:
+        live_server.state.band = "yellow"  # only one slot counts as free
+        assert c.get(PLAN, params={"width": 1, "depth": 64}).json()["admit_now"] is True
+        r = c.get(PLAN, params={"width": 2, "depth": 64}).json()
+        assert r["reason"] == "1 free slot(s) of 4, need 2" and r["band"] == "yellow"
+        live_server.state.band = "orange"
+        assert c.get(PLAN, params={"width": 1, "depth": 64}).json()["reason"] == "governor orange"
+
+
+def test_estimate_and_dry_run_agree(live_server: LiveServer) -> None:
+    body = {"messages": [{"role": "user", "content": "hello world"}], "max_tokens": 100}
+    with live_server.client() as c:
+        est = c.post("/v1/estimate", json=body).json()
+        dry = c.post("/v1/chat/completions", json={**body, "dry_run": True}).json()
+        real = c.post("/v1/chat/completions", json={**body, "max_tokens": 1}).json()
+    assert est == dry
+    assert est["prompt_tokens"] == real["usage"]["prompt_tokens"]
+    assert est["context_ok"] is True and est["context_limit"] == 256 and est["resident"] is True
+    assert est["fits_now"] is True and est["fits_drained"] is True and est["estimated"] is True
+    assert est["warm_tokens"] == 0 and est["cache_tier"] == "miss" and est["est_ttft_s"] >= 0
+    assert est["need_bytes"] > live_server.state.table().stream_bytes(est["prompt_tokens"] + 100) - 1
+
+
+def test_estimate_edge_cases(live_server: LiveServer) -> None:
+    with live_server.client() as c:
+        long = c.post("/v1/estimate", json={"messages": [{"role": "user", "content": "word " * 400}]}).json()
+        assert long["context_ok"] is False
+        media = c.post("/v1/estimate", json={"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "what is this?"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}).json()
+        assert media["estimated"] is False and "image_url" in media["note"] and media["prompt_tokens"] > 0
+        assert c.post("/v1/estimate", json={"messages": "x"}).status_code == 400
+        assert c.post("/v1/estimate", json={"messages": [{"role": "user", "content": "x"}],
+                                            "model": "other"}).status_code == 404

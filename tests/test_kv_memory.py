@@ -1,0 +1,57 @@
+"""Prediction against measurement: the memory MLX really allocates for W streams of D tokens
+decoding together in mlx_lm's BatchGenerator (their KV caches, and the logits rows each stream
+keeps) is within 5% of what capacity/ predicts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import BatchGenerator
+
+from gmlx.capacity.memory import KVFormat, stream_bytes
+from gmlx.models.loader import LoadedModel, load
+
+
+def measure(m: LoadedModel, width: int, depth: int) -> tuple[int, int]:
+    """(measured, predicted) bytes once W streams of D prompt tokens have decoded a step."""
+    gen = BatchGenerator(m.model, completion_batch_size=width, prefill_batch_size=width, prefill_step_size=512)
+    mx.synchronize()
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    gen.insert([[7 + i] * depth for i in range(width)], [8] * width)
+    steps = 0
+    while steps < 2:  # the first decode step trims the sliding caches back to their window
+        _, generated = gen.next()
+        steps += bool(generated)
+    mx.synchronize()
+    mx.clear_cache()
+    measured = mx.get_active_memory() - before
+    # The generator has run one step ahead (async), so the caches hold depth + steps + 1 tokens.
+    predicted = width * stream_bytes(m.geometry, depth + steps + 1, KVFormat(float_bytes=4))
+    gen.close()
+    return measured, predicted
+
+
+@pytest.fixture(scope="module")
+def tiny_long(tmp_path_factory: pytest.TempPathFactory) -> dict[str, LoadedModel]:
+    from tiny_models import write_model
+
+    root = tmp_path_factory.mktemp("kv")
+    return {arch: load(write_model(root / f"{arch}.gguf", arch, context=4096), "float") for arch in ("llama", "gemma3")}
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("width", [1, 4, 8])
+@pytest.mark.parametrize("depth", [256, 2048])
+def test_kv_prediction_matches_mlx(tiny_long: dict[str, LoadedModel], arch: str, width: int, depth: int) -> None:
+    measured, predicted = measure(tiny_long[arch], width, depth)
+    assert abs(measured - predicted) <= 0.05 * predicted, (measured, predicted)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("width", "depth"), [(1, 256), (8, 256), (1, 2048)])
+def test_kv_prediction_matches_mlx_on_default_model(default_model: Path, width: int, depth: int) -> None:
+    measured, predicted = measure(load(default_model, "float"), width, depth)
+    assert abs(measured - predicted) <= 0.05 * predicted, (measured, predicted)
