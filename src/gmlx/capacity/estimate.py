@@ -17,6 +17,7 @@ def estimate(
     free_drained_bytes: int | None,
     prefill_tok_s: float | None,
     queue_wait_s: float,
+    first_step_s: float = 0.0,
     warm_tokens: int = 0,
     cache_tier: str = "miss",
     resident: bool = True,
@@ -27,12 +28,13 @@ def estimate(
     need_bytes is one prefill chunk's working set plus the stream's memory (its KV cache as
     mlx_lm allocates it, and its logits rows) for the prompt and `max_tokens` more when set. context_ok asks only that the prompt leave
     room for one generated token (prompt_tokens < context_limit); a max_tokens that reaches
-    past the window does not make it false. est_ttft_s is the queue wait plus the cold
-    prompt tokens at the measured prefill rate; null without a rate.
+    past the window does not make it false. est_ttft_s is the queue wait, plus the cold
+    prompt tokens at the measured prefill rate, plus one decode step (`first_step_s`: mlx_lm
+    runs the prompt's last token as the first generation step); null without a rate.
     """
     need = prefill_bytes + stream_bytes(g, prompt_tokens + (max_tokens or 0), kv)
     cold = max(0, prompt_tokens - warm_tokens)
-    ttft = round(queue_wait_s + cold / prefill_tok_s, 3) if prefill_tok_s else None
+    ttft = round(queue_wait_s + cold / prefill_tok_s + first_step_s, 3) if prefill_tok_s else None
     return {
         "prompt_tokens": prompt_tokens,
         "warm_tokens": warm_tokens,

@@ -76,6 +76,7 @@ def _print_config(settings: Settings, json_out: bool) -> None:
 def _serve(settings: Settings) -> int:
     import uvicorn
 
+    from gmlx.capacity.memory import kv_bytes
     from gmlx.engine.engine import Engine
     from gmlx.gguf.header import read_header
     from gmlx.models.loader import architecture_for, load
@@ -105,8 +106,12 @@ def _serve(settings: Settings) -> int:
         log.info("ready: %s (%s, %s weights, %s) loaded in %.1f s; decode batch %d, queue %d, context %d tokens",
                  m.model_id, m.geometry.architecture, m.mode, human_bytes(m.report.resident_bytes), m.load_seconds,
                  settings.decode_batch, settings.queue_size, m.context_length)
-        if (table := app.state.gmlx.table()) is not None:
-            log.info(table.headline())
+        table, measured = app.state.gmlx.table(), engine.measured
+        if table is not None and measured is not None:
+            predicted = kv_bytes(m.geometry, measured.tokens, table.kv, allocated=True)
+            log.info("%s (KV at warm-up: measured %s, predicted %s; prefill %.0f tok/s, decode %.1f tok/s)",
+                     table.headline(), human_bytes(measured.kv_bytes), human_bytes(predicted),
+                     measured.prefill_tok_s, measured.decode_tok_s)
 
     log.info("serving %s on http://%s:%d (loading the model; /health?ready=1 says when it is ready)",
              path.name, settings.host, settings.port)

@@ -82,7 +82,8 @@ async def estimate_body(state: ServerState, body: Any) -> dict:
     out = estimate(loaded.geometry, prompt_tokens=len(prompt_ids), max_tokens=p.max_tokens,
                    context_limit=loaded.context_length, prefill_bytes=budget.prefill_bytes,
                    free_now_bytes=free_now, free_drained_bytes=free_drained, prefill_tok_s=prefill_rate,
-                   queue_wait_s=queue_wait_s(state), kv=table.kv)
+                   queue_wait_s=queue_wait_s(state), first_step_s=1 / measured.decode_tok_s if measured else 0.0,
+                   kv=table.kv)
     out["model"] = state.model_id
     if media:
         # Rendered (prompt_tokens counts the text) but not estimated: this engine is text-only.
