@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from gmlx.cli import inspect, run, serve
+from gmlx.cli import inspect, plan, run, serve
 
 app = typer.Typer(
     name="gmlx",
@@ -14,5 +14,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.command("inspect")(inspect.inspect_command)
+app.command("plan")(plan.plan_command)
+app.command("estimate")(plan.estimate_command)
 app.command("run")(run.run_command)
 app.command("serve")(serve.serve_command)

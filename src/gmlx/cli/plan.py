@@ -1,0 +1,284 @@
+"""`gmlx plan` and `gmlx estimate`: the capacity answers, offline from a GGUF header, or from a server."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+import typer
+from rich.table import Table
+
+from gmlx import platform
+from gmlx.capacity.estimate import estimate
+from gmlx.capacity.memory import KVFormat
+from gmlx.capacity.plan import LiveState, plan
+from gmlx.capacity.table import CapacityTable, capacity_table
+from gmlx.cli.common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    JSON_OPT,
+    MODEL_ARG,
+    console,
+    fail,
+    human_bytes,
+    print_json,
+)
+from gmlx.default_model import DefaultModelMissing, resolve_model
+from gmlx.gguf.header import GGUFError, GGUFHeader, read_header
+from gmlx.models.weights_mode import choose_mode, resident_bytes
+from gmlx.server.settings import Settings, SettingsError, resolve_settings
+
+EXIT_ERROR = 2  # plan and estimate promise a script 2 on any error, a bad model file included
+KV = KVFormat(float_bytes=4)  # assumed, and every offline answer says why:
+_KV_WHY = "the engine computes in float32 (float32 weights or float32 scales)"
+_HTTP_TIMEOUT_S = 60
+
+URL_OPT = typer.Option(None, "--url", help="Ask the server at this URL instead of reading the model file.")
+API_KEY_OPT = typer.Option(None, "--api-key", envvar="GMLX_API_KEY", help="The server's API key, for --url.")
+MEMORY_OPT = typer.Option(None, "--memory", help="Memory to plan with, such as 64GiB.  [default: this machine's]",
+                          show_default=False)
+BODY_OPT = typer.Option(None, "--body", help="A chat-completions request body (JSON file).", show_default=False)
+WEIGHTS_OPT = typer.Option(None, help="Weight mode to assume: auto, native or float.  [default: auto]",
+                           show_default=False)
+
+
+@dataclass(frozen=True)
+class Offline:
+    path: Path
+    header: GGUFHeader
+    table: CapacityTable
+    assumptions: dict[str, Any]
+
+
+@contextmanager
+def errors() -> Iterator[None]:
+    """Every error a user can cause, as one line and exit 2."""
+    try:
+        yield
+    except (DefaultModelMissing, GGUFError, SettingsError, OSError, json.JSONDecodeError) as e:
+        fail(" ".join(str(e).split()), EXIT_ERROR)
+
+
+def _from(s: Settings, name: str) -> str:
+    source = s.sources[name]
+    return "--" + name.replace("_", "-") if source == "flag" else source
+
+
+def offline(model: str | None, memory: str | None, weights: str | None,
+            decode_batch: int | None = None, prefill_step: int | None = None) -> Offline:
+    """The table `gmlx serve` would build for this model, from its header and the server's own settings."""
+    flags = {"model": model, "memory": memory, "weights": weights, "decode_batch": decode_batch,
+             "prefill_step": prefill_step}
+    with errors():
+        s = resolve_settings(flags)
+        path = resolve_model(s.model)
+        h = read_header(path)
+    g = h.geometry
+    mode = choose_mode(s.weights, h)  # type: ignore[arg-type]
+    weight_bytes = resident_bytes(h, mode)
+    total = s.memory or platform.total_memory_bytes()
+    table = capacity_table(g, weight_bytes=weight_bytes, decode_batch=s.decode_batch, prefill_step=s.prefill_step,
+                           kv=KV, memory=total, reserve_fraction=s.reserve_fraction, reserve_floor=s.reserve_floor,
+                           context_length=g.context_length)
+    if s.memory is not None:
+        memory_from = _from(s, "memory")
+    elif platform.backend() == "cuda":
+        memory_from = "device memory"
+    else:
+        memory_from = "system memory (RAM, or the cgroup limit when smaller)"
+    weights_from = _from(s, "weights") + (f": auto picks {mode} on {platform.backend()}" if s.weights == "auto" else "")
+    assumptions = {
+        "source": "offline",
+        "model": str(path),
+        "memory_bytes": {"value": total, "from": memory_from},
+        "weights": {"value": mode, "from": weights_from, "resident_bytes": weight_bytes},
+        "kv_format": {"value": KV.describe(), "from": _KV_WHY, "element_bytes": KV.element_bytes()},
+        "decode_batch": {"value": s.decode_batch, "from": _from(s, "decode_batch")},
+        "prefill_step": {"value": s.prefill_step, "from": _from(s, "prefill_step")},
+        "reserve_bytes": {"value": table.budget.reserve_bytes,
+                          "from": f"max({human_bytes(s.reserve_floor)}, {s.reserve_fraction:g} x memory)"},
+        "context_length": {"value": table.context_length, "from": "the GGUF header"},
+    }
+    return Offline(path, h, table, assumptions)
+
+
+def ask_server(method: str, url: str, route: str, api_key: str | None, **kw: Any) -> dict[str, Any]:
+    """One JSON answer from a running server; any failure is one line and exit 2."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        r = httpx.request(method, url.rstrip("/") + route, headers=headers, timeout=_HTTP_TIMEOUT_S, **kw)
+        answer = r.json()
+    except (httpx.HTTPError, httpx.InvalidURL) as e:
+        fail(f"cannot reach {url}: {' '.join(str(e).split())}", EXIT_ERROR)
+    except ValueError:
+        fail(f"{url}{route} answered {r.status_code} without JSON", EXIT_ERROR)
+    if r.status_code != 200 or not isinstance(answer, dict):
+        error = answer.get("error") if isinstance(answer, dict) else None
+        message = error.get("message") if isinstance(error, dict) else json.dumps(answer)
+        fail(f"{url}{route} answered {r.status_code}: {message}", EXIT_ERROR)
+    return answer
+
+
+def _server_assumptions(url: str) -> dict[str, Any]:
+    return {"source": "server", "url": url}
+
+
+def _show(title: str, rows: list[tuple[str, ...]]) -> None:
+    table = Table(title=title, title_justify="left", title_style="bold", show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold")
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+
+
+def _value(v: Any) -> str:
+    return "-" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def _show_assumptions(assumptions: dict[str, Any]) -> None:
+    if assumptions["source"] == "server":
+        console.print(f"figures from the server at {assumptions['url']}", highlight=False)
+        return
+    rows = [("model", assumptions["model"], "")]
+    for key, a in assumptions.items():
+        if not isinstance(a, dict):
+            continue
+        shown = human_bytes(a["value"]) if key.endswith("_bytes") and a["value"] is not None else _value(a["value"])
+        if "resident_bytes" in a:
+            shown += f", {human_bytes(a['resident_bytes'])} resident"
+        rows.append((key, shown, f"[dim]{a['from']}[/]"))
+    _show("assumptions", rows)
+
+
+def _finish(title: str, answer: dict[str, Any], assumptions: dict[str, Any], json_out: bool, ok: bool) -> NoReturn:
+    if json_out:
+        print_json({title: answer, "assumptions": assumptions})
+    else:
+        _show(title, [(k, human_bytes(v) if k.endswith("_bytes") and v is not None else _value(v))
+                      for k, v in answer.items()])
+        console.print()
+        _show_assumptions(assumptions)
+    raise typer.Exit(EXIT_OK if ok else EXIT_FAILED)
+
+
+def _show_table(table: CapacityTable) -> None:
+    b = table.budget
+    console.print(f"{table.headline()}\n", highlight=False)
+    console.print(f"memory {human_bytes(b.total_bytes)} - weights {human_bytes(b.weight_bytes)} - reserve "
+                  f"{human_bytes(b.reserve_bytes)} - prefill {human_bytes(b.prefill_bytes)} = KV "
+                  f"{human_bytes(b.kv_bytes)} ({table.kv.describe()})\n", highlight=False)
+    widths = Table("width", "max context", box=None, pad_edge=False)
+    for w, c in table.widths().items():
+        widths.add_row(str(w), str(c))
+    depths = Table("depth", "max width", box=None, pad_edge=False)
+    for d, w in table.depths().items():
+        depths.add_row(str(d), str(w))
+    console.print(widths, "", depths)
+
+
+def plan_command(
+    model: str = MODEL_ARG,
+    width: int = typer.Option(None, "--width", min=1, help="Streams to run together.", show_default=False),
+    depth: int = typer.Option(None, "--depth", min=1, help="Tokens in each stream.", show_default=False),
+    memory: str = MEMORY_OPT,
+    weights: str = WEIGHTS_OPT,
+    decode_batch: int = typer.Option(None, "--decode-batch", help="Streams the server decodes together.  [default: 8]",
+                                     show_default=False),
+    prefill_step: int = typer.Option(None, "--prefill-step", help="Prompt tokens per prefill chunk.  [default: 512]",
+                                     show_default=False),
+    whole_table: bool = typer.Option(False, "--table", help="Show the whole table: widths x depths."),
+    json_out: bool = JSON_OPT,
+    url: str = URL_OPT,
+    api_key: str = API_KEY_OPT,
+) -> None:
+    """Can W streams of D tokens fit, and start now? Exit 0 if ok, 1 if not, 2 on error."""
+    if whole_table:
+        if url:
+            fail("the server does not expose its capacity table yet; ask it for one plan with --width and --depth",
+                 EXIT_ERROR)
+        o = offline(model, memory, weights, decode_batch, prefill_step)
+        if json_out:
+            print_json({"table": o.table.to_json(), "assumptions": o.assumptions})
+        else:
+            _show_table(o.table)
+            console.print()
+            _show_assumptions(o.assumptions)
+        return
+    if width is None or depth is None:
+        fail("--width and --depth are required (or --table for the whole table)", EXIT_ERROR)
+    if url:
+        answer = ask_server("GET", url, "/v1/capacity/plan", api_key, params={"width": width, "depth": depth})
+        assumptions = _server_assumptions(url)
+    else:
+        o = offline(model, memory, weights, decode_batch, prefill_step)
+        # Offline nothing runs: no stream in flight, none waiting, no governor, so admit_now follows memory alone.
+        live = LiveState(o.table.decode_batch, in_flight=0, waiting=0, band=None)
+        answer, assumptions = plan(o.table, width, depth, live, model=o.path.stem), o.assumptions
+    _finish("plan", answer, assumptions, json_out, ok=answer.get("ok") is not False)
+
+
+def _request_body(body_file: Path | None, prompt: str | None, max_tokens: int | None) -> dict[str, Any]:
+    """The chat-completions body to estimate: the file's, or one user message; --max-tokens overrides."""
+    if (body_file is None) == (prompt is None):
+        fail("give exactly one of --body and --prompt", EXIT_ERROR)
+    if body_file is not None:
+        with errors():
+            body = json.loads(body_file.read_text(encoding="utf-8"))
+        if not isinstance(body, dict):
+            fail(f"{body_file}: the request body must be a JSON object", EXIT_ERROR)
+    else:
+        body = {"messages": [{"role": "user", "content": prompt}]}
+    if max_tokens is not None:
+        body = {k: v for k, v in body.items() if k != "max_completion_tokens"} | {"max_tokens": max_tokens}
+    return body
+
+
+def _estimate_offline(o: Offline, body: dict[str, Any]) -> dict[str, Any]:
+    """The server's estimate for this body, with nothing running and no measured prefill rate."""
+    # Imported here: the tokenizer and the request parser pull in mlx_lm, transformers and starlette.
+    from gmlx.gguf.tokenizer import load_tokenizer
+    from gmlx.server import openai_api
+    from gmlx.server.errors import APIError
+
+    g, b = o.header.geometry, o.table.budget
+    try:
+        with errors():
+            p = openai_api.parse(body, chat=True)
+            ids = openai_api.prompt_token_ids(load_tokenizer(o.header), p, g.vocab_size)
+    except APIError as e:
+        fail(e.message, EXIT_ERROR)
+    free = b.total_bytes - b.reserve_bytes - b.weight_bytes  # nothing runs, so free now is free once drained
+    out = estimate(g, prompt_tokens=len(ids), max_tokens=p.max_tokens, context_limit=g.context_length,
+                   prefill_bytes=b.prefill_bytes, free_now_bytes=free, free_drained_bytes=free, prefill_tok_s=None,
+                   queue_wait_s=0.0, resident=False, kv=o.table.kv)
+    return {**out, "model": o.path.stem}
+
+
+def estimate_command(
+    model: str = MODEL_ARG,
+    body_file: Path = BODY_OPT,
+    prompt: str = typer.Option(None, "--prompt", help="One user message, instead of --body.", show_default=False),
+    max_tokens: int = typer.Option(None, "--max-tokens", min=1, help="Tokens to generate (overrides the body's).",
+                                   show_default=False),
+    memory: str = MEMORY_OPT,
+    weights: str = WEIGHTS_OPT,
+    json_out: bool = JSON_OPT,
+    url: str = URL_OPT,
+    api_key: str = API_KEY_OPT,
+) -> None:
+    """Would one request fit: its prompt tokens, memory need and context. Exit 0 if it fits, 1 if not, 2 on error."""
+    body = _request_body(body_file, prompt, max_tokens)
+    if url:
+        answer, assumptions = ask_server("POST", url, "/v1/estimate", api_key, json=body), _server_assumptions(url)
+    else:
+        o = offline(model, memory, weights)
+        answer = _estimate_offline(o, body)
+        assumptions = {**o.assumptions, "prefill_tok_s": {
+            "value": None, "from": "offline there is no measured prefill rate, so est_ttft_s is null"}}
+    _finish("estimate", answer, assumptions, json_out, ok=answer["context_ok"] and answer["fits_drained"] is not False)

@@ -1,0 +1,184 @@
+"""`gmlx plan` and `gmlx estimate`: offline from the header, and the same answers from a live server."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from conftest import LiveServer
+from typer.testing import CliRunner
+
+from gmlx.capacity.memory import KVFormat
+from gmlx.capacity.table import capacity_table
+from gmlx.cli.main import app
+from gmlx.gguf.header import read_header
+from gmlx.models.weights_mode import resident_bytes
+
+runner = CliRunner()
+MiB = 2**20
+PLAN_FIELDS = ["width", "depth", "ok", "max_context_at_width", "max_width_at_depth", "model", "band",
+               "decode_batch", "in_flight", "waiting", "slots", "admit_now", "reason"]
+SAME_AS_SERVER = ("ok", "max_context_at_width", "max_width_at_depth")
+
+
+@pytest.fixture(autouse=True)
+def _no_settings_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The commands read the server's settings from the environment; the tests start from defaults."""
+    for name in os.environ:
+        if name.startswith("GMLX_") or name in ("MAX_CONCURRENCY", "QUEUE_SIZE", "QUEUE_TIMEOUT_S", "PORT"):
+            monkeypatch.delenv(name)
+
+
+def invoke(*args: object):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def invoke_json(*args: object, code: int | None = 0) -> dict:
+    r = invoke(*args, "--json")
+    assert r.exit_code == code if code is not None else r.exit_code in (0, 1), r.output
+    return json.loads(r.stdout)
+
+
+def one_line_error(r, code: int = 2) -> str:
+    assert r.exit_code == code, r.output
+    assert r.stderr.startswith("error:") and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    return r.stderr
+
+
+@pytest.fixture
+def small_memory_model(tmp_path: Path) -> tuple[Path, int]:
+    """A tiny model with a 4096-token window on a budget that holds about 1500 tokens of KV."""
+    from tiny_models import write_model
+
+    path = write_model(tmp_path / "cap.gguf", "llama", context=4096)
+    h = read_header(path)
+    probe = capacity_table(h.geometry, weight_bytes=resident_bytes(h, "float"), decode_batch=4, prefill_step=512,
+                           kv=KVFormat(float_bytes=4), memory=10**12, context_length=4096)
+    kv_per_token = probe.stream_bytes(256) // 256
+    b = probe.budget
+    return path, int((b.weight_bytes + b.prefill_bytes + 512 * MiB + 1500 * kv_per_token) / 0.999)
+
+
+def test_plan_ok(tiny_models: dict[str, Path]) -> None:
+    out = invoke_json("plan", tiny_models["llama"], "--width", 2, "--depth", 128, "--memory", "8GiB")
+    p, a = out["plan"], out["assumptions"]
+    assert list(p) == PLAN_FIELDS
+    assert p["ok"] is True and p["admit_now"] is True and p["reason"] == "ok" and p["model"] == "tiny-llama"
+    assert p["max_context_at_width"] == 256 and p["max_width_at_depth"] == 8 == p["decode_batch"] == p["slots"]
+    assert p["in_flight"] == p["waiting"] == 0 and p["band"] is None
+    assert a["source"] == "offline" and a["memory_bytes"] == {"value": 8 * 2**30, "from": "--memory"}
+    assert a["kv_format"]["element_bytes"] == 4 and "float32" in a["kv_format"]["from"]
+    assert a["decode_batch"] == {"value": 8, "from": "default"} and a["prefill_step"]["value"] == 512
+    assert a["weights"]["value"] in ("float", "native") and a["weights"]["resident_bytes"] > 0
+    assert a["reserve_bytes"]["value"] == int(0.1 * 8 * 2**30)
+
+    r = invoke("plan", tiny_models["llama"], "--width", 2, "--depth", 128)
+    assert r.exit_code == 0, r.output
+    assert "admit_now" in r.stdout and "assumptions" in r.stdout and "system memory" in r.stdout
+
+
+def test_plan_not_ok(tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    llama = tiny_models["llama"]
+    past = invoke_json("plan", llama, "--width", 1, "--depth", 300, "--memory", "8GiB", code=1)["plan"]
+    assert past["ok"] is False and past["admit_now"] is False
+    assert past["reason"] == "depth 300 exceeds max context 256 at width 1" and past["max_width_at_depth"] == 0
+    # 512 MiB is all reserve: no room for one token.
+    starved = invoke_json("plan", llama, "--width", 1, "--depth", 1, "--memory", "512MiB", code=1)["plan"]
+    assert starved["reason"] == "depth 1 exceeds max context 0 at width 1"
+    r = invoke("plan", llama, "--width", 1, "--depth", 1, "--memory", "512MiB")
+    assert r.exit_code == 1 and "exceeds max context 0" in r.stdout
+    # The server's environment variables count, as they do for `gmlx serve`.
+    monkeypatch.setenv("GMLX_MEMORY", "512MiB")
+    a = invoke_json("plan", llama, "--width", 1, "--depth", 1, code=1)["assumptions"]
+    assert a["memory_bytes"] == {"value": 512 * MiB, "from": "env GMLX_MEMORY"}
+
+
+def test_plan_table(tiny_models: dict[str, Path]) -> None:
+    out = invoke_json("plan", tiny_models["gemma3"], "--table", "--memory", "8GiB", "--decode-batch", 3)
+    t = out["table"]
+    assert t["widths"] == {"1": 256, "2": 256, "3": 256} and t["depths"] == {"256": 3}
+    assert t["decode_batch"] == 3 and t["kv_format"]["float_bytes"] == 4 and t["headline"].startswith("capacity:")
+    assert out["assumptions"]["decode_batch"] == {"value": 3, "from": "--decode-batch"}
+    r = invoke("plan", tiny_models["gemma3"], "--table", "--memory", "8GiB")
+    assert r.exit_code == 0, r.output
+    assert "capacity: 8 streams of 256 tokens" in r.stdout and "max context" in r.stdout and "max width" in r.stdout
+
+
+@pytest.mark.parametrize("args", [["--width", 0, "--depth", 5], ["--width", 2, "--depth", -1],
+                                  ["--width", "x", "--depth", 5]])
+def test_plan_bad_numbers_are_usage_errors(tiny_models: dict[str, Path], args: list) -> None:
+    assert invoke("plan", tiny_models["llama"], *args).exit_code == 2
+
+
+def test_plan_errors_exit_2(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    llama = tiny_models["llama"]
+    assert "--width and --depth are required" in one_line_error(invoke("plan", llama, "--width", 2))
+    assert "not a memory size" in one_line_error(invoke("plan", llama, "--width", 1, "--depth", 1, "--memory", "lots"))
+    assert "decode_batch" in one_line_error(invoke("plan", llama, "--table", "--decode-batch", 0))
+    (tmp_path / "bad.gguf").write_bytes(b"not a model")
+    one_line_error(invoke("plan", tmp_path / "bad.gguf", "--width", 1, "--depth", 1))
+    assert "no such file" in one_line_error(invoke("plan", tmp_path / "nope.gguf", "--width", 1, "--depth", 1))
+    assert "cannot reach" in one_line_error(invoke("plan", "--url", "http://127.0.0.1:9", "--width", 1, "--depth", 1))
+
+
+def test_plan_url_matches_offline(small_memory_model: tuple[Path, int]) -> None:
+    path, memory = small_memory_model
+    queries = [(1, 512), (4, 1024), (2, 700), (1, 5000)]
+    offline = {q: invoke_json("plan", path, "--width", q[0], "--depth", q[1], "--memory", memory, "--weights", "float",
+                              "--decode-batch", 4, code=None)["plan"] for q in queries}
+    assert [offline[q]["ok"] for q in queries] == [True, False, True, False]
+    with LiveServer(path, memory=memory) as server:
+        for (width, depth), expected in offline.items():
+            r = invoke("plan", "--url", server.url, "--width", width, "--depth", depth, "--json")
+            assert r.exit_code == (0 if expected["ok"] else 1), r.output
+            out = json.loads(r.stdout)
+            assert {k: out["plan"][k] for k in SAME_AS_SERVER} == {k: expected[k] for k in SAME_AS_SERVER}
+            assert out["plan"]["model"] == expected["model"] == "cap"
+            assert out["assumptions"] == {"source": "server", "url": server.url}
+        r = invoke("plan", "--url", server.url, "--width", 1, "--depth", 512)
+        assert r.exit_code == 0 and f"figures from the server at {server.url}" in r.stdout
+        assert "does not expose its capacity table" in one_line_error(invoke("plan", "--url", server.url, "--table"))
+
+
+def test_estimate_offline_matches_server(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    body = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"}],
+            "max_tokens": 100}
+    (tmp_path / "request.json").write_text(json.dumps(body))
+    memory = 4 * 2**30
+    out = invoke_json("estimate", tiny_models["llama"], "--body", tmp_path / "request.json", "--memory", memory,
+                      "--weights", "float")
+    est = out["estimate"]
+    assert est["resident"] is False and est["est_ttft_s"] is None and est["fits_now"] == est["fits_drained"] is True
+    assert out["assumptions"]["prefill_tok_s"]["value"] is None
+    with LiveServer(tiny_models["llama"], memory=memory) as server, server.client() as c:
+        served = c.post("/v1/estimate", json=body).json()
+        by_url = invoke_json("estimate", "--url", server.url, "--body", tmp_path / "request.json")
+    for key in ("prompt_tokens", "need_bytes", "context_ok", "context_limit", "fits_drained", "model"):
+        assert est[key] == served[key], key
+    assert by_url["estimate"]["prompt_tokens"] == served["prompt_tokens"] and by_url["estimate"]["resident"] is True
+    assert by_url["assumptions"] == {"source": "server", "url": server.url}
+
+
+def test_estimate_prompt_and_exit_codes(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    llama = tiny_models["llama"]
+    r = invoke("estimate", llama, "--prompt", "hello world", "--max-tokens", 10)
+    assert r.exit_code == 0, r.output
+    assert "prompt_tokens" in r.stdout and "prefill_tok_s" in r.stdout
+    long = invoke_json("estimate", llama, "--prompt", "word " * 400, code=1)["estimate"]
+    assert long["context_ok"] is False and long["context_limit"] == 256
+    assert invoke_json("estimate", llama, "--prompt", "hi", "--memory", "512MiB", code=1)["estimate"]["fits_drained"] is False
+    assert "exactly one of" in one_line_error(invoke("estimate", llama))
+    (tmp_path / "bad.json").write_text('{"messages": "x"}')
+    assert "'messages'" in one_line_error(invoke("estimate", llama, "--body", tmp_path / "bad.json"))
+    (tmp_path / "broken.json").write_text("{")
+    one_line_error(invoke("estimate", llama, "--body", tmp_path / "broken.json"))
+
+
+def test_url_api_key(tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    with LiveServer(tiny_models["llama"], api_key="sesame") as server:
+        assert "401" in one_line_error(invoke("plan", "--url", server.url, "--width", 1, "--depth", 1))
+        assert invoke("plan", "--url", server.url, "--width", 1, "--depth", 1, "--api-key", "sesame").exit_code == 0
+        monkeypatch.setenv("GMLX_API_KEY", "sesame")
+        assert invoke("estimate", "--url", server.url, "--prompt", "hi").exit_code == 0
