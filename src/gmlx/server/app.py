@@ -170,6 +170,8 @@ async def health(request: Request) -> Response:
         reason, retry = "loading", LOADING_RETRY_AFTER_S
     elif gate.closed:
         reason, retry = "shutting_down", RETRY_AFTER_FULL_S
+    elif state.band in ("orange", "red"):
+        reason, retry = "pressure", gate.retry_after(waiting=max(1, gate.waiting))
     elif gate.waiting:
         reason, retry = "queue", gate.retry_after()
     elif gate.running >= gate.width:
