@@ -232,6 +232,8 @@ def test_queue_timeout(tiny_models: dict[str, Path]) -> None:
                 return [await first, second]
 
         first, second = asyncio.run(run())
+        queue = server.client().get("/v1/metrics").json()["server"]["queue"]
+    assert queue["timeouts"] == 1 and queue["last_reject_reason"] == "queue_timeout"
     assert first.status_code == 200 and first.json()["choices"][0]["finish_reason"] == "length"
     assert second.status_code == 503 and second.json()["error"]["code"] == "queue_timeout"
     assert int(second.headers["Retry-After"]) >= 1

@@ -14,6 +14,7 @@ from rich.markup import escape
 
 import gmlx
 from gmlx import platform
+from gmlx.cli.completions import complete_gguf
 from gmlx.default_model import DefaultModelMissing, resolve_model
 from gmlx.gguf.header import GGUFError
 
@@ -26,7 +27,8 @@ EXIT_NO_DEFAULT_MODEL = 4  # no model given and the demo extra is not installed
 console = Console()
 err_console = Console(stderr=True)
 
-MODEL_ARG = typer.Argument(None, help="A .gguf file; the embedded default model when omitted.", show_default=False)
+MODEL_ARG = typer.Argument(None, help="A .gguf file; the embedded default model when omitted.", show_default=False,
+                           autocompletion=complete_gguf)
 JSON_OPT = typer.Option(False, "--json", help="Print one JSON object instead of a table.")
 
 

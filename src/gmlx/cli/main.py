@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from gmlx.cli import inspect, plan, run, serve
+from gmlx.cli import inspect, plan, run, serve, top
 
 app = typer.Typer(
     name="gmlx",
@@ -18,3 +18,4 @@ app.command("plan")(plan.plan_command)
 app.command("estimate")(plan.estimate_command)
 app.command("run")(run.run_command)
 app.command("serve")(serve.serve_command)
+app.command("top")(top.top_command)

@@ -43,6 +43,7 @@ def serve_command(
     log_input_text: bool = typer.Option(None, "--log-input-text/--no-log-input-text", help="Log prompts and outputs.", show_default=False),
     shutdown_timeout: float = typer.Option(None, "--shutdown-timeout", help="Seconds running streams get to finish on shutdown.", show_default=False),
     log_level: str = typer.Option(None, "--log-level", help="debug, info, warning or error.", show_default=False),
+    memory: str = typer.Option(None, "--memory", help="Memory the capacity table plans with, e.g. 64GiB.  [default: device or system memory]", show_default=False),
     config: Path = typer.Option(None, "--config", help="A TOML or YAML file of settings (below flags and environment)."),
     print_config: bool = typer.Option(False, "--print-config", help="Show each setting and where it came from, then exit."),
     json_out: bool = JSON_OPT,
@@ -51,7 +52,7 @@ def serve_command(
     flags = dict(model=model, host=host, port=port, api_key=api_key, decode_batch=decode_batch, queue_size=queue_size,
                  queue_timeout=queue_timeout, max_body_bytes=max_body_bytes, weights=weights, prefill_step=prefill_step,
                  max_tokens_default=max_tokens, log_input_text=log_input_text, shutdown_timeout=shutdown_timeout,
-                 log_level=log_level)
+                 log_level=log_level, memory=memory)
     try:
         settings = resolve_settings(flags, config=config)
     except SettingsError as e:

@@ -12,8 +12,8 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
-from collections.abc import Callable
+from collections import Counter, deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -26,6 +26,7 @@ from gmlx.models.loader import LoadedModel
 
 log = logging.getLogger("gmlx.engine")
 _RATE_WINDOW_S = 10.0  # the "recent" in recent decode rates
+_RECENT_REQUESTS = 32  # the "recent" in means over recent requests
 WARMUP_TOKENS = 32
 
 
@@ -46,6 +47,7 @@ class Finished:
 @dataclass
 class Failed:
     message: str
+    code: str = "generation_failed"  # the OpenAI error code the client gets
 
 
 Event = Chunk | Finished | Failed
@@ -78,6 +80,11 @@ class Request:
         return (self.generated - 1) / span if span > 0 else None
 
 
+def _mean(values: Iterable[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else None
+
+
 @dataclass
 class EngineStats:
     """Figures the server reports and plans with; written only by the engine thread."""
@@ -89,6 +96,31 @@ class EngineStats:
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
     recent_steps: deque = field(default_factory=lambda: deque(maxlen=4096))  # (t, decode tokens)
+    # Per finished request: (decode tok/s, prefill tok/s), for the means over recent requests.
+    recent_requests: deque = field(default_factory=lambda: deque(maxlen=_RECENT_REQUESTS))
+    decode_rate_sum: float = 0.0  # over finished requests that decoded, for the lifetime mean
+    decode_rate_count: int = 0
+    finish_reasons: Counter = field(default_factory=Counter)
+
+    def record(self, req: Request, event: Finished) -> None:
+        self.finish_reasons[event.finish_reason] += 1
+        if event.finish_reason == "cancelled":
+            return
+        self.finished += 1
+        self.generated_total += req.generated
+        prefill = len(req.prompt_ids) / event.ttft_s if event.ttft_s else None
+        self.recent_requests.append((event.decode_tok_s, prefill))
+        if event.decode_tok_s is not None:
+            self.decode_rate_sum += event.decode_tok_s
+            self.decode_rate_count += 1
+
+    def request_means(self) -> tuple[float | None, float | None]:
+        """Mean decode and prefill tok/s of the recent finished requests, each stream on its own."""
+        rows = list(self.recent_requests)
+        return _mean(r[0] for r in rows), _mean(r[1] for r in rows)
+
+    def decode_tok_s_per_request_lifetime(self) -> float | None:
+        return self.decode_rate_sum / self.decode_rate_count if self.decode_rate_count else None
 
     def mean_generated(self) -> float | None:
         return self.generated_total / self.finished if self.finished else None
@@ -181,9 +213,14 @@ class Engine:
             self._requests[request.id] = request
         self._commands.put(("submit", request))
 
-    def cancel(self, request_id: str) -> None:
-        """Stop a request within one step; its slot and KV cache are freed."""
-        self._commands.put(("cancel", request_id))
+    def cancel(self, request_id: str, error: Failed | None = None) -> None:
+        """Stop a request within one step; its slot and KV cache are freed. With an `error`
+        the request ends with it, so its client learns why it was stopped."""
+        self._commands.put(("cancel", (request_id, error)))
+
+    def clear_cache(self) -> None:
+        """Release MLX's buffer cache, on the engine thread (it is not a memory read)."""
+        self._commands.put(("clear_cache", None))
 
     def cancel_all(self) -> None:
         self._commands.put(("cancel_all", None))
@@ -248,9 +285,9 @@ class Engine:
             self._finish(req, self._cancelled(req))
         gen.close()
 
-    def _cancel(self, gen: BatchGenerator, req: Request) -> None:
+    def _cancel(self, gen: BatchGenerator, req: Request, error: Failed | None = None) -> None:
         gen.remove([req.uid])
-        self._finish(req, self._cancelled(req))
+        self._finish(req, error or self._cancelled(req))
 
     @staticmethod
     def _cancelled(req: Request) -> Finished:
@@ -269,9 +306,12 @@ class Engine:
             if kind == "submit":
                 self._insert(gen, arg)
             elif kind == "cancel":
-                req = self._requests.get(arg)
+                request_id, error = arg
+                req = self._requests.get(request_id)
                 if req is not None and req.uid in self._active:
-                    self._cancel(gen, req)
+                    self._cancel(gen, req, error)
+            elif kind == "clear_cache":
+                mx.clear_cache()
             elif kind == "cancel_all":
                 for req in list(self._active.values()):
                     self._cancel(gen, req)
@@ -329,9 +369,8 @@ class Engine:
             self._finish(req, Finished(reason, len(req.prompt_ids), req.generated, req.ttft_s, req.decode_tok_s(now)))
 
     def _finish(self, req: Request, event: Event) -> None:
-        if isinstance(event, Finished) and event.finish_reason != "cancelled":
-            self.stats.finished += 1
-            self.stats.generated_total += req.generated
+        if isinstance(event, Finished):
+            self.stats.record(req, event)
         req.state = "done"
         self._active.pop(req.uid, None)
         self._detok.pop(req.uid, None)

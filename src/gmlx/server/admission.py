@@ -1,15 +1,16 @@
 """The admission gate: at most `width` requests run, at most `cap` wait, none waits forever.
 
-It lives on the event loop (no locks): a request takes a slot at once when one is free
-and nobody is waiting, else queues in arrival order; a finished request hands its slot
-straight to the oldest waiter.
+It lives on the event loop (no locks): a request takes a slot at once when one is free,
+nobody is waiting and `admission_allowed()` says yes, else queues in arrival order; a
+finished request hands its slot straight to the oldest waiter. The memory governor sets
+`admission_allowed` and calls `poke()` when its answer may have turned to yes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 
 from gmlx.server.errors import APIError
@@ -29,8 +30,10 @@ class AdmissionGate:
         self.running = 0
         self._waiters: deque[asyncio.Future] = deque()
         self.rejections = 0
+        self.rejections_by_code: Counter[str] = Counter()
         self.last_reject_reason: str | None = None
         self.closed = False
+        self.admission_allowed: Callable[[], bool] = lambda: True
 
     @property
     def waiting(self) -> int:
@@ -49,7 +52,7 @@ class AdmissionGate:
         Cancelling the caller (a client gone) gives its place, or its slot, back."""
         if self.closed:
             raise self._shutting_down()
-        if self.running < self.width and not self._waiters:
+        if self.running < self.width and not self._waiters and self.admission_allowed():
             self.running += 1
             return
         if len(self._waiters) >= self.cap:
@@ -84,16 +87,21 @@ class AdmissionGate:
         return APIError(503, "the server is shutting down", "shutting_down", retry_after=RETRY_AFTER_FULL_S)
 
     def release(self) -> None:
-        """Free a slot: the oldest waiter takes it over, else the running count drops."""
-        while self._waiters:
+        """Free a slot: the oldest waiter takes it over if admission allows, else the running count drops."""
+        self.running -= 1
+        self.poke()
+
+    def poke(self) -> None:
+        """Grant free slots to the oldest waiters for as long as admission allows."""
+        while self._waiters and self.running < self.width and self.admission_allowed():
             slot = self._waiters.popleft()
             if not slot.done():
+                self.running += 1
                 slot.set_result(None)
-                return
-        self.running -= 1
 
     def _reject(self, code: str, message: str, retry_after: int) -> APIError:
         self.rejections += 1
+        self.rejections_by_code[code] += 1
         self.last_reject_reason = code
         return APIError(503, f"server busy: {message}; retry after {retry_after} s", code, retry_after=retry_after)
 

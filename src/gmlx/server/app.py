@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -23,9 +24,12 @@ from gmlx.server import openai_api
 from gmlx.server.admission import RETRY_AFTER_FULL_S
 from gmlx.server.capacity_routes import capacity_plan, estimate_body, estimate_route
 from gmlx.server.errors import APIError
+from gmlx.server.governor import Governor
 from gmlx.server.http import ClientGone, read_json, unless_disconnected
+from gmlx.server.metrics import snapshot
 from gmlx.server.settings import Settings
-from gmlx.server.state import LOADING_RETRY_AFTER_S, ServerState
+from gmlx.server.state import LOADING_RETRY_AFTER_S, QueuedRow, ServerState
+from gmlx.server.system import system_info
 
 log = logging.getLogger("gmlx.server")
 OPEN_PATHS = frozenset({"/health", "/system"})
@@ -49,6 +53,7 @@ class APIKeyMiddleware:
 
 
 def _log_finished(state: ServerState, rid: str, e: Finished, prompt: Any, text: str) -> None:
+    state.histograms.observe(e.ttft_s, e.decode_tok_s)
     ttft = f"{e.ttft_s:.3f}s" if e.ttft_s is not None else "-"
     rate = f"{e.decode_tok_s:.1f}" if e.decode_tok_s is not None else "-"
     log.info("%s prompt=%d generated=%d ttft=%s decode=%s tok/s finish=%s",
@@ -72,10 +77,14 @@ async def generate(request: Request, chat: bool) -> Response:
                        "context_length_exceeded", param="messages" if chat else "prompt")
     max_tokens = min(p.max_tokens or state.settings.max_tokens_default, context - len(prompt_ids))
 
+    rid = openai_api.new_id(chat)
+    state.queued[rid] = QueuedRow(rid, len(prompt_ids), max_tokens)
     try:
         await unless_disconnected(request, state.gate.acquire())
     except ClientGone:
         return Response(status_code=499)
+    finally:
+        del state.queued[rid]
 
     loop = asyncio.get_running_loop()
     events: asyncio.Queue[Event] = asyncio.Queue()
@@ -85,7 +94,6 @@ async def generate(request: Request, chat: bool) -> Response:
         if isinstance(e, (Finished, Failed)):
             state.gate.release()
 
-    rid = openai_api.new_id(chat)
     state.engine.submit(EngineRequest(rid, prompt_ids, max_tokens, p.sampling, p.stop,
                                       emit=lambda e: loop.call_soon_threadsafe(deliver, e)))
     prompt_for_log = p.messages if chat else p.prompt
@@ -98,7 +106,10 @@ async def generate(request: Request, chat: bool) -> Response:
         state.engine.cancel(rid)
         return Response(status_code=499)
     if isinstance(end, Failed):
-        raise APIError(500, end.message, "generation_failed")
+        # Stopped to relieve memory is the server's load, not its fault: 503, try again later.
+        pressure = end.code == "memory_pressure"
+        raise APIError(503 if pressure else 500, end.message, end.code,
+                       retry_after=state.gate.retry_after() if pressure else None)
     _log_finished(state, rid, end, prompt_for_log, text)
     if end.finish_reason == "cancelled":
         raise APIError(503, "the server is shutting down", "shutting_down", retry_after=RETRY_AFTER_FULL_S)
@@ -128,8 +139,8 @@ async def _sse(state: ServerState, p: openai_api.GenerationParams, rid: str, eve
             yield _sse_data(openai_api.chunk(p, rid, model, text=e.text))
         ended = True
         if isinstance(e, Failed) or e.finish_reason == "cancelled":
-            message = e.message if isinstance(e, Failed) else "the server is shutting down"
-            yield _sse_data({"error": {"message": message, "type": "server_error", "code": "generation_failed"}})
+            message, code = (e.message, e.code) if isinstance(e, Failed) else ("the server is shutting down", "shutting_down")
+            yield _sse_data({"error": {"message": message, "type": "server_error", "code": code}})
         else:
             _log_finished(state, rid, e, prompt_for_log, "".join(parts))
             yield _sse_data(openai_api.chunk(p, rid, model, finish=e.finish_reason))
@@ -181,6 +192,18 @@ async def health(request: Request) -> Response:
     return JSONResponse({**body, "ready": False, "reason": reason}, status_code=503, headers={"Retry-After": str(retry)})
 
 
+async def metrics_route(request: Request) -> Response:
+    state: ServerState = request.app.state.gmlx
+    snap = snapshot(state)
+    if request.query_params.get("format") == "prometheus":
+        return Response(state.histograms.render(snap), media_type=CONTENT_TYPE_LATEST)
+    return JSONResponse(snap)
+
+
+async def system_route(request: Request) -> Response:
+    return JSONResponse(system_info(request.app.state.gmlx))
+
+
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
     log.info("%s %s -> %d %s", request.method, request.url.path, exc.status, exc.code)
@@ -195,12 +218,15 @@ async def _not_found(request: Request, exc: Exception) -> Response:
 
 def create_app(settings: Settings, engine: Engine, model_id: str) -> Starlette:
     state = ServerState(settings, engine, model_id)
+    governor = state.governor = Governor(state)  # disabled by GMLX_GOVERNOR=0, but still reports so
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         if not settings.api_key:
             log.warning("no API key set: every route is open (set --api-key or GMLX_API_KEY)")
+        governor.start()
         yield
+        governor.stop()
         engine.stop(settings.shutdown_timeout)
 
     routes = [
@@ -210,6 +236,8 @@ def create_app(settings: Settings, engine: Engine, model_id: str) -> Starlette:
         Route("/health", health, methods=["GET"]),
         Route("/v1/capacity/plan", capacity_plan, methods=["GET"]),
         Route("/v1/estimate", estimate_route, methods=["POST"]),
+        Route("/v1/metrics", metrics_route, methods=["GET"]),
+        Route("/system", system_route, methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={APIError: _api_error, 404: _not_found, 405: _not_found})

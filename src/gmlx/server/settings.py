@@ -107,6 +107,11 @@ def _fraction(v: float) -> None:
         raise ValueError("must be at least 0 and below 1")
 
 
+def _share(v: float) -> None:
+    if not 0 < v <= 1:
+        raise ValueError("must be above 0 and at most 1")
+
+
 def _port(v: int) -> None:
     if not 0 <= v <= 65535:  # 0 asks the OS for a free port, which tests use
         raise ValueError("must be between 0 and 65535")
@@ -151,6 +156,13 @@ class Settings:
     reserve_fraction: float = _f(0.10, _float, "GMLX_RESERVE_FRACTION", check=_fraction)
     reserve_floor: int = _f(512 * 2**20, _bytes, "GMLX_RESERVE_FLOOR")
     overcommit: bool = _f(False, _bool, "GMLX_OVERCOMMIT")
+    # The memory governor: band thresholds as fractions of the budget (total less reserve) in use.
+    governor: bool = _f(True, _bool, "GMLX_GOVERNOR")
+    governor_yellow: float = _f(0.80, _float, "GMLX_GOVERNOR_YELLOW", check=_share)
+    governor_orange: float = _f(0.90, _float, "GMLX_GOVERNOR_ORANGE", check=_share)
+    governor_red: float = _f(0.97, _float, "GMLX_GOVERNOR_RED", check=_share)
+    governor_hysteresis: float = _f(0.05, _float, "GMLX_GOVERNOR_HYSTERESIS", check=_fraction)
+    governor_interval_s: float = _f(0.25, _float, "GMLX_GOVERNOR_INTERVAL_S", check=_above(0))
     sources: dict[str, str] = field(default_factory=dict)
 
 
@@ -212,6 +224,9 @@ def resolve_settings(flags: Mapping[str, Any], env: Mapping[str, str] | None = N
                 raise SettingsError(f"{name}: {raw!r} from {source} {e}") from None
         sources[name] = source
 
+    bands = [values[f"governor_{b}"] for b in ("yellow", "orange", "red")]
+    if not bands[0] < bands[1] < bands[2]:
+        raise SettingsError(f"governor thresholds must rise: yellow {bands[0]} < orange {bands[1]} < red {bands[2]}")
     if values["queue_size"] is None:
         values["queue_size"] = 2 * values["decode_batch"]
         sources["queue_size"] = "default (2 x decode_batch)"

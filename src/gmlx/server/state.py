@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from gmlx import platform
 from gmlx.capacity.memory import KVFormat
@@ -13,9 +14,23 @@ from gmlx.engine.engine import Engine
 from gmlx.server import openai_api
 from gmlx.server.admission import AdmissionGate
 from gmlx.server.errors import APIError
+from gmlx.server.prometheus import Histograms
 from gmlx.server.settings import Settings
 
+if TYPE_CHECKING:
+    from gmlx.server.governor import Governor
+
 LOADING_RETRY_AFTER_S = 5
+
+
+@dataclass(frozen=True)
+class QueuedRow:
+    """A request waiting at the gate, as the metrics snapshot lists it."""
+
+    id: str
+    prompt_tokens: int
+    max_tokens: int
+    since: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -29,6 +44,9 @@ class ServerState:
     # ("Already borrowed" when two threads meet), so encoding takes turns.
     _tokenizer_lock: threading.Lock = field(default_factory=threading.Lock)
     _table: CapacityTable | None = None
+    queued: dict[str, QueuedRow] = field(default_factory=dict)  # id -> row, in arrival order
+    governor: Governor | None = None  # None when GMLX_GOVERNOR=0
+    histograms: Histograms = field(default_factory=lambda: Histograms())
     # The memory governor's band; None until a governor runs (a test may set it meanwhile).
     band: str | None = None
 

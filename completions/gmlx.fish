@@ -1,0 +1,1 @@
+complete --command gmlx --no-files --arguments "(env _GMLX_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=get-args _TYPER_COMPLETE_ARGS=(commandline -cp) gmlx)" --condition "env _GMLX_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=is-args _TYPER_COMPLETE_ARGS=(commandline -cp) gmlx"

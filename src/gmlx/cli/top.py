@@ -1,0 +1,45 @@
+"""`gmlx top`: the terminal dashboard over one server or a fleet. It knows servers only through HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+
+import typer
+from rich.markup import escape
+
+from gmlx.cli.common import EXIT_FAILED, err_console
+from gmlx.tui.client import Poller, Status
+from gmlx.tui.render import plain_text
+
+DEFAULT_URL = "http://127.0.0.1:8080"
+
+
+def top_command(
+    url: list[str] = typer.Option([DEFAULT_URL], "--url", help="A server to watch; repeat for a fleet."),  # noqa: B008
+    api_key: str = typer.Option(None, "--api-key", envvar="GMLX_API_KEY", help="The servers' API key.",
+                                show_default=False),
+    interval: float = typer.Option(1.0, "--interval", min=0.05, help="Seconds between polls."),
+    once: bool = typer.Option(False, "--once", help="Print one snapshot as plain text and exit; "
+                              "exit 1 when a server is unreachable or refuses the key."),
+) -> None:
+    """Watch servers: governor band, memory, queue, rates, capacity and every request in flight."""
+    if not once:
+        from gmlx.tui.app import TopApp  # Textual loads only for the dashboard
+
+        TopApp(url, api_key, interval).run()
+        return
+    pollers = asyncio.run(_poll_once(url, api_key, interval))
+    typer.echo(plain_text(pollers), nl=False)
+    failed = [p for p in pollers if p.status is not Status.UP]
+    for p in failed:
+        err_console.print(f"[bold red]error:[/] {escape(p.url)}: {escape(p.error or '')}", highlight=False, soft_wrap=True)
+    if failed:
+        raise typer.Exit(EXIT_FAILED)
+
+
+async def _poll_once(urls: list[str], api_key: str | None, interval: float) -> list[Poller]:
+    pollers = [Poller(u, api_key, interval) for u in urls]
+    await asyncio.gather(*(p.poll() for p in pollers))
+    for p in pollers:
+        await p.aclose()
+    return pollers

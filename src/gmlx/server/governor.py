@@ -1,0 +1,204 @@
+"""The memory governor: samples memory a few times a second, sets `state.band`, and acts on it.
+
+The limit is the capacity table's budget: total memory less the reserve. "In use" is the largest
+of three readings, since each misses something the others see:
+- MLX active + cache memory: weights, KV caches, working buffers, and freed buffers MLX keeps
+  for reuse (they are only released by `mx.clear_cache`). On CUDA this is the device memory the
+  budget counts, and the two host figures below are left out.
+- the process's resident memory: adds the interpreter, tokenizer and libraries.
+- the limit less the system's available memory: what other processes take counts against us too,
+  as we can grow no further than what is available.
+
+Actions, each counted with the time of the last one (`snapshot()["actions"]`):
+- `single_admission` (entering yellow): the gate admits one new stream at a time; the next is
+  admitted only once every slot holder has reached decode.
+- `hold_admission` (entering orange or red): the gate admits none; new requests wait in the queue.
+- `clear_cache` (orange, red): MLX's buffer cache is released, on the engine thread. Evicting the
+  prompt cache's coldest entries does not apply: gmlx has no prompt cache yet.
+- `stop_stream` (red): the newest running stream ends with an error that says why, one at a time:
+  the next only once the last has ended and memory is still red.
+
+It runs on its own thread. The only MLX calls made here are memory reads; the gate, which lives
+on the event loop, is reached through `call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+import psutil
+
+from gmlx import platform
+from gmlx.capacity.governor import BANDS, Thresholds, next_band
+from gmlx.engine.engine import Failed
+
+if TYPE_CHECKING:
+    from gmlx.server.state import ServerState
+
+log = logging.getLogger("gmlx.governor")
+ACTIONS = ("single_admission", "hold_admission", "clear_cache", "stop_stream")
+NOT_APPLICABLE = {"evict_prompt_cache": "gmlx has no prompt cache yet"}
+STOP_MESSAGE = ("stopped under memory pressure: the server's memory governor is red and this was the newest "
+                "running request; retry later")
+CLEAR_EVERY_S = 1.0  # while orange or red, release MLX's cache at most this often (it refills as streams run)
+_ORANGE = BANDS.index("orange")
+_process = psutil.Process()
+
+
+@dataclass(frozen=True)
+class MemoryReading:
+    active_bytes: int  # MLX
+    cache_bytes: int  # MLX
+    rss_bytes: int  # this process
+    available_bytes: int  # the system's
+
+
+def read_memory() -> MemoryReading:
+    return MemoryReading(mx.get_active_memory(), mx.get_cache_memory(), _process.memory_info().rss,
+                         platform.available_memory_bytes())
+
+
+def in_use(reading: MemoryReading, limit: int, host_memory: bool) -> int:
+    """Bytes in use against `limit` (see the module's docstring); host figures count only
+    where the budget is host memory (CPU, and Metal's unified memory)."""
+    used = reading.active_bytes + reading.cache_bytes
+    if host_memory:
+        used = max(used, reading.rss_bytes, limit - reading.available_bytes)
+    return used
+
+
+@dataclass
+class _Action:
+    count: int = 0
+    last_at: float | None = None  # unix time
+
+
+class Governor:
+    def __init__(self, state: ServerState, probe: Callable[[], MemoryReading] = read_memory):
+        """`probe` reads memory; tests swap in a fake to drive the bands."""
+        s = state.settings
+        self.state, self.probe = state, probe
+        self.enabled = s.governor
+        self.thresholds = Thresholds(s.governor_yellow, s.governor_orange, s.governor_red, s.governor_hysteresis)
+        self.interval_s = s.governor_interval_s
+        self._host_memory = platform.backend() != "cuda"
+        self.fraction: float | None = None
+        self.used_bytes: int | None = None
+        self.limit_bytes: int | None = None
+        self._actions = {name: _Action() for name in ACTIONS}
+        self._lock = threading.Lock()  # the snapshot sees one sample's figures together
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._victim: str | None = None  # the stream last stopped, until it has ended
+        self._last_clear = float("-inf")
+        self._last_error: str | None = None
+
+    def start(self) -> None:
+        """Start sampling; call on the event loop the gate lives on. Does nothing when disabled."""
+        if not self.enabled:
+            return
+        self._loop = asyncio.get_running_loop()
+        self.state.gate.admission_allowed = self._admission_allowed
+        self._thread = threading.Thread(target=self._run, name="gmlx-governor", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(5)
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "band": self.state.band if self.enabled else None,
+                "enabled": self.enabled,
+                "thresholds": self.thresholds.to_json(),
+                "interval_s": self.interval_s,
+                "fraction": None if self.fraction is None else round(self.fraction, 4),
+                "used_bytes": self.used_bytes,
+                "limit_bytes": self.limit_bytes,
+                "actions": {name: {"count": a.count, "last_at": a.last_at} for name, a in self._actions.items()},
+                "not_applicable": dict(NOT_APPLICABLE),
+            }
+
+    # --- on the event loop -----------------------------------------------------------------
+
+    def _admission_allowed(self) -> bool:
+        band = self.state.band
+        if band == "yellow":
+            # Every slot holder has left prefill: one queued at the engine, in prefill, or between
+            # the gate and the engine holds a slot without a decode row.
+            return self.state.engine.decoding >= self.state.gate.running
+        return band not in ("orange", "red")
+
+    # --- on the governor's thread ----------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopping.wait(self.interval_s):
+            try:
+                self._sample()
+                self._last_error = None
+            except Exception as e:  # a failing probe must not end the sampling
+                if str(e) != self._last_error:
+                    log.exception("memory governor: sampling failed")
+                self._last_error = str(e)
+
+    def _sample(self) -> None:
+        table = self.state.table()
+        if table is None:  # still loading: no budget to measure against yet
+            return
+        limit = table.budget.total_bytes - table.budget.reserve_bytes
+        reading = self.probe()
+        used = in_use(reading, limit, self._host_memory)
+        fraction = used / limit if limit > 0 else 1.0
+        previous = self.state.band
+        band = next_band(previous, fraction, self.thresholds)
+        now = time.time()
+        with self._lock:
+            self.state.band = band
+            self.fraction, self.used_bytes, self.limit_bytes = fraction, used, limit
+            level, was = BANDS.index(band), -1 if previous is None else BANDS.index(previous)
+            if band == "yellow" and previous != "yellow":
+                self._record("single_admission", now)
+            if level >= _ORANGE > was:
+                self._record("hold_admission", now)
+            stopped = band == "red" and self._stop_newest(now)
+            if level >= _ORANGE and (stopped or (reading.cache_bytes and now - self._last_clear >= CLEAR_EVERY_S)):
+                self.state.engine.clear_cache()  # queued after the stop, so it frees that stream's buffers too
+                self._last_clear = now
+                self._record("clear_cache", now)
+        if band != previous:
+            log.log(logging.WARNING if level >= _ORANGE else logging.INFO,
+                    "memory governor: %s -> %s (%.1f%% of %d MiB in use)", previous, band, 100 * fraction, limit >> 20)
+        if self.state.gate.waiting:  # the band, or a stream leaving prefill, may let a waiter in
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(self.state.gate.poke)
+
+    def _stop_newest(self, now: float) -> bool:
+        engine = self.state.engine
+        rows = engine.requests()
+        if self._victim is not None and any(r.id == self._victim for r in rows):
+            return False  # the last stop has not taken effect yet
+        running = [r for r in rows if r.state in ("prefill", "decode")]
+        if not running:
+            self._victim = None
+            return False
+        victim = max(running, key=lambda r: r.submitted_at)
+        log.warning("memory governor: red, stopping the newest running request %s", victim.id)
+        engine.cancel(victim.id, Failed(STOP_MESSAGE, "memory_pressure"))
+        self._victim = victim.id
+        self._record("stop_stream", now)
+        return True
+
+    def _record(self, name: str, now: float) -> None:
+        action = self._actions[name]
+        action.count += 1
+        action.last_at = now

@@ -1,0 +1,145 @@
+"""The one metrics snapshot (DESIGN.md, decision 6): built here section by section; a section
+whose probe raises reports null fields and the rest still answers. Prometheus text is rendered
+from the same snapshot, so the two never disagree."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import psutil
+
+from gmlx.capacity.memory import kv_bytes
+from gmlx.server.admission import RETRY_AFTER_FULL_S
+from gmlx.server.state import ServerState
+
+log = logging.getLogger("gmlx.metrics")
+
+Probe = Callable[[ServerState], Any]
+
+
+def _concurrency(s: ServerState) -> dict:
+    return {"decode_batch": s.gate.width, "queue_cap": s.gate.cap, "in_flight": s.gate.running,
+            "waiting": s.gate.waiting}
+
+
+def _queue(s: ServerState) -> dict:
+    g = s.gate
+    return {"waiting": g.waiting, "cap": g.cap, "eta_s": g.retry_after(RETRY_AFTER_FULL_S),
+            "rejections": g.rejections, "timeouts": g.rejections_by_code.get("queue_timeout", 0),
+            "rejections_by_reason": dict(g.rejections_by_code), "last_reject_reason": g.last_reject_reason}
+
+
+def _governor(s: ServerState) -> dict:
+    return s.governor.snapshot() if s.governor is not None else {"band": None, "enabled": False}
+
+
+def _memory(s: ServerState) -> dict:
+    active, cache = mx.get_active_memory(), mx.get_cache_memory()
+    table = s.table()
+    usable = table.budget.total_bytes - table.budget.reserve_bytes if table else None
+    vm = psutil.virtual_memory()
+    return {
+        "active_bytes": active,
+        "cache_bytes": cache,
+        "peak_bytes": mx.get_peak_memory(),
+        "headroom_bytes": usable - active - cache if usable is not None else None,
+        "budget_bytes": table.budget.total_bytes if table else None,
+        "process_rss_bytes": psutil.Process().memory_info().rss,
+        "system_available_bytes": vm.available,
+        "system_total_bytes": vm.total,
+    }
+
+
+def _capacity(s: ServerState) -> dict | None:
+    table, measured = s.table(), s.engine.measured
+    if table is None:
+        return None
+    out = table.to_json()
+    if measured is not None:
+        out["warmup"] = {
+            "tokens": measured.tokens,
+            "kv_bytes_predicted": kv_bytes(table.geometry, measured.tokens, table.kv, allocated=True),
+            "kv_bytes_measured": measured.kv_bytes,
+            "prefill_tok_s_measured": round(measured.prefill_tok_s, 1),
+            "decode_tok_s_measured": round(measured.decode_tok_s, 2),
+        }
+    return out
+
+
+def _rates(s: ServerState) -> dict:
+    st = s.engine.stats
+    decode_recent, prefill_recent = st.request_means()
+    return {
+        "decode_tok_s": _round(st.decode_tok_s_recent()),
+        "decode_streams": s.engine.decoding,
+        "prefill_tok_s_recent": _round(prefill_recent),
+        "decode_tok_s_recent": _round(decode_recent),
+        "decode_tok_s_lifetime": _round(st.decode_tok_s_per_request_lifetime()),
+    }
+
+
+def _totals(s: ServerState) -> dict:
+    st = s.engine.stats
+    return {"requests_finished": dict(st.finish_reasons), "prompt_tokens": st.prefill_tokens,
+            "generated_tokens": st.decode_tokens}
+
+
+def _requests(s: ServerState) -> list[dict]:
+    now = time.monotonic()
+    rows = [{"id": q.id, "uid": None, "model": s.model_id, "state": "queued", "prompt_tokens": q.prompt_tokens,
+             "generated": 0, "max_tokens": q.max_tokens, "elapsed_s": round(now - q.since, 2), "ttft_s": None,
+             "decode_tok_s": None, "cache": None, "speculative": None} for q in list(s.queued.values())]
+    for r in s.engine.requests():
+        rows.append({
+            "id": r.id, "uid": r.uid, "model": s.model_id, "state": r.state, "prompt_tokens": len(r.prompt_ids),
+            "generated": r.generated, "max_tokens": r.max_tokens, "elapsed_s": round(now - r.submitted_at, 2),
+            "ttft_s": _round(r.ttft_s, 3), "decode_tok_s": _round(r.decode_tok_s(now)),
+            # No prompt cache yet: every prompt is prefilled cold.
+            "cache": {"tier": "miss", "warm_tokens": 0}, "speculative": None,
+        })
+    return rows
+
+
+def _resident_models(s: ServerState) -> list[dict]:
+    loaded = s.engine.loaded
+    if loaded is None:
+        return []
+    return [{"model": s.model_id, "kind": "chat", "in_flight": s.engine.in_flight, "decode_batch": s.gate.width,
+             "weight_mode": loaded.mode, "weight_bytes": loaded.report.resident_bytes,
+             "context_length": loaded.context_length}]
+
+
+# Section -> (probe, the fields it reports null when the probe fails).
+SECTIONS: dict[str, tuple[Probe, tuple[str, ...]]] = {
+    "concurrency": (_concurrency, ("decode_batch", "queue_cap", "in_flight", "waiting")),
+    "queue": (_queue, ("waiting", "cap", "eta_s", "rejections", "timeouts", "rejections_by_reason",
+                       "last_reject_reason")),
+    "governor": (_governor, ("band", "enabled")),
+    "memory": (_memory, ("active_bytes", "cache_bytes", "peak_bytes", "headroom_bytes", "budget_bytes",
+                         "process_rss_bytes", "system_available_bytes", "system_total_bytes")),
+    "capacity": (_capacity, ()),
+    "rates": (_rates, ("decode_tok_s", "decode_streams", "prefill_tok_s_recent", "decode_tok_s_recent",
+                       "decode_tok_s_lifetime")),
+    "totals": (_totals, ("requests_finished", "prompt_tokens", "generated_tokens")),
+    "requests": (_requests, ()),
+    "resident_models": (_resident_models, ()),
+}
+
+
+def snapshot(s: ServerState) -> dict:
+    server: dict[str, Any] = {}
+    for name, (probe, fields) in SECTIONS.items():
+        try:
+            server[name] = probe(s)
+        except Exception:
+            log.exception("metrics section %s failed; reporting nulls", name)
+            server[name] = dict.fromkeys(fields) if fields else None
+    return {"server": server}
+
+
+def _round(value: float | None, digits: int = 1) -> float | None:
+    return None if value is None else round(value, digits)

@@ -1,0 +1,107 @@
+"""Prometheus text for /v1/metrics?format=prometheus, rendered by prometheus_client from the
+JSON snapshot itself (so both answer the same at the same moment), plus latency histograms."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+BANDS = ("green", "yellow", "orange", "red")
+_TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120)
+_TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1, 2)
+
+
+class _Snapshot:
+    """A collector over whatever snapshot it was last given."""
+
+    def __init__(self) -> None:
+        self.snap: dict[str, Any] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.snap.get("server", {})
+        models = s.get("resident_models") or []
+        model = models[0]["model"] if models else ""
+        for section in ("concurrency", "queue", "memory"):
+            yield from _gauges(f"gmlx_{section}", s.get(section) or {}, skip=("rejections",))
+        queue = s.get("queue") or {}
+        rejected = CounterMetricFamily("gmlx_queue_rejections", "Requests turned away at the gate", labels=["reason"])
+        for reason, n in (queue.get("rejections_by_reason") or {}).items():
+            rejected.add_metric([reason], n)
+        yield rejected
+        gov = s.get("governor") or {}
+        band = GaugeMetricFamily("gmlx_governor_band", "1 for the memory governor's current band", labels=["band"])
+        for name in BANDS:
+            band.add_metric([name], 1.0 if gov.get("band") == name else 0.0)
+        yield band
+        yield GaugeMetricFamily("gmlx_governor_enabled", "1 when the governor runs", value=float(bool(gov.get("enabled"))))
+        yield from _capacity(s.get("capacity"))
+        yield from _gauges("gmlx_rates", s.get("rates") or {}, labels={"model": model})
+        yield GaugeMetricFamily("gmlx_requests", "Requests queued or running", value=len(s.get("requests") or []))
+        totals = s.get("totals") or {}
+        finished = CounterMetricFamily("gmlx_requests_finished", "Requests finished", labels=["model", "reason"])
+        for reason, n in (totals.get("requests_finished") or {}).items():
+            finished.add_metric([model, reason], n)
+        yield finished
+        for name in ("prompt_tokens", "generated_tokens"):
+            if totals.get(name) is not None:
+                c = CounterMetricFamily(f"gmlx_{name}", f"{name.replace('_', ' ').capitalize()}", labels=["model"])
+                c.add_metric([model], totals[name])
+                yield c
+        for m in models:
+            for key in ("in_flight", "weight_bytes", "decode_batch", "context_length"):
+                g = GaugeMetricFamily(f"gmlx_model_{key}", f"Resident model {key.replace('_', ' ')}",
+                                      labels=["model", "kind", "weight_mode"])
+                g.add_metric([m["model"], m["kind"], m["weight_mode"]], m[key])
+                yield g
+
+
+def _gauges(prefix: str, section: dict, skip: tuple[str, ...] = (), labels: dict[str, str] | None = None) -> Iterator[Metric]:
+    """One gauge per numeric field; null fields are left out rather than reported as 0."""
+    labels = labels or {}
+    for key, value in section.items():
+        if key in skip or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        g = GaugeMetricFamily(f"{prefix}_{key}", f"{prefix.removeprefix('gmlx_')} {key}", labels=list(labels))
+        g.add_metric(list(labels.values()), value)
+        yield g
+
+
+def _capacity(cap: dict | None) -> Iterator[Metric]:
+    if not cap:
+        return
+    ctx = GaugeMetricFamily("gmlx_capacity_max_ctx", "Max context per stream at a width", labels=["width"])
+    for width, tokens in cap["widths"].items():
+        ctx.add_metric([width], tokens)
+    yield ctx
+    wid = GaugeMetricFamily("gmlx_capacity_max_width", "Max streams at a depth", labels=["depth"])
+    for depth, streams in cap["depths"].items():
+        wid.add_metric([depth], streams)
+    yield wid
+    yield GaugeMetricFamily("gmlx_capacity_kv_budget_bytes", "Memory left for KV caches", value=cap["budget"]["kv_bytes"])
+
+
+class Histograms:
+    """Latency histograms, fed as requests finish; and the registry the text is rendered from."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._snapshot = _Snapshot()
+        self.registry.register(self._snapshot)
+        self.ttft = Histogram("gmlx_ttft_seconds", "Time to first token", registry=self.registry,
+                              buckets=_TTFT_BUCKETS)
+        self.tpot = Histogram("gmlx_time_per_output_token_seconds",
+                              "Mean inter-token latency of a finished request", registry=self.registry,
+                              buckets=_TPOT_BUCKETS)
+
+    def observe(self, ttft_s: float | None, decode_tok_s: float | None) -> None:
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+        if decode_tok_s:
+            self.tpot.observe(1 / decode_tok_s)
+
+    def render(self, snap: dict) -> bytes:
+        self._snapshot.snap = snap
+        return generate_latest(self.registry)

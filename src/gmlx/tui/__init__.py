@@ -1,0 +1,1 @@
+"""`gmlx top`: a Textual dashboard that knows the server only through HTTP (`/v1/metrics`, `/system`)."""

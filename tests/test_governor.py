@@ -1,0 +1,191 @@
+"""The memory governor: band logic on recorded traces, and each band's action on a live server."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import LiveServer
+from tiny_models import write_model
+
+from gmlx.capacity.governor import Thresholds, band_for, next_band
+from gmlx.server.governor import STOP_MESSAGE, MemoryReading, in_use
+
+T = Thresholds(yellow=0.80, orange=0.90, red=0.97, hysteresis=0.05)
+
+
+def replay(trace: list[float], t: Thresholds = T, start: str | None = None) -> list[str]:
+    bands, band = [], start
+    for fraction in trace:
+        band = next_band(band, fraction, t)
+        bands.append(band)
+    return bands
+
+
+def test_bands_rise_at_once_to_the_band_reached() -> None:
+    assert replay([0.1, 0.79, 0.80, 0.89, 0.90, 0.96, 0.97, 1.2]) == [
+        "green", "green", "yellow", "yellow", "orange", "orange", "red", "red"]
+    assert replay([0.5, 0.99]) == ["green", "red"]  # a spike skips the bands between
+    assert replay([0.93]) == ["orange"]  # the first sample has no history
+
+
+def test_no_flapping_around_a_threshold() -> None:
+    wobble = [0.79, 0.81, 0.78, 0.80, 0.76, 0.805, 0.751, 0.749, 0.76, 0.79, 0.80]
+    assert replay(wobble) == ["green", "yellow", "yellow", "yellow", "yellow", "yellow", "yellow",
+                              "green", "green", "green", "yellow"]
+
+
+def test_bands_fall_one_at_a_time_as_memory_is_released() -> None:
+    # Red holds until below 0.92, then one band per sample even when everything is released.
+    assert replay([0.99, 0.95, 0.921, 0.91, 0.10, 0.10, 0.10, 0.10]) == [
+        "red", "red", "red", "orange", "yellow", "green", "green", "green"]
+    # Falling stops in the first band whose hold the fraction still meets.
+    assert replay([0.98, 0.86, 0.86, 0.86]) == ["red", "orange", "orange", "orange"]
+    assert replay([0.98, 0.84, 0.84, 0.84]) == ["red", "orange", "yellow", "yellow"]
+
+
+def test_recorded_trace_with_hysteresis() -> None:
+    # Streams start (memory climbs), one is stopped under red, the rest finish.
+    trace = [0.55, 0.70, 0.82, 0.86, 0.91, 0.93, 0.975, 0.95, 0.90, 0.89, 0.84, 0.78, 0.74, 0.60]
+    assert replay(trace) == ["green", "green", "yellow", "yellow", "orange", "orange", "red", "red",
+                             "orange", "orange", "yellow", "yellow", "green", "green"]
+
+
+def test_band_for_and_threshold_checks() -> None:
+    assert [band_for(f, T) for f in (0.0, 0.8, 0.9, 0.97)] == ["green", "yellow", "orange", "red"]
+    for bad in ({"yellow": 0.9, "orange": 0.8}, {"red": 1.5}, {"hysteresis": -0.1}, {"hysteresis": 0.9}):
+        with pytest.raises(ValueError, match="governor"):
+            Thresholds(**bad)
+
+
+def test_in_use_takes_the_largest_reading() -> None:
+    r = MemoryReading(active_bytes=600, cache_bytes=100, rss_bytes=800, available_bytes=900)
+    assert in_use(r, 1000, host_memory=False) == 700  # device memory: MLX's figures only
+    assert in_use(r, 1000, host_memory=True) == 800  # the process holds more than MLX reports
+    assert in_use(MemoryReading(10, 0, 20, 50), 1000, host_memory=True) == 950  # others took the rest
+
+
+def test_settings_and_disabled_governor(tiny_models: dict[str, Path]) -> None:
+    from gmlx.server.settings import SettingsError, resolve_settings
+
+    s = resolve_settings({}, env={"GMLX_GOVERNOR": "0", "GMLX_GOVERNOR_ORANGE": "0.85"})
+    assert (s.governor, s.governor_yellow, s.governor_orange, s.governor_red, s.governor_interval_s) == (
+        False, 0.80, 0.85, 0.97, 0.25)
+    with pytest.raises(SettingsError, match="governor_red"):
+        resolve_settings({}, env={"GMLX_GOVERNOR_RED": "1.5"})
+    with LiveServer(tiny_models["llama"], governor=False) as server:
+        snap = server.state.governor.snapshot()
+        assert snap["enabled"] is False and snap["band"] is None and snap["fraction"] is None
+        assert server.state.band is None
+
+
+def test_sampling_real_memory(tiny_models: dict[str, Path]) -> None:
+    with LiveServer(tiny_models["llama"], governor_interval_s=0.02) as server:
+        server.wait_until(lambda: server.state.governor.snapshot()["fraction"] is not None)
+        snap = server.state.governor.snapshot()
+        table = server.state.table()
+    assert snap["enabled"] is True and snap["band"] == "green"
+    assert snap["limit_bytes"] == table.budget.total_bytes - table.budget.reserve_bytes
+    assert 0 < snap["used_bytes"] < snap["limit_bytes"]
+    assert snap["thresholds"] == {"yellow": 0.8, "orange": 0.9, "red": 0.97, "hysteresis": 0.05}
+    assert set(snap["actions"]) == {"single_admission", "hold_admission", "clear_cache", "stop_stream"}
+    assert snap["not_applicable"] == {"evict_prompt_cache": "gmlx has no prompt cache yet"}
+
+
+CHAT = "/v1/chat/completions"
+
+
+def test_each_band_acts_on_a_live_server(tmp_path: Path) -> None:
+    """A fake probe reports `base + per_stream x requests in flight` of the budget in use, so the
+    test moves the band, and a stopped stream releases its share as real memory would."""
+    model = write_model(tmp_path / "long.gguf", "llama", context=8192)
+    server = LiveServer(model, decode_batch=4, governor_interval_s=0.02, queue_timeout=30)
+    state, engine, gate, governor = server.state, server.engine, server.state.gate, server.state.governor
+    pressure = {"base": 0.85, "per_stream": 0.0}  # yellow
+
+    def fake_probe() -> MemoryReading:
+        budget = state.table().budget
+        limit = budget.total_bytes - budget.reserve_bytes
+        used = int((pressure["base"] + pressure["per_stream"] * engine.in_flight) * limit)
+        return MemoryReading(active_bytes=used - 2**20, cache_bytes=2**20, rss_bytes=0, available_bytes=limit)
+
+    governor.probe = fake_probe
+    streams: list[list[dict]] = [[] for _ in range(3)]
+
+    def stream(i: int) -> None:  # reads to the end (some tokens have no text, so no event may come for long)
+        with server.client() as c, c.stream("POST", CHAT, json={
+                "messages": [{"role": "user", "content": f"stream {i}"}], "max_tokens": 8000,
+                "temperature": 0, "stream": True}) as r:
+            streams[i] = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+    with server:
+        server.wait_until(lambda: state.band == "yellow")
+
+        # Yellow: three arrive together, and each is admitted only once the last one decodes.
+        seen = {"fresh": 0, "waiting": 0}
+        watching = threading.Event()
+
+        def watch() -> None:
+            while not watching.is_set():
+                running = gate.running  # read first: decoding only grows while nothing ends
+                seen["fresh"] = max(seen["fresh"], running - engine.decoding)
+                seen["waiting"] = max(seen["waiting"], gate.waiting)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        readers = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+        for t in readers:
+            t.start()
+        server.wait_until(lambda: engine.decoding == 3)
+        watching.set()
+        watcher.join()
+        assert seen["fresh"] == 1 and seen["waiting"] >= 1
+        order = sorted(engine.requests(), key=lambda r: r.submitted_at)
+
+        # Orange: nothing is admitted, the newcomer waits, and readiness says why.
+        pressure["base"] = 0.93
+        server.wait_until(lambda: state.band == "orange")
+        queued: list[httpx.Response] = []
+
+        def late() -> None:
+            with server.client() as c:
+                queued.append(c.post(CHAT, json={"messages": [{"role": "user", "content": "late"}], "max_tokens": 4}))
+
+        waiter = threading.Thread(target=late)
+        waiter.start()
+        server.wait_until(lambda: gate.waiting == 1)
+        with server.client() as c:
+            r = c.get("/health", params={"ready": 1})
+        assert r.status_code == 503 and r.json()["reason"] == "pressure"
+        assert gate.running == 3 and gate.waiting == 1
+        server.wait_until(lambda: governor.snapshot()["actions"]["clear_cache"]["count"] >= 1)
+
+        # Red: the newest stream is stopped with its error; its memory going drops the band to orange.
+        pressure.update(base=0.77, per_stream=0.07)  # 3 in flight: 0.98 (red); 2: 0.91 (orange)
+        server.wait_until(lambda: engine.in_flight == 2)
+        server.wait_until(lambda: state.band == "orange")
+        assert {r.id for r in engine.requests()} == {order[0].id, order[1].id}
+        snap = governor.snapshot()
+        assert snap["actions"]["stop_stream"]["count"] == 1 and snap["actions"]["stop_stream"]["last_at"]
+        assert gate.waiting == 1  # orange still holds the newcomer
+
+        # Release: the band falls one step at a time to green and the newcomer runs.
+        pressure.update(base=0.3, per_stream=0.0)
+        waiter.join(30)
+        assert queued[0].status_code == 200, queued[0].text
+        server.wait_until(lambda: state.band == "green")
+        engine.cancel_all()  # ends the two long streams that are left
+        for t in readers:
+            t.join(30)
+        server.wait_until(lambda: engine.in_flight == 0 and gate.running == 0)
+        snap = governor.snapshot()
+
+    ends = sorted(s[-1]["error"]["message"] for s in streams)
+    assert ends == [STOP_MESSAGE, "the server is shutting down", "the server is shutting down"]
+    actions = snap["actions"]
+    assert actions["single_admission"]["count"] == 2  # at start, and on the way down
+    assert actions["hold_admission"]["count"] == 1
+    assert actions["clear_cache"]["count"] >= 2  # under orange, and right after the stop

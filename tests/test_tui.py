@@ -1,0 +1,272 @@
+"""`gmlx top`: the Textual app driven by its pilot against real HTTP servers that answer recorded
+snapshots, `--once` on a fixed snapshot, and one run against a live gmlx server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from rich.text import Text
+from textual.pilot import Pilot
+from textual.widgets import DataTable, Static
+from typer.testing import CliRunner
+
+from gmlx.cli.main import app as cli
+from gmlx.tui import format as fmt
+from gmlx.tui.app import HelpScreen, TopApp
+from gmlx.tui.client import Poller, Status
+
+DATA = Path(__file__).parent / "data" / "top"
+
+
+class FakeServer:
+    """A real HTTP server on loopback that answers /system, /v1/metrics and /health from a recorded
+    snapshot; `use` swaps the snapshot, `stop` and `start` take it down and up on the same port."""
+
+    def __init__(self, snapshot: str, key: str | None = None):
+        self.key = key
+        self.use(snapshot)
+        self.port = 0
+        self.start()
+
+    def use(self, name: str) -> None:
+        self.data = json.loads((DATA / f"{name}.json").read_text())
+
+    def start(self) -> None:
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                path = self.path.split("?")[0]
+                status, body = 200, {"system": fake.data["system"], "health": fake.data["health"]}.get(path.strip("/"))
+                if path == "/health":
+                    status = 200 if body.get("ready", True) else 503
+                elif path == "/v1/metrics":
+                    body = fake.data["metrics"]
+                    if fake.key and self.headers.get("Authorization") != f"Bearer {fake.key}":
+                        status, body = 401, {"error": {"message": "a valid API key is required", "code": "invalid_api_key"}}
+                raw = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self.port = self.httpd.server_address[1]
+        threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True).start()
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeServer]:
+    server = FakeServer("idle_green")
+    yield server
+    server.stop()
+
+
+async def until(pilot: Pilot, predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    for _ in range(int(timeout / 0.02)):
+        if predicate():
+            return
+        await pilot.pause(0.02)
+    raise AssertionError("condition not reached in time")
+
+
+def shown(app: TopApp, widget: str) -> Text:
+    content = app.query_one(f"#{widget}", Static).content
+    assert isinstance(content, Text)
+    return content
+
+
+def states(app: TopApp) -> list[str]:
+    table = app.query_one("#requests", DataTable)
+    return [str(table.get_row_at(i)[2]) for i in range(table.row_count)]
+
+
+def ids(app: TopApp) -> list[str]:
+    table = app.query_one("#requests", DataTable)
+    return [str(table.get_row_at(i)[0]) for i in range(table.row_count)]
+
+
+def band_style(app: TopApp) -> str:
+    line = shown(app, "band")
+    return next(str(span.style) for span in line.spans if "reverse" in str(span.style))
+
+
+@pytest.mark.anyio
+async def test_band_and_rows_follow_the_snapshot(fake: FakeServer) -> None:
+    app = TopApp([fake.url], interval=0.05)
+    async with app.run_test(size=(160, 45)) as pilot:
+        await until(pilot, lambda: app.poller.status is Status.UP)
+        assert "GREEN" in shown(app, "band").plain and "green" in band_style(app)
+        assert "GPU telemetry unavailable" in shown(app, "gpu").plain
+        assert "model tiny" in shown(app, "server").plain and "ready yes" in shown(app, "server").plain
+        assert states(app) == []
+        capacity = app.query_one("#capacity", DataTable)
+        assert [capacity.get_row_at(i) for i in range(capacity.row_count)] == [["1", "32,768"], ["2", "32,768"], ["4", "16,384"]]
+
+        fake.use("busy_yellow")
+        await until(pilot, lambda: len(states(app)) == 4)
+        assert "YELLOW" in shown(app, "band").plain and "yellow" in band_style(app)
+        assert states(app) == ["queued", "decode", "prefill", "decode"]  # queued rows first
+        row = app.query_one("#requests", DataTable).get_row_at(1)
+        assert [str(c) for c in row] == ["cmpl-a1", "tiny", "decode", "1834", "212 / 4096", "11.4 s", "1.7 s",
+                                         "21.8 tok/s", "block 1536", "62 %"]
+        assert "GPU0 NVIDIA H200" in shown(app, "gpu").plain
+        slots = shown(app, "slots").plain
+        assert "slots 3 / 4" in slots and "queue 1 / 16" in slots and "rejections 2 (last: queue_full)" in slots
+        assert "ready no (queue)" in shown(app, "server").plain
+
+        fake.use("idle_green")
+        await until(pilot, lambda: states(app) == [])
+        assert "green" in band_style(app)
+
+
+@pytest.mark.anyio
+async def test_keys(fake: FakeServer) -> None:
+    other = FakeServer("busy_yellow")
+    app = TopApp([fake.url, other.url], interval=0.25)
+    try:
+        async with app.run_test(size=(160, 45)) as pilot:
+            await until(pilot, lambda: all(p.status is Status.UP for p in app.pollers))
+            fleet = app.query_one("#fleet", DataTable)
+            assert fleet.display and fleet.row_count == 2 and states(app) == []
+            await pilot.press("tab")  # the second server in detail
+            assert app.selected == 1 and fleet.cursor_row == 1 and len(states(app)) == 4
+
+            await pilot.press("s")  # by elapsed, longest first
+            assert app.sort == "elapsed" and ids(app)[0] == "cmpl-d4"
+            await pilot.press("s", "s", "s")
+            assert app.sort == "queue" and ids(app)[0] == "cmpl-c3"
+
+            await pilot.press("p")  # paused: a new snapshot is not drawn
+            assert "PAUSED" in shown(app, "server").plain
+            other.use("idle_green")
+            await pilot.pause(0.3)
+            assert len(states(app)) == 4
+            await pilot.press("p")
+            await until(pilot, lambda: states(app) == [])
+
+            await pilot.press("question_mark")
+            assert isinstance(app.screen, HelpScreen)
+            await pilot.pause(0.3)  # polls land while the help is on top
+            await pilot.press("escape")
+            assert not isinstance(app.screen, HelpScreen)
+            await pilot.press("tab")
+            assert app.selected == 0
+            await pilot.press("q")
+        assert app.return_code == 0
+    finally:
+        other.stop()
+
+
+@pytest.mark.anyio
+async def test_down_and_401_are_drawn_and_recovered_from() -> None:
+    server = FakeServer("busy_yellow", key="sekrit")
+    app = TopApp([server.url], interval=0.5)
+    try:
+        async with app.run_test(size=(160, 45)) as pilot:
+            await until(pilot, lambda: app.poller.status is Status.AUTH)
+            line = shown(app, "server").plain
+            assert "KEY NEEDED" in line and "--api-key" in line and "GMLX_API_KEY" in line
+            assert "model tiny" in line  # /system is open
+            assert states(app) == [] and "band  -" in shown(app, "band").plain
+
+            server.stop()
+            await pilot.press("r")
+            await until(pilot, lambda: app.poller.status is Status.DOWN)
+            assert "DOWN" in shown(app, "server").plain and "ConnectError" in shown(app, "server").plain
+            await until(pilot, lambda: app.poller.failures >= 3)  # backing off: 1 s, 2 s, 4 s ...
+            assert app.poller.delay >= 4.0
+
+            server.key = None
+            server.start()
+            await pilot.press("r")  # reconnect now, without waiting out the backoff
+            await until(pilot, lambda: app.poller.status is Status.UP, timeout=1.0)
+            assert "DOWN" not in shown(app, "server").plain and len(states(app)) == 4
+    finally:
+        server.stop()
+
+
+@pytest.mark.anyio
+async def test_poller_survives_odd_answers(fake: FakeServer) -> None:
+    """Null sections, wrong types and unknown fields draw dashes; nothing raises."""
+    from gmlx.tui.render import plain_text
+
+    fake.data["metrics"] = {"server": {"concurrency": None, "queue": {"waiting": "x", "cap": None}, "governor": {"band": ["?"]},
+                                       "memory": 7, "capacity": None, "rates": {}, "requests": [None, {"state": 3}]}}
+    fake.data["system"] = ["not", "an", "object"]
+    p = Poller(fake.url)
+    await p.poll()
+    await p.aclose()
+    assert p.status is Status.UP
+    text = plain_text([p])
+    assert "band  -" in text and "slots - / -" in text
+
+
+def test_backoff_doubles_and_is_capped() -> None:
+    p = Poller("http://127.0.0.1:1", interval=1.0)
+    assert [p.delay for p.failures in range(7)] == [1, 2, 4, 8, 16, 30, 30]
+
+
+def test_human_numbers() -> None:
+    assert (fmt.size(1.2 * 2**30), fmt.rate(41.26), fmt.duration(192), fmt.duration(0.4), fmt.tokens(32768)) == \
+           ("1.2 GiB", "41.3 tok/s", "3 m 12 s", "0.40 s", "32,768")
+    assert fmt.size(None) == fmt.rate("fast") == fmt.duration(True) == fmt.count(None) == "-"
+
+
+def test_once_prints_a_fixed_snapshot(fake: FakeServer, snapshot: Any) -> None:
+    fake.use("busy_yellow")
+    result = CliRunner().invoke(cli, ["top", "--once", "--url", fake.url])
+    assert result.exit_code == 0, result.output
+    assert result.output.replace(fake.url, "http://server") == snapshot
+
+
+def test_once_fails_when_a_server_is_unreachable(fake: FakeServer) -> None:
+    result = CliRunner().invoke(cli, ["top", "--once", "--url", fake.url, "--url", "http://127.0.0.1:1"])
+    assert result.exit_code == 1
+    assert "ConnectError" in result.output and "fleet" in result.output
+
+
+def test_live_server_rows_move_from_queued_to_decode(tiny_models: dict[str, Path]) -> None:
+    from conftest import LiveServer
+
+    with LiveServer(tiny_models["llama"], decode_batch=1) as server:
+        seen: list[list[str]] = []
+
+        async def watch() -> None:
+            app = TopApp([server.url], interval=0.05)
+            async with app.run_test(size=(160, 45)) as pilot, httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+                body = {"prompt": "x", "max_tokens": 200, "temperature": 0}
+                sent = [asyncio.create_task(http.post("/v1/completions", json=body)) for _ in range(2)]
+                while not all(t.done() for t in sent):
+                    await pilot.pause(0.02)
+                    seen.append(states(app))
+                assert all(t.result().status_code == 200 for t in sent)
+
+        asyncio.run(watch())
+    assert ["queued", "decode"] in seen  # one waits for the single slot while the other decodes
+    assert any(rows == ["decode"] for rows in seen)  # then the waiting one decodes
