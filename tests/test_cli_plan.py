@@ -129,7 +129,7 @@ def test_plan_url_matches_offline(small_memory_model: tuple[Path, int]) -> None:
     offline = {q: invoke_json("plan", path, "--width", q[0], "--depth", q[1], "--memory", memory, "--weights", "float",
                               "--decode-batch", 4, code=None)["plan"] for q in queries}
     assert [offline[q]["ok"] for q in queries] == [True, False, True, False]
-    with LiveServer(path, memory=memory) as server:
+    with LiveServer(path, memory=memory, governor=False) as server:
         for (width, depth), expected in offline.items():
             r = invoke("plan", "--url", server.url, "--width", width, "--depth", depth, "--json")
             assert r.exit_code == (0 if expected["ok"] else 1), r.output
@@ -152,7 +152,7 @@ def test_estimate_offline_matches_server(tiny_models: dict[str, Path], tmp_path:
     est = out["estimate"]
     assert est["resident"] is False and est["est_ttft_s"] is None and est["fits_now"] == est["fits_drained"] is True
     assert out["assumptions"]["prefill_tok_s"]["value"] is None
-    with LiveServer(tiny_models["llama"], memory=memory) as server, server.client() as c:
+    with LiveServer(tiny_models["llama"], memory=memory, governor=False) as server, server.client() as c:
         served = c.post("/v1/estimate", json=body).json()
         by_url = invoke_json("estimate", "--url", server.url, "--body", tmp_path / "request.json")
     for key in ("prompt_tokens", "need_bytes", "context_ok", "context_limit", "fits_drained", "model"):
