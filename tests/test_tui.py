@@ -270,3 +270,56 @@ def test_live_server_rows_move_from_queued_to_decode(tiny_models: dict[str, Path
         asyncio.run(watch())
     assert ["queued", "decode"] in seen  # one waits for the single slot while the other decodes
     assert any(rows == ["decode"] for rows in seen)  # then the waiting one decodes
+
+
+# Snapshot tests of the whole screen (pytest-textual-snapshot; the SVGs are in
+# tests/__snapshots__/test_tui/). The fake servers' ports change every run and polling is timed, so
+# before the screenshot `settle` waits for every server to answer, stops the poll loops, names each
+# server with a fixed URL, puts a fixed history behind the sparklines and draws once.
+
+SCREEN = (160, 45)
+HISTORIES = {  # (decode, prefill, queue depth) samples, oldest first
+    "idle_green": ([0.0] * 40, [0.0] * 40, [0.0] * 40),
+    "busy_yellow": ([float(20 + (i * 7) % 45) for i in range(40)], [float((i * 131) % 900) for i in range(40)],
+                    [float(min(i // 8, 3)) for i in range(40)]),
+}
+
+
+def settle(app: TopApp, shown_as: list[tuple[str, str]]) -> Callable[[Pilot], Any]:
+    """`run_before` for snap_compare: `shown_as` gives each poller's displayed URL and history."""
+
+    async def run_before(pilot: Pilot) -> None:
+        await until(pilot, lambda: all(p.status is Status.UP for p in app.pollers))
+        app.dashboard.workers.cancel_group(app.dashboard, "poll")
+        await pilot.pause()
+        for p, (url, history) in zip(app.pollers, shown_as, strict=True):
+            p.url = url  # only what is drawn: the httpx client keeps its own base URL
+            for series, values in zip((p.history.decode, p.history.prefill, p.history.queue), HISTORIES[history]):
+                series.clear()
+                series.extend(values)
+        app.draw()
+        await pilot.pause()
+
+    return run_before
+
+
+def test_screen_idle_green(fake: FakeServer, snap_compare: Any) -> None:
+    app = TopApp([fake.url], interval=0.05)
+    assert snap_compare(app, terminal_size=SCREEN, run_before=settle(app, [("http://gpu-a:8080", "idle_green")]))
+
+
+def test_screen_busy_yellow_with_a_queue(fake: FakeServer, snap_compare: Any) -> None:
+    fake.use("busy_yellow")
+    app = TopApp([fake.url], interval=0.05)
+    assert snap_compare(app, terminal_size=SCREEN, run_before=settle(app, [("http://gpu-b:8080", "busy_yellow")]))
+
+
+def test_screen_fleet_of_two(fake: FakeServer, snap_compare: Any) -> None:
+    """The idle server and a busy one, with the busy one in detail after `tab`."""
+    other = FakeServer("busy_yellow")
+    try:
+        app = TopApp([fake.url, other.url], interval=0.05)
+        shown_as = [("http://gpu-a:8080", "idle_green"), ("http://gpu-b:8080", "busy_yellow")]
+        assert snap_compare(app, press=["tab"], terminal_size=SCREEN, run_before=settle(app, shown_as))
+    finally:
+        other.stop()
