@@ -4,6 +4,7 @@ keeps) is within 5% of what capacity/ predicts."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import mlx.core as mx
@@ -14,8 +15,16 @@ from gmlx.capacity.memory import KVFormat, stream_bytes
 from gmlx.models.loader import LoadedModel, load
 
 
+def quiet() -> None:
+    """MLX's active memory is process-wide: let engines of servers from earlier tests end first."""
+    for t in threading.enumerate():
+        if t.name.startswith("engine-"):
+            t.join(30)
+
+
 def measure(m: LoadedModel, width: int, depth: int) -> tuple[int, int]:
     """(measured, predicted) bytes once W streams of D prompt tokens have decoded a step."""
+    quiet()
     gen = BatchGenerator(m.model, completion_batch_size=width, prefill_batch_size=width, prefill_step_size=512)
     mx.synchronize()
     mx.clear_cache()
@@ -25,7 +34,7 @@ def measure(m: LoadedModel, width: int, depth: int) -> tuple[int, int]:
     while steps < 2:  # the first decode step trims the sliding caches back to their window
         _, generated = gen.next()
         steps += bool(generated)
-    mx.synchronize()
+    mx.synchronize(gen.stream)  # the generator evaluates ahead on its own stream
     mx.clear_cache()
     measured = mx.get_active_memory() - before
     # The generator has run one step ahead (async), so the caches hold depth + steps + 1 tokens.

@@ -26,6 +26,7 @@ from gmlx.server.settings import Settings, SettingsError, describe, resolve_sett
 
 log = logging.getLogger("gmlx.serve")
 _CONNECTION_CLOSE_S = 3  # after draining, what open connections get before uvicorn cuts them
+_LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 
 
 def serve_command(
@@ -74,6 +75,14 @@ def _print_config(settings: Settings, json_out: bool) -> None:
     console.print(table)
 
 
+def exposure_warning(settings: Settings) -> str | None:
+    """Said at start when the server listens beyond this machine with no key to keep others out."""
+    if settings.host in _LOOPBACK or settings.api_key:
+        return None
+    return (f"listening on {settings.host} without an API key: anyone who can reach this address can use "
+            "the model (set --api-key or GMLX_API_KEY, or --host 127.0.0.1)")
+
+
 def _serve(settings: Settings) -> int:
     import uvicorn
 
@@ -88,8 +97,9 @@ def _serve(settings: Settings) -> int:
     path = model_path(settings.model)
     with model_errors():  # a file we cannot serve fails now, not after the server is up
         architecture_for(read_header(path))
-    if warning := platform.blas_warning(gmlx.BLAS):
-        log.warning(warning)
+    for warning in (platform.blas_warning(gmlx.BLAS), exposure_warning(settings)):
+        if warning:
+            log.warning(warning)
 
     engine = Engine(lambda: load(path, settings.weights), path.stem, settings.decode_batch, settings.prefill_step)
     app = create_app(settings, engine, path.stem)

@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import greedy_sampler
 
-from gmlx.engine.sampling import SamplingParams, make_sampler
+from gmlx.engine.sampling import Sampler, SamplingParams, make_sampler
 from gmlx.engine.stops import StopMatcher
 from gmlx.models.loader import LoadedModel
 
@@ -201,6 +202,7 @@ class Engine:
         self._lock = threading.Lock()
         self._detok: dict[int, object] = {}
         self._stops: dict[int, StopMatcher] = {}
+        self._sampling_failed: list[tuple[Request, str]] = []  # this step's, engine thread only
         self._thread = threading.Thread(target=self._run, name=f"engine-{name}", daemon=True)
 
     # --- called from any thread -------------------------------------------------------
@@ -321,15 +323,42 @@ class Engine:
         if not req.prompt_ids or req.max_tokens < 1:
             self._finish(req, Failed("empty prompt or max_tokens < 1"))
             return
-        [uid] = gen.insert([req.prompt_ids], [req.max_tokens], samplers=[make_sampler(req.sampling)])
+        try:
+            [uid] = gen.insert([req.prompt_ids], [req.max_tokens], samplers=[self._guarded_sampler(req)])
+        except Exception as e:  # not yet active, so the loop's handler would not end it: it would hang
+            log.exception("request %s: starting it failed", req.id)
+            self._finish(req, Failed(f"generation failed: {e}"))
+            return
         req.uid, req.state = uid, "prefill"
         self._active[uid] = req
         self._detok[uid] = self.loaded.tokenizer.detokenizer
         self._stops[uid] = StopMatcher(req.stop)
 
+    def _guarded_sampler(self, req: Request) -> Sampler:
+        """The request's sampler, made to fail that request alone: a raise inside the batch's
+        step would fail every request in it. Greedy requests keep the shared function object,
+        so a batch of them still samples in one call."""
+        sampler = make_sampler(req.sampling)
+        if sampler is greedy_sampler:
+            return sampler
+
+        def sample(logprobs: mx.array) -> mx.array:
+            try:
+                return sampler(logprobs)
+            except Exception as e:
+                log.exception("request %s: sampling failed", req.id)
+                self._sampling_failed.append((req, str(e)))
+                return greedy_sampler(logprobs)  # a placeholder token, never emitted
+
+        return sample
+
     def _step(self, gen: BatchGenerator) -> None:
         with gen.stats() as s:
             prompt_responses, generation_responses = gen.next()
+        while self._sampling_failed:  # before the responses, so no placeholder token goes out
+            req, why = self._sampling_failed.pop()
+            if req.uid in self._active:
+                self._cancel(gen, req, Failed(f"sampling failed: {why}"))
         now = time.monotonic()
         st = self.stats
         st.prefill_tokens += s.prompt_tokens

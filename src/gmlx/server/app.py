@@ -9,6 +9,7 @@ import logging
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -70,6 +71,8 @@ async def generate(request: Request, chat: bool) -> Response:
         return JSONResponse(await estimate_body(state, body))
     p = openai_api.parse(body, chat)
     state.check_model(p.model)
+    if p.sampling.top_k >= state.engine.loaded.geometry.vocab_size:  # type: ignore[union-attr]
+        p = replace(p, sampling=replace(p.sampling, top_k=0))  # keeping every token is no top-k (mlx_lm refuses it)
     prompt_ids = await asyncio.to_thread(state.tokenize, p)
     context = state.engine.loaded.context_length  # type: ignore[union-attr]
     if len(prompt_ids) >= context:

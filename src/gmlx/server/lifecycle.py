@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import socket
 
 import uvicorn
@@ -23,6 +24,9 @@ class DrainingServer(uvicorn.Server):
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         await drain(self.state, self.drain_timeout)
         await super().shutdown(sockets)
+        # uvicorn re-raises a captured signal once it has stopped, so the process would die of the
+        # SIGTERM it just handled (exit -15); a drained shutdown is a clean exit, 0.
+        self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
 
 
 async def drain(state: ServerState, timeout: float) -> None:

@@ -105,6 +105,8 @@ def parse(body: Any, chat: bool) -> GenerationParams:
         raise bad_request(f"at most {_MAX_STOPS} stop strings", "stop")
     top_k = _typed(body, "top_k", int, "an integer")
     seed = _typed(body, "seed", int, "an integer")
+    if seed is not None and not 0 <= seed < 2**64:  # MLX's random key takes an unsigned 64-bit seed
+        raise bad_request("'seed' must be between 0 and 2**64 - 1", "seed")
     stream = bool(_typed(body, "stream", bool, "a boolean"))
     options = _typed(body, "stream_options", dict, "an object") or {}
     sampling = SamplingParams(
