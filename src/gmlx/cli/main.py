@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from gmlx.cli import inspect, plan, run, serve, top
+from gmlx.cli import export, inspect, plan, run, serve, top
 
 app = typer.Typer(
     name="gmlx",
@@ -19,3 +19,4 @@ app.command("estimate")(plan.estimate_command)
 app.command("run")(run.run_command)
 app.command("serve")(serve.serve_command)
 app.command("top")(top.top_command)
+app.command("export")(export.export_command)

@@ -1,0 +1,201 @@
+"""One server under load: start to ready, decode at each width, TTFT per prompt length, memory.
+
+Every request goes to `/v1/completions` with a raw prompt, so no server's chat template changes
+the prompt length; every prompt is unique, so no prompt cache can serve it. Token counts are the
+server's own `usage` (streamed with `stream_options.include_usage`), or a recount of the returned
+text with the model's tokenizer when a server sends none, never `max_tokens`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import psutil
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from bench.peers import Peer
+
+READY_TIMEOUT_S = 300
+_uid = itertools.count()
+
+
+@dataclass(frozen=True)
+class Plan:
+    widths: tuple[int, ...]
+    requests_per_client: int
+    max_tokens: int
+    prompt_lengths: tuple[int, ...]
+    ttft_repeats: int
+
+
+def story_prompt() -> str:
+    k = next(_uid)
+    return f"Chapter {k}. The keeper of lighthouse number {k} climbed the stairs at dusk and"
+
+
+def prompt_of(tokenizer: TokenizerWrapper, n_tokens: int) -> str:
+    """A unique text that the model's tokenizer turns into `n_tokens` tokens, BOS included."""
+    k = next(_uid)
+    words = " ".join(f"note{k}x{i} about ships, tides and harbours;" for i in range(n_tokens))
+    ids = tokenizer.encode(words, add_special_tokens=False)[: n_tokens - 1]
+    return tokenizer.decode(ids)
+
+
+def log(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def tree_rss(proc: psutil.Process) -> int:
+    total = 0
+    for p in [proc, *proc.children(recursive=True)]:
+        try:
+            total += p.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+class Server:
+    """A peer's process, from Popen to ready (a health check, then one answered request)."""
+
+    def __init__(self, peer: Peer, port: int, log_path: str):
+        self.peer, self.url = peer, f"http://127.0.0.1:{port}"
+        self._log = open(log_path, "w")
+        self.started = time.perf_counter()
+        self.proc = subprocess.Popen(peer.argv, env={**os.environ, **peer.env}, stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.ps = psutil.Process(self.proc.pid)
+
+    def wait_ready(self) -> float:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        body = {"prompt": "Hello", "max_tokens": 1, "temperature": 0, **self.peer.body}
+        with httpx.Client(base_url=self.url, timeout=60) as client:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"{self.peer.name} exited with {self.proc.returncode}; see {self._log.name}")
+                try:
+                    if client.get("/health").status_code == 200 and \
+                            client.post("/v1/completions", json=body).status_code == 200:
+                        return time.perf_counter() - self.started
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.2)
+        raise RuntimeError(f"{self.peer.name} not ready in {READY_TIMEOUT_S} s; see {self._log.name}")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+async def stream_once(client: httpx.AsyncClient, peer: Peer, tokenizer: TokenizerWrapper, prompt: str,
+                      max_tokens: int) -> dict[str, Any]:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, **peer.body}
+    start = time.perf_counter()
+    first = last = None
+    usage: dict[str, int] = {}
+    text = []
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                usage = event["usage"]
+            if event.get("choices") and event["choices"][0].get("text"):
+                text.append(event["choices"][0]["text"])
+                last = time.perf_counter()
+                first = first or last
+    end = time.perf_counter()
+    if "completion_tokens" in usage:
+        tokens, source = usage["completion_tokens"], "usage"
+    else:
+        tokens, source = len(tokenizer.encode("".join(text), add_special_tokens=False)), "recount"
+    decode = (tokens - 1) / (last - first) if first and last and last > first and tokens > 1 else None
+    return {"tokens": tokens, "source": source, "start": start, "end": end, "ttft_s": (first or end) - start,
+            "decode_tok_s": decode}
+
+
+async def run_width(server: Server, tokenizer: TokenizerWrapper, width: int, plan: Plan) -> dict[str, Any]:
+    """`width` clients, each sending `requests_per_client` streams one after another."""
+    async def client_loop(client: httpx.AsyncClient) -> list[dict[str, Any]]:
+        return [await stream_once(client, server.peer, tokenizer, story_prompt(), plan.max_tokens)
+                for _ in range(plan.requests_per_client)]
+
+    peak = tree_rss(server.ps)
+    limits = httpx.Limits(max_connections=width + 1)
+    async with httpx.AsyncClient(base_url=server.url, timeout=600, limits=limits) as client:
+        await stream_once(client, server.peer, tokenizer, story_prompt(), 8)  # warm-up
+        start = time.perf_counter()
+        task = asyncio.gather(*(client_loop(client) for _ in range(width)))
+        while not task.done():
+            peak = max(peak, tree_rss(server.ps))
+            await asyncio.wait([task], timeout=0.25)
+        wall = time.perf_counter() - start
+    runs = [r for rs in task.result() for r in rs]
+    tokens = sum(r["tokens"] for r in runs)
+    rates = [r["decode_tok_s"] for r in runs if r["decode_tok_s"]]
+    return {
+        "width": width,
+        "requests": len(runs),
+        "completion_tokens": tokens,
+        "short_streams": sum(r["tokens"] < plan.max_tokens for r in runs),
+        "token_source": sorted({r["source"] for r in runs}),
+        "wall_s": round(wall, 2),
+        "aggregate_tok_s": round(tokens / wall, 1),
+        "per_stream_decode_tok_s": round(statistics.mean(rates), 1) if rates else None,
+        "ttft_mean_s": round(statistics.mean(r["ttft_s"] for r in runs), 3),
+        "rss_peak_bytes": peak,
+    }
+
+
+def measure_ttft(server: Server, tokenizer: TokenizerWrapper, n_tokens: int, repeats: int) -> dict[str, Any]:
+    """Time to a one-token answer for a unique `n_tokens` prompt, alone on the server (median)."""
+    body = {"max_tokens": 1, "temperature": 0, **server.peer.body}
+    times, prompt_tokens = [], []
+    with httpx.Client(base_url=server.url, timeout=600) as client:
+        for _ in range(repeats):
+            start = time.perf_counter()
+            r = client.post("/v1/completions", json={**body, "prompt": prompt_of(tokenizer, n_tokens)})
+            times.append(time.perf_counter() - start)
+            r.raise_for_status()
+            prompt_tokens.append(r.json()["usage"]["prompt_tokens"])
+    ttft = statistics.median(times)
+    n = statistics.median(prompt_tokens)
+    return {"target_tokens": n_tokens, "prompt_tokens": n, "ttft_s": round(ttft, 3),
+            "prefill_tok_s": round(n / ttft, 1)}
+
+
+def bench_peer(peer: Peer, port: int, tokenizer: TokenizerWrapper, plan: Plan, log_path: str) -> dict[str, Any]:
+    server = Server(peer, port, log_path)
+    try:
+        ready_s = server.wait_ready()
+        idle = tree_rss(server.ps)
+        decode, ttft = [], []
+        for w in plan.widths:
+            decode.append(asyncio.run(run_width(server, tokenizer, w, plan)))
+            log(f"{peer.name} width {w}: {decode[-1]['aggregate_tok_s']} tok/s")
+        for n in plan.prompt_lengths:
+            ttft.append(measure_ttft(server, tokenizer, n, plan.ttft_repeats))
+            log(f"{peer.name} {n}-token prompt: TTFT {ttft[-1]['ttft_s']} s")
+    finally:
+        server.stop()
+    return {"version": peer.version, "argv": peer.argv, "ignores_eos": peer.ignores_eos, "notes": peer.notes,
+            "ready_s": round(ready_s, 2), "rss_idle_bytes": idle,
+            "rss_width_max_bytes": decode[-1]["rss_peak_bytes"], "decode": decode, "ttft": ttft}
