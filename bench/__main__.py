@@ -21,6 +21,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psutil
 
 import gmlx
@@ -112,8 +113,8 @@ def serve(args: argparse.Namespace) -> None:
             continue
         try:
             peers[name] = bench_peer(p, args.port + i, tokenizer, plan, str(args.out / f"{name}.log"))
-        except RuntimeError as e:
-            peers[name] = {"failed": str(e)}
+        except (RuntimeError, httpx.HTTPError) as e:  # a peer that dies mid-run is reported, not fatal
+            peers[name] = {"failed": f"{type(e).__name__}: {e}"}
             log(f"{name}: failed: {e}")
     results = {"model": model.name, "created": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine(),
                "plan": {**plan.__dict__, "quick": args.quick, "endpoint": "/v1/completions", "greedy": True,

@@ -139,7 +139,8 @@ async def run_width(server: Server, tokenizer: TokenizerWrapper, width: int, pla
                 for _ in range(plan.requests_per_client)]
 
     peak = tree_rss(server.ps)
-    limits = httpx.Limits(max_connections=width + 1)
+    # No keep-alive: reusing a connection the server has just closed fails the request for nothing.
+    limits = httpx.Limits(max_connections=width + 1, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=server.url, timeout=600, limits=limits) as client:
         await stream_once(client, server.peer, tokenizer, story_prompt(), 8)  # warm-up
         start = time.perf_counter()
