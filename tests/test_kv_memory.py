@@ -64,3 +64,17 @@ def test_kv_prediction_matches_mlx(tiny_long: dict[str, LoadedModel], arch: str,
 def test_kv_prediction_matches_mlx_on_default_model(default_model: Path, width: int, depth: int) -> None:
     measured, predicted = measure(load(default_model, "float"), width, depth)
     assert abs(measured - predicted) <= 0.05 * predicted, (measured, predicted)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_warm_up_measures_what_is_predicted(tiny_long: dict[str, LoadedModel], arch: str) -> None:
+    """The start-up warm-up's measured cache equals the prediction the server logs beside it
+    (right after a prefill: full layers in 256-token steps, sliding layers exactly)."""
+    from gmlx.capacity.memory import kv_bytes_after_prefill
+    from gmlx.engine.engine import warm_up
+
+    quiet()
+    m = tiny_long[arch]
+    measured = warm_up(m)
+    predicted = kv_bytes_after_prefill(m.geometry, measured.tokens, KVFormat(float_bytes=measured.kv_dtype_bytes))
+    assert abs(measured.kv_bytes - predicted) <= 0.01 * predicted, (measured.kv_bytes, predicted)

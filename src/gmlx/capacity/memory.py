@@ -136,3 +136,11 @@ def kv_layer_kinds(g: ModelGeometry, kv: KVFormat = FP16) -> list[LayerKind]:
             per_token = round(sum(layer_bytes_per_token(g, i, kv) for i in idx))
             kinds.append(LayerKind(kind, len(idx), per_token, g.sliding_window if sliding else None))
     return kinds
+
+
+def kv_bytes_after_prefill(g: ModelGeometry, depth: int, kv: KVFormat = FP16) -> int:
+    """KV bytes of one stream right after its prompt is prefilled in one chunk: full-attention
+    caches have grown in whole 256-token steps, while a RotatingKVCache has concatenated the
+    chunk and holds exactly min(depth, window) tokens until decoding starts to grow it."""
+    return sum(k.bytes_per_token * (min(depth, k.window) if k.window else allocated_tokens(depth))
+               for k in kv_layer_kinds(g, kv))

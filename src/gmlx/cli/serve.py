@@ -86,7 +86,7 @@ def exposure_warning(settings: Settings) -> str | None:
 def _serve(settings: Settings) -> int:
     import uvicorn
 
-    from gmlx.capacity.memory import kv_bytes
+    from gmlx.capacity.memory import kv_bytes_after_prefill
     from gmlx.engine.engine import Engine
     from gmlx.gguf.header import read_header
     from gmlx.models.loader import architecture_for, load
@@ -119,7 +119,7 @@ def _serve(settings: Settings) -> int:
                  settings.decode_batch, settings.queue_size, m.context_length)
         table, measured = app.state.gmlx.table(), engine.measured
         if table is not None and measured is not None:
-            predicted = kv_bytes(m.geometry, measured.tokens, table.kv, allocated=True)
+            predicted = kv_bytes_after_prefill(m.geometry, measured.tokens, table.kv)
             log.info("%s (KV at warm-up: measured %s, predicted %s; prefill %.0f tok/s, decode %.1f tok/s)",
                      table.headline(), human_bytes(measured.kv_bytes), human_bytes(predicted),
                      measured.prefill_tok_s, measured.decode_tok_s)

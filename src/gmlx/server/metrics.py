@@ -12,7 +12,7 @@ from typing import Any
 import mlx.core as mx
 import psutil
 
-from gmlx.capacity.memory import kv_bytes
+from gmlx.capacity.memory import kv_bytes_after_prefill
 from gmlx.server.admission import RETRY_AFTER_FULL_S
 from gmlx.server.state import ServerState
 
@@ -62,7 +62,7 @@ def _capacity(s: ServerState) -> dict | None:
     if measured is not None:
         out["warmup"] = {
             "tokens": measured.tokens,
-            "kv_bytes_predicted": kv_bytes(table.geometry, measured.tokens, table.kv, allocated=True),
+            "kv_bytes_predicted": kv_bytes_after_prefill(table.geometry, measured.tokens, table.kv),
             "kv_bytes_measured": measured.kv_bytes,
             "prefill_tok_s_measured": round(measured.prefill_tok_s, 1),
             "decode_tok_s_measured": round(measured.decode_tok_s, 2),
