@@ -134,5 +134,7 @@ def test_estimate_edge_cases(live_server: LiveServer) -> None:
             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}).json()
         assert media["estimated"] is False and "image_url" in media["note"] and media["prompt_tokens"] > 0
         assert c.post("/v1/estimate", json={"messages": "x"}).status_code == 400
+        assert c.post("/v1/estimate", json={"messages": 1}).status_code == 400  # found by the fuzzer
+        assert c.post("/v1/chat/completions", json={"messages": 1, "dry_run": True}).status_code == 400
         assert c.post("/v1/estimate", json={"messages": [{"role": "user", "content": "x"}],
                                             "model": "other"}).status_code == 404

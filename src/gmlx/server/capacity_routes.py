@@ -43,10 +43,15 @@ async def capacity_plan(request: Request) -> Response:
                              overcommit=state.settings.overcommit))
 
 
+def _messages(body: Any) -> list:
+    messages = body.get("messages") if isinstance(body, dict) else None
+    return messages if isinstance(messages, list) else []  # anything else, parse() refuses with a 400
+
+
 def media_parts(body: Any) -> list[str]:
     """The kinds of non-text content parts in a chat body's messages."""
     found = []
-    for m in body.get("messages") or [] if isinstance(body, dict) else []:
+    for m in _messages(body):
         content = m.get("content") if isinstance(m, dict) else None
         for part in content if isinstance(content, list) else []:
             if isinstance(part, dict) and part.get("type") in _MEDIA_PARTS:
@@ -57,7 +62,7 @@ def media_parts(body: Any) -> list[str]:
 def _text_only(body: dict) -> dict:
     """The body with media parts dropped, so its text can be rendered and counted."""
     messages = []
-    for m in body.get("messages") or []:
+    for m in _messages(body):
         content = m.get("content") if isinstance(m, dict) else None
         if isinstance(content, list):
             m = {**m, "content": [p for p in content if not (isinstance(p, dict) and p.get("type") in _MEDIA_PARTS)]}
