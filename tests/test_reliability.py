@@ -46,14 +46,15 @@ def assert_settled(s: LiveServer) -> None:
     """No slot, queue place or engine request lost; the engine alive; the next request served;
     MLX memory back near idle."""
     st = s.state
-    s.wait_until(lambda: not (st.gate.running or st.gate.waiting or s.engine.in_flight or st.queued), timeout=30)
+    # Generous: on a loaded 2-core CI machine the engine may still be ending cancelled work.
+    s.wait_until(lambda: not (st.gate.running or st.gate.waiting or s.engine.in_flight or st.queued), timeout=120)
     assert s.engine.alive
     with s.client() as c:
         m = c.get("/v1/metrics").json()["server"]
         assert (m["concurrency"]["in_flight"], m["concurrency"]["waiting"], m["queue"]["waiting"]) == (0, 0, 0)
         r = c.post(CHAT, json=chat_body(max_tokens=4))
     assert r.status_code == 200, r.text
-    s.wait_until(lambda: s.engine.in_flight == 0)
+    s.wait_until(lambda: s.engine.in_flight == 0, timeout=120)
     assert mx.get_active_memory() <= s.idle_memory + MEMORY_SLACK  # type: ignore[attr-defined]
 
 
