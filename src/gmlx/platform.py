@@ -28,10 +28,6 @@ class BlasInfo:
     name: str  # "openblas", "reference" (MLX's own), or "accelerate"/"none" off Linux
     path: str | None
 
-    @property
-    def optimized(self) -> bool:
-        return self.name not in ("reference",)
-
 
 def _blas_candidates() -> list[str]:
     """Paths where an OpenBLAS may live, most specific first."""

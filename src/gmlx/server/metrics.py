@@ -66,6 +66,9 @@ def _capacity(s: ServerState) -> dict | None:
             "kv_bytes_measured": measured.kv_bytes,
             "prefill_tok_s_measured": round(measured.prefill_tok_s, 1),
             "decode_tok_s_measured": round(measured.decode_tok_s, 2),
+            # The warm-up prompt is short, so its peak sits well under one full chunk's prediction.
+            "prefill_peak_bytes_measured": measured.prefill_peak_bytes,
+            "prefill_bytes_predicted_per_chunk": table.budget.prefill_bytes,
         }
     return out
 
