@@ -4,7 +4,10 @@ keeps) is within 5% of what capacity/ predicts."""
 
 from __future__ import annotations
 
+import gc
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
@@ -15,16 +18,29 @@ from gmlx.capacity.memory import KVFormat, stream_bytes
 from gmlx.models.loader import LoadedModel, load
 
 
-def quiet() -> None:
-    """MLX's active memory is process-wide: let engines of servers from earlier tests end first."""
+@contextmanager
+def quiet() -> Iterator[None]:
+    """MLX's active memory is process-wide: let engines of servers from earlier tests end, free
+    the arrays that earlier tests left in reference cycles, and keep the collector from freeing
+    more of them in the middle of a measurement."""
     for t in threading.enumerate():
         if t.name.startswith("engine-"):
             t.join(30)
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def measure(m: LoadedModel, width: int, depth: int) -> tuple[int, int]:
     """(measured, predicted) bytes once W streams of D prompt tokens have decoded a step."""
-    quiet()
+    with quiet():
+        return _measure(m, width, depth)
+
+
+def _measure(m: LoadedModel, width: int, depth: int) -> tuple[int, int]:
     gen = BatchGenerator(m.model, completion_batch_size=width, prefill_batch_size=width, prefill_step_size=512)
     mx.synchronize()
     mx.clear_cache()
@@ -73,8 +89,8 @@ def test_warm_up_measures_what_is_predicted(tiny_long: dict[str, LoadedModel], a
     from gmlx.capacity.memory import kv_bytes_after_prefill
     from gmlx.engine.engine import warm_up
 
-    quiet()
     m = tiny_long[arch]
-    measured = warm_up(m)
+    with quiet():
+        measured = warm_up(m)
     predicted = kv_bytes_after_prefill(m.geometry, measured.tokens, KVFormat(float_bytes=measured.kv_dtype_bytes))
     assert abs(measured.kv_bytes - predicted) <= 0.01 * predicted, (measured.kv_bytes, predicted)
