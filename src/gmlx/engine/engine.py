@@ -154,7 +154,11 @@ class Measured:
     prefill_peak_bytes: int  # working memory above the cache while prefilling
 
 
-def warm_up(loaded: LoadedModel, tokens: int = WARMUP_TOKENS, decode_steps: int = 4) -> Measured:
+CacheFactory = Callable[[object], list]  # model -> one request's per-layer caches
+
+
+def warm_up(loaded: LoadedModel, tokens: int = WARMUP_TOKENS, decode_steps: int = 4,
+            make_cache: CacheFactory = make_prompt_cache) -> Measured:
     """Prefill a few tokens and decode a few more on one stream: times both, and measures the
     cache's bytes. Short on purpose: MLX's quantized CPU kernels prefill at a few tok/s."""
     tokens = max(1, min(tokens, loaded.context_length - decode_steps - 1))
@@ -163,7 +167,7 @@ def warm_up(loaded: LoadedModel, tokens: int = WARMUP_TOKENS, decode_steps: int 
     mx.clear_cache()
     before = mx.get_active_memory()
     mx.reset_peak_memory()  # to 0, not to `before`: subtract it below
-    cache = make_prompt_cache(loaded.model)
+    cache = make_cache(loaded.model)
     start = time.perf_counter()
     logits = loaded.model(prompt, cache=cache)
     mx.eval(logits[:, -1], [c.state for c in cache])
@@ -187,8 +191,10 @@ class Engine:
     """Serves one model. `load` runs on the engine thread too, so that thread owns the
     model's arrays from the start; `ready` is set once it has returned."""
 
-    def __init__(self, load: Callable[[], LoadedModel], name: str, decode_batch: int = 8, prefill_step: int = 512):
+    def __init__(self, load: Callable[[], LoadedModel], name: str, decode_batch: int = 8, prefill_step: int = 512,
+                 make_cache: CacheFactory = make_prompt_cache):
         self._load = load
+        self._make_cache = make_cache  # fresh caches for a request (quantized KV plugs in here)
         self.loaded: LoadedModel | None = None
         self.measured: Measured | None = None
         self.load_error: str | None = None
@@ -264,7 +270,7 @@ class Engine:
     def _run(self) -> None:
         try:
             self.loaded = self._load()
-            self.measured = warm_up(self.loaded)
+            self.measured = warm_up(self.loaded, make_cache=self._make_cache)
         except Exception as e:
             log.exception("loading the model failed")
             self.load_error = str(e)
@@ -324,7 +330,8 @@ class Engine:
             self._finish(req, Failed("empty prompt or max_tokens < 1"))
             return
         try:
-            [uid] = gen.insert([req.prompt_ids], [req.max_tokens], samplers=[self._guarded_sampler(req)])
+            [uid] = gen.insert([req.prompt_ids], [req.max_tokens], caches=[self._make_cache(self.loaded.model)],
+                               samplers=[self._guarded_sampler(req)])
         except Exception as e:  # not yet active, so the loop's handler would not end it: it would hang
             log.exception("request %s: starting it failed", req.id)
             self._finish(req, Failed(f"generation failed: {e}"))
