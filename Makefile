@@ -17,16 +17,25 @@ test-fast: venv
 	$(VENV)/bin/python -m pytest -q -m "not slow" $(ARGS)
 
 # MLX's Linux CPU wheel links the reference BLAS; gmlx preloads OpenBLAS instead (DESIGN.md, 4).
+# gmlx.kernels (the `gguf` weight mode) is compiled at install: a C++ compiler and Python's headers.
+# Without them the install still succeeds and gmlx runs on MLX's own kernels.
 system:
-	@if [ "$$(uname)" = Linux ] && ! ldconfig -p | grep -q 'libopenblas.so.0'; then \
-	  if command -v apt-get >/dev/null; then \
-	    $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq libopenblas0-pthread; \
-	  else echo "warning: install OpenBLAS with your package manager for fast CPU matmul"; fi; \
+	@if [ "$$(uname)" = Linux ]; then \
+	  pkgs=""; \
+	  ldconfig -p | grep -q 'libopenblas.so.0' || pkgs="$$pkgs libopenblas0-pthread"; \
+	  command -v c++ >/dev/null || pkgs="$$pkgs g++"; \
+	  $(PYTHON) -c 'import os, sysconfig; raise SystemExit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
+	    || pkgs="$$pkgs python3-dev"; \
+	  if [ -n "$$pkgs" ]; then \
+	    if command -v apt-get >/dev/null; then \
+	      $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq $$pkgs; \
+	    else echo "warning: install$$pkgs with your package manager (OpenBLAS: fast CPU matmul; compiler, headers: gmlx.kernels)"; fi; \
+	  fi; \
 	fi
 
 venv: system $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml CMakeLists.txt $(wildcard csrc/*)
 	[ -x $(VENV)/bin/python ] || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
 	$(VENV)/bin/python -m pip install -q -e '.[demo,test]'

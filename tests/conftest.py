@@ -36,16 +36,14 @@ class LiveServer:
     """gmlx's app on a real uvicorn server on a free loopback port, in a thread."""
 
     def __init__(self, model: Path, **overrides: object):
-        from gmlx.engine.engine import Engine
-        from gmlx.models.loader import load
         from gmlx.server.app import create_app
+        from gmlx.server.build import build_engine
         from gmlx.server.lifecycle import DrainingServer
         from gmlx.server.settings import resolve_settings
 
         flags = {"decode_batch": 4, "weights": "float", "log_level": "warning", **overrides}
         self.settings = resolve_settings(flags, env={})
-        self.engine = Engine(lambda: load(model, self.settings.weights), model.stem,
-                             self.settings.decode_batch, self.settings.prefill_step)
+        self.engine = build_engine(self.settings, model)
         self.app = create_app(self.settings, self.engine, model.stem)
         self.model_id = model.stem
         config = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning", access_log=False,

@@ -9,6 +9,7 @@ import httpx
 import pytest
 from conftest import LiveServer
 
+from gmlx.capacity.budget import PROMPT_CACHE_SHARE, default_prompt_cache_bytes
 from gmlx.capacity.memory import KVFormat
 from gmlx.capacity.table import capacity_table
 from gmlx.gguf.header import read_header
@@ -24,7 +25,8 @@ def offline_table(path: Path, memory: int, decode_batch: int = 4):
     h = read_header(path)
     return capacity_table(h.geometry, weight_bytes=resident_bytes(h, "float"), decode_batch=decode_batch,
                           prefill_step=512, kv=KVFormat(float_bytes=4), memory=memory,
-                          reserve_fraction=0.10, reserve_floor=512 * MiB, context_length=h.geometry.context_length)
+                          reserve_fraction=0.10, reserve_floor=512 * MiB, context_length=h.geometry.context_length,
+                          prompt_cache_bytes=default_prompt_cache_bytes(memory))
 
 
 @pytest.fixture
@@ -38,7 +40,9 @@ def small_memory_model(tmp_path: Path) -> tuple[Path, int]:
     probe = offline_table(path, 10**12)
     kv_per_token = probe.stream_bytes(256) // 256
     budget = probe.budget
-    memory = int((budget.weight_bytes + budget.prefill_bytes + 512 * MiB + 1500 * kv_per_token) / 0.999)
+    # The prompt cache's default share of memory comes off the top too.
+    memory = int((budget.weight_bytes + budget.prefill_bytes + 512 * MiB + 1500 * kv_per_token)
+                 / (1 - 1 / PROMPT_CACHE_SHARE) / 0.999)
     return path, memory
 
 

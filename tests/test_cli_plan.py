@@ -10,6 +10,7 @@ import pytest
 from conftest import LiveServer
 from typer.testing import CliRunner
 
+from gmlx.capacity.budget import PROMPT_CACHE_SHARE
 from gmlx.capacity.memory import KVFormat
 from gmlx.capacity.table import capacity_table
 from gmlx.cli.main import app
@@ -58,7 +59,9 @@ def small_memory_model(tmp_path: Path) -> tuple[Path, int]:
                            kv=KVFormat(float_bytes=4), memory=10**12, context_length=4096)
     kv_per_token = probe.stream_bytes(256) // 256
     b = probe.budget
-    return path, int((b.weight_bytes + b.prefill_bytes + 512 * MiB + 1500 * kv_per_token) / 0.999)
+    # The prompt cache's default share of memory comes off the top too.
+    return path, int((b.weight_bytes + b.prefill_bytes + 512 * MiB + 1500 * kv_per_token)
+                     / (1 - 1 / PROMPT_CACHE_SHARE) / 0.999)
 
 
 def test_plan_ok(tiny_models: dict[str, Path]) -> None:

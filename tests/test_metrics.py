@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gmlx.server import metrics
 from gmlx.server.metrics import snapshot
 
-SECTIONS = ["concurrency", "queue", "governor", "memory", "capacity", "rates", "totals", "requests", "resident_models"]
+SECTIONS = ["concurrency", "queue", "governor", "memory", "capacity", "rates", "totals", "prompt_cache", "requests", "resident_models"]
 
 
 def prometheus_values(text: str) -> dict[tuple[str, tuple], float]:

@@ -232,6 +232,16 @@ def test_backoff_doubles_and_is_capped() -> None:
     assert [p.delay for p.failures in range(7)] == [1, 2, 4, 8, 16, 30, 30]
 
 
+def test_rates_line_shows_the_prompt_cache_when_it_runs() -> None:
+    from gmlx.tui.render import rates_line
+
+    p = Poller("http://127.0.0.1:1")
+    p.metrics = {"rates": {}, "prompt_cache": {"enabled": True, "hit_rate": 0.75, "bytes": 12 * 2**20}}
+    assert rates_line(p).plain.endswith("prompt cache 75 % hits  12.0 MiB")
+    p.metrics["prompt_cache"] = {"enabled": False}
+    assert "prompt cache" not in rates_line(p).plain
+
+
 def test_human_numbers() -> None:
     assert (fmt.size(1.2 * 2**30), fmt.rate(41.26), fmt.duration(192), fmt.duration(0.4), fmt.tokens(32768)) == \
            ("1.2 GiB", "41.3 tok/s", "3 m 12 s", "0.40 s", "32,768")

@@ -8,6 +8,12 @@ from dataclasses import dataclass
 from gmlx.gguf.header import ModelGeometry
 
 FLOAT32_BYTES = 4  # activations are float32 wherever the engine runs float weights or float32 scales
+PROMPT_CACHE_SHARE = 16  # by default the prompt cache may hold 1/16 of memory...
+PROMPT_CACHE_MAX_DEFAULT = 4 * 2**30  # ...and at most this much
+
+
+def default_prompt_cache_bytes(total_bytes: int) -> int:
+    return min(PROMPT_CACHE_MAX_DEFAULT, total_bytes // PROMPT_CACHE_SHARE)
 
 
 @dataclass(frozen=True)
@@ -17,6 +23,7 @@ class MemoryBudget:
     prefill_bytes: int  # working set of one prefill chunk
     reserve_floor_bytes: int = 512 * 2**20
     reserve_fraction: float = 0.10
+    prompt_cache_bytes: int = 0  # the prompt cache's bound: KV kept for reuse, not for running streams
 
     @property
     def reserve_bytes(self) -> int:
@@ -24,12 +31,13 @@ class MemoryBudget:
 
     @property
     def kv_bytes(self) -> int:
-        return max(0, self.total_bytes - self.weight_bytes - self.reserve_bytes - self.prefill_bytes)
+        return max(0, self.total_bytes - self.weight_bytes - self.reserve_bytes - self.prefill_bytes
+                   - self.prompt_cache_bytes)
 
     def to_json(self) -> dict:
         return {"total_bytes": self.total_bytes, "weight_bytes": self.weight_bytes,
                 "reserve_bytes": self.reserve_bytes, "prefill_bytes": self.prefill_bytes,
-                "kv_bytes": self.kv_bytes}
+                "prompt_cache_bytes": self.prompt_cache_bytes, "kv_bytes": self.kv_bytes}
 
 
 def prefill_working_bytes(g: ModelGeometry, chunk_tokens: int, context_tokens: int) -> int:

@@ -13,8 +13,9 @@ ALLOC_STEP = 256
 _KV_BITS = (2, 4, 8)  # widths that pack evenly into QuantizedKVCache's uint32 words
 _GROUP_SIZES = (32, 64, 128)  # the group sizes mx.quantize accepts
 
-# Per-token KV bytes summed over the layers that share a window (None: full attention).
-KVProfile = tuple[tuple[int | None, float], ...]
+# Per-token KV bytes summed over the layers that share a window (None: full attention), and a
+# third figure: 0, or for a quantized cache's float tail (kvarn) the tokens that tail keeps.
+KVProfile = tuple[tuple[int | None, float, int], ...]
 
 
 @dataclass(frozen=True)
@@ -23,35 +24,62 @@ class KVFormat:
 
     `float_bytes` is the cache's float dtype, which is the model's activation dtype: 2 for
     float16 or bfloat16, 4 where the engine runs float32 (as it does on Linux CPU).
+
+    With `bits` set, full-attention layers store keys at `bits` and values at `value_bits`
+    (None: `bits`), packed into uint32 words with one scale and one bias per `group_size`
+    elements, both in the float dtype (gmlx.engine.kv_cache). Sliding-window layers keep a
+    float cache (their cache stops at the window), and with `tail_tokens` each quantized layer
+    also keeps its newest `tail_tokens` in float (kvarn).
     """
 
-    bits: int | None = None  # None: a float cache; else mlx_lm QuantizedKVCache's width
+    bits: int | None = None  # None: a float cache; else the key width
     group_size: int = 64
     float_bytes: int = FP16_BYTES
+    value_bits: int | None = None  # None: `bits`
+    tail_tokens: int = 0  # kvarn: newest tokens each quantized layer also keeps in float
 
     def __post_init__(self) -> None:
-        if self.bits is not None and self.bits not in _KV_BITS:
-            raise ValueError(f"KV cache bits must be one of {_KV_BITS}, not {self.bits}")
+        for name, bits in (("bits", self.bits), ("value bits", self.value_bits)):
+            if bits is not None and bits not in _KV_BITS:
+                raise ValueError(f"KV cache {name} must be one of {_KV_BITS}, not {bits}")
         if self.group_size not in _GROUP_SIZES:
             raise ValueError(f"KV cache group size must be one of {_GROUP_SIZES}, not {self.group_size}")
         if self.float_bytes not in (2, 4):
             raise ValueError(f"KV cache float width must be 2 or 4 bytes, not {self.float_bytes}")
+        if self.tail_tokens < 0:
+            raise ValueError(f"KV cache tail tokens must be >= 0, not {self.tail_tokens}")
+        if self.bits is None and (self.value_bits is not None or self.tail_tokens):
+            raise ValueError("value bits and tail tokens need bits")
+
+    @property
+    def quantized(self) -> bool:
+        return self.bits is not None
+
+    def _width_bytes(self, bits: int | None) -> float:
+        if bits is None:
+            return float(self.float_bytes)
+        # Packed `bits` per element, one scale and one bias per group in the float dtype.
+        return bits / 8 + 2 * self.float_bytes / self.group_size
 
     def element_bytes(self) -> float:
-        if self.bits is None:
-            return float(self.float_bytes)
-        # QuantizedKVCache packs `bits` per element into uint32 words and keeps one scale and
-        # one bias per group, both in the activation dtype.
-        return self.bits / 8 + 2 * self.float_bytes / self.group_size
+        """Bytes of one key element (of every element, but under kvarn's narrower values)."""
+        return self._width_bytes(self.bits)
+
+    def value_element_bytes(self) -> float:
+        return self._width_bytes(self.bits if self.value_bits is None else self.value_bits)
 
     def describe(self) -> str:
         float_name = f"fp{8 * self.float_bytes}"
         if self.bits is None:
             return float_name
-        return f"{self.bits}-bit g{self.group_size}, {float_name} scales"
+        vbits = self.bits if self.value_bits is None else self.value_bits
+        width = f"{self.bits}-bit" if vbits == self.bits else f"K{self.bits}/V{vbits}-bit"
+        tail = f", newest {self.tail_tokens} tokens {float_name}" if self.tail_tokens else ""
+        return f"{width} g{self.group_size}, {float_name} scales{tail}"
 
     def to_json(self) -> dict:
         return {"bits": self.bits, "group_size": self.group_size, "float_bytes": self.float_bytes,
+                "value_bits": self.value_bits, "tail_tokens": self.tail_tokens,
                 "element_bytes": self.element_bytes(), "describe": self.describe()}
 
 
@@ -65,14 +93,29 @@ def layer_window(g: ModelGeometry, layer: int) -> int | None:
     return g.sliding_window if sliding else None
 
 
+def layer_quantized(g: ModelGeometry, layer: int, kv: KVFormat) -> bool:
+    """Whether a layer's cache is stored quantized under `kv` (sliding layers stay float)."""
+    return kv.quantized and layer_window(g, layer) is None
+
+
 def layer_bytes_per_token(g: ModelGeometry, layer: int, kv: KVFormat = FP16) -> float:
+    """A layer's cache bytes per token, its float tail (kvarn) aside."""
     if g.kv_lora_rank:
         # MLA: llama.cpp caches one compressed latent plus the shared rotary key per token, and
         # reads V out of the same latent, so heads and value width do not enter.
-        elements = g.kv_lora_rank + (g.rope_dim or 0)
-    else:
-        elements = g.n_kv_heads[layer] * (g.key_length + g.value_length)
-    return elements * kv.element_bytes()
+        return (g.kv_lora_rank + (g.rope_dim or 0)) * kv.element_bytes()
+    heads = g.n_kv_heads[layer]
+    if not layer_quantized(g, layer, kv):
+        return heads * (g.key_length + g.value_length) * kv.float_bytes
+    return heads * (g.key_length * kv.element_bytes() + g.value_length * kv.value_element_bytes())
+
+
+def tail_bytes_per_token(g: ModelGeometry, kv: KVFormat) -> float:
+    """Float bytes per token of the kvarn tails, all quantized layers together (0 without one)."""
+    if not kv.tail_tokens or g.kv_lora_rank:
+        return 0.0
+    return sum(g.n_kv_heads[i] * (g.key_length + g.value_length) * kv.float_bytes
+               for i in range(g.n_layers) if layer_quantized(g, i, kv))
 
 
 def kv_profile(g: ModelGeometry, kv: KVFormat = FP16) -> KVProfile:
@@ -81,7 +124,10 @@ def kv_profile(g: ModelGeometry, kv: KVFormat = FP16) -> KVProfile:
     for layer in range(g.n_layers):
         window = layer_window(g, layer)
         sums[window] = sums.get(window, 0.0) + layer_bytes_per_token(g, layer, kv)
-    return tuple(sums.items())
+    profile = [(window, per_token, 0) for window, per_token in sums.items()]
+    if tail := tail_bytes_per_token(g, kv):
+        profile.append((None, tail, kv.tail_tokens))
+    return tuple(profile)
 
 
 def allocated_tokens(depth: int) -> int:
@@ -89,10 +135,25 @@ def allocated_tokens(depth: int) -> int:
     return -(-depth // ALLOC_STEP) * ALLOC_STEP
 
 
+def tail_tokens_held(tail: int, depth: int, allocated: bool = False) -> int:
+    """Slots a kvarn float tail of `tail` tokens holds at `depth`. It grows like a KVCache, in
+    steps of 256, and once it reaches tail + 256 slots it is cut back to the newest `tail`, so
+    while decoding it has tail + 256 slots allocated (gmlx.engine.kv_cache)."""
+    if not allocated:
+        return min(depth, tail)
+    return allocated_tokens(depth) if depth < tail + ALLOC_STEP else tail + ALLOC_STEP
+
+
 @functools.cache
 def profile_bytes(profile: KVProfile, depth: int, allocated: bool = False) -> int:
     held = allocated_tokens(depth) if allocated else depth
-    return round(sum(per_token * (min(held, window) if window else held) for window, per_token in profile))
+    total = 0.0
+    for window, per_token, tail in profile:
+        if tail:
+            total += per_token * tail_tokens_held(tail, depth, allocated)
+        else:
+            total += per_token * (min(held, window) if window else held)
+    return round(total)
 
 
 def kv_bytes(g: ModelGeometry, depth: int, kv: KVFormat = FP16, *, allocated: bool = False) -> int:
@@ -141,6 +202,11 @@ def kv_layer_kinds(g: ModelGeometry, kv: KVFormat = FP16) -> list[LayerKind]:
 def kv_bytes_after_prefill(g: ModelGeometry, depth: int, kv: KVFormat = FP16) -> int:
     """KV bytes of one stream right after its prompt is prefilled in one chunk: full-attention
     caches have grown in whole 256-token steps, while a RotatingKVCache has concatenated the
-    chunk and holds exactly min(depth, window) tokens until decoding starts to grow it."""
-    return sum(k.bytes_per_token * (min(depth, k.window) if k.window else allocated_tokens(depth))
-               for k in kv_layer_kinds(g, kv))
+    chunk and holds exactly min(depth, window) tokens until decoding starts to grow it. A kvarn
+    tail has grown like a full cache, or been cut to its `tail_tokens` if it reached 256 more."""
+    total = sum(k.bytes_per_token * (min(depth, k.window) if k.window else allocated_tokens(depth))
+                for k in kv_layer_kinds(g, kv))
+    if tail := tail_bytes_per_token(g, kv):
+        t = kv.tail_tokens
+        total += round(tail * (allocated_tokens(depth) if depth < t + ALLOC_STEP else t))
+    return total

@@ -124,6 +124,7 @@ def capacity_table(
     reserve_fraction: float = 0.10,
     reserve_floor: int = 512 * 2**20,
     context_length: int | None = None,
+    prompt_cache_bytes: int = 0,
 ) -> CapacityTable:
     """The table the server builds at start and `gmlx plan` builds offline, from the same budget arithmetic.
 
@@ -131,5 +132,5 @@ def capacity_table(
     """
     window = g.context_length if context_length is None else min(context_length, g.context_length)
     budget = MemoryBudget(memory, weight_bytes, prefill_working_bytes(g, prefill_step, window),
-                          reserve_floor, reserve_fraction)
+                          reserve_floor, reserve_fraction, prompt_cache_bytes)
     return build_table(g, budget, decode_batch, kv, window)

@@ -51,13 +51,22 @@ def describe(model: str | None, weights: WeightsOption) -> dict[str, Any]:
         "chat_template": g.has_chat_template,
         "kv_bytes_per_token_fp16": {k.kind: asdict(k) for k in kv_layer_kinds(g)},
         "weights": {"mode": mode, "resident_bytes": resident_bytes(h, mode)},
-        "platform": {"backend": platform.backend(), "blas": gmlx.BLAS.name, "blas_path": gmlx.BLAS.path},
+        "platform": {"backend": platform.backend(), "blas": gmlx.BLAS.name, "blas_path": gmlx.BLAS.path,
+                     "gguf_kernels": _kernels()},
     }
+
+
+def _kernels() -> dict[str, Any]:
+    """gmlx.kernels (the `gguf` weight mode): the ISA it runs on here, or why MLX's own kernels are used."""
+    from gmlx import kernels
+
+    reason = kernels.reason()
+    return {"isa": kernels.isa() if reason is None else None, "reason": reason}
 
 
 def inspect_command(
     model: str = MODEL_ARG,
-    weights: str = typer.Option("auto", help="Weight mode to report on: auto, native or float."),
+    weights: str = typer.Option("auto", help="Weight mode to report on: auto, native, float or gguf."),
     json_out: bool = JSON_OPT,
 ) -> None:
     """Show a model's architecture, geometry, quantization and KV-cache cost, from its header."""
@@ -88,6 +97,7 @@ def inspect_command(
         ("KV cache fp16", kv),
         ("weights", f"{info['weights']['mode']}, {human_bytes(info['weights']['resident_bytes'])} resident"),
         ("platform", f"{info['platform']['backend']}, BLAS {info['platform']['blas']}"),
+        ("gguf kernels", info["platform"]["gguf_kernels"]["isa"] or f"not used: {info['platform']['gguf_kernels']['reason']}"),
     ]
     for key, value in rows:
         table.add_row(key, value)

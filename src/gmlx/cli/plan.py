@@ -14,6 +14,7 @@ from rich.table import Table
 
 from gmlx import platform
 from gmlx.capacity.estimate import estimate
+from gmlx.capacity.kv_quant import server_plan
 from gmlx.capacity.memory import KVFormat
 from gmlx.capacity.plan import LiveState, plan
 from gmlx.capacity.table import CapacityTable, capacity_table
@@ -42,8 +43,13 @@ API_KEY_OPT = typer.Option(None, "--api-key", envvar="GMLX_API_KEY", help="The s
 MEMORY_OPT = typer.Option(None, "--memory", help="Memory to plan with, such as 64GiB.  [default: this machine's]",
                           show_default=False)
 BODY_OPT = typer.Option(None, "--body", help="A chat-completions request body (JSON file).", show_default=False)
-WEIGHTS_OPT = typer.Option(None, help="Weight mode to assume: auto, native or float.  [default: auto]",
+WEIGHTS_OPT = typer.Option(None, help="Weight mode to assume: auto, gguf, native or float.  [default: auto]",
                            show_default=False)
+KV_BITS_OPT = typer.Option(None, "--kv-bits", help="KV cache quantization to assume: 2, 4 or 8 bits.", show_default=False)
+KV_GROUP_OPT = typer.Option(None, "--kv-group-size", help="KV quantization group: 32, 64 or 128.", show_default=False)
+KV_SCHEME_OPT = typer.Option(None, "--kv-scheme", help="uniform, kvarn or auto.", show_default=False)
+KV_VALUE_BITS_OPT = typer.Option(None, "--kv-value-bits", help="kvarn: bits of the values.", show_default=False)
+KV_TAIL_OPT = typer.Option(None, "--kv-tail-tokens", help="kvarn: newest tokens kept in float.", show_default=False)
 
 
 @dataclass(frozen=True)
@@ -69,10 +75,11 @@ def _from(s: Settings, name: str) -> str:
 
 
 def offline(model: str | None, memory: str | None, weights: str | None,
-            decode_batch: int | None = None, prefill_step: int | None = None) -> Offline:
+            decode_batch: int | None = None, prefill_step: int | None = None,
+            kv_flags: dict[str, Any] | None = None) -> Offline:
     """The table `gmlx serve` would build for this model, from its header and the server's own settings."""
     flags = {"model": model, "memory": memory, "weights": weights, "decode_batch": decode_batch,
-             "prefill_step": prefill_step}
+             "prefill_step": prefill_step, **(kv_flags or {})}
     with errors():
         s = resolve_settings(flags)
         path = resolve_model(s.model)
@@ -81,9 +88,13 @@ def offline(model: str | None, memory: str | None, weights: str | None,
     mode = choose_mode(s.weights, h)  # type: ignore[arg-type]
     weight_bytes = resident_bytes(h, mode)
     total = s.memory or platform.total_memory_bytes()
+    kv_plan = server_plan(s.kv_quant(), g, memory=total, weight_bytes=weight_bytes, reserve_fraction=s.reserve_fraction,
+                          reserve_floor=s.reserve_floor, prompt_cache_bytes=s.prompt_cache_limit(total),
+                          streams=s.decode_batch) if s.kv_quant().enabled else None
+    kv = kv_plan.kv_format(KV.float_bytes) if kv_plan is not None else KV
     table = capacity_table(g, weight_bytes=weight_bytes, decode_batch=s.decode_batch, prefill_step=s.prefill_step,
-                           kv=KV, memory=total, reserve_fraction=s.reserve_fraction, reserve_floor=s.reserve_floor,
-                           context_length=g.context_length)
+                           kv=kv, memory=total, reserve_fraction=s.reserve_fraction, reserve_floor=s.reserve_floor,
+                           context_length=g.context_length, prompt_cache_bytes=s.prompt_cache_limit(total))
     if s.memory is not None:
         memory_from = _from(s, "memory")
     elif platform.backend() == "cuda":
@@ -96,8 +107,10 @@ def offline(model: str | None, memory: str | None, weights: str | None,
         "model": str(path),
         "memory_bytes": {"value": total, "from": memory_from},
         "weights": {"value": mode, "from": weights_from, "resident_bytes": weight_bytes},
-        "kv_format": {"value": KV.describe(), "from": _KV_WHY, "element_bytes": KV.element_bytes()},
+        "kv_format": {"value": kv.describe(), "from": _KV_WHY, "element_bytes": kv.element_bytes(),
+                      **({"kv_quant": kv_plan.to_json()} if kv_plan is not None else {})},
         "decode_batch": {"value": s.decode_batch, "from": _from(s, "decode_batch")},
+        "prompt_cache_bytes": {"value": s.prompt_cache_limit(total), "from": _from(s, "prompt_cache_bytes")},
         "prefill_step": {"value": s.prefill_step, "from": _from(s, "prefill_step")},
         "reserve_bytes": {"value": table.budget.reserve_bytes,
                           "from": f"max({human_bytes(s.reserve_floor)}, {s.reserve_fraction:g} x memory)"},
@@ -193,16 +206,23 @@ def plan_command(
     prefill_step: int = typer.Option(None, "--prefill-step", help="Prompt tokens per prefill chunk.  [default: 512]",
                                      show_default=False),
     whole_table: bool = typer.Option(False, "--table", help="Show the whole table: widths x depths."),
+    kv_bits: int = KV_BITS_OPT,
+    kv_group_size: int = KV_GROUP_OPT,
+    kv_scheme: str = KV_SCHEME_OPT,
+    kv_value_bits: int = KV_VALUE_BITS_OPT,
+    kv_tail_tokens: int = KV_TAIL_OPT,
     json_out: bool = JSON_OPT,
     url: str = URL_OPT,
     api_key: str = API_KEY_OPT,
 ) -> None:
     """Can W streams of D tokens fit, and start now? Exit 0 if ok, 1 if not, 2 on error."""
+    kv_flags = {"kv_bits": kv_bits, "kv_group_size": kv_group_size, "kv_scheme": kv_scheme,
+                "kv_value_bits": kv_value_bits, "kv_tail_tokens": kv_tail_tokens}
     if whole_table:
         if url:
             fail("the server does not expose its capacity table yet; ask it for one plan with --width and --depth",
                  EXIT_ERROR)
-        o = offline(model, memory, weights, decode_batch, prefill_step)
+        o = offline(model, memory, weights, decode_batch, prefill_step, kv_flags)
         if json_out:
             print_json({"table": o.table.to_json(), "assumptions": o.assumptions})
         else:
@@ -216,7 +236,7 @@ def plan_command(
         answer = ask_server("GET", url, "/v1/capacity/plan", api_key, params={"width": width, "depth": depth})
         assumptions = _server_assumptions(url)
     else:
-        o = offline(model, memory, weights, decode_batch, prefill_step)
+        o = offline(model, memory, weights, decode_batch, prefill_step, kv_flags)
         # Offline nothing runs: no stream in flight, none waiting, no governor, so admit_now follows memory alone.
         live = LiveState(o.table.decode_batch, in_flight=0, waiting=0, band=None)
         answer, assumptions = plan(o.table, width, depth, live, model=o.path.stem), o.assumptions
@@ -268,6 +288,11 @@ def estimate_command(
                                    show_default=False),
     memory: str = MEMORY_OPT,
     weights: str = WEIGHTS_OPT,
+    kv_bits: int = KV_BITS_OPT,
+    kv_group_size: int = KV_GROUP_OPT,
+    kv_scheme: str = KV_SCHEME_OPT,
+    kv_value_bits: int = KV_VALUE_BITS_OPT,
+    kv_tail_tokens: int = KV_TAIL_OPT,
     json_out: bool = JSON_OPT,
     url: str = URL_OPT,
     api_key: str = API_KEY_OPT,
@@ -277,7 +302,9 @@ def estimate_command(
     if url:
         answer, assumptions = ask_server("POST", url, "/v1/estimate", api_key, json=body), _server_assumptions(url)
     else:
-        o = offline(model, memory, weights)
+        o = offline(model, memory, weights, kv_flags={
+            "kv_bits": kv_bits, "kv_group_size": kv_group_size, "kv_scheme": kv_scheme,
+            "kv_value_bits": kv_value_bits, "kv_tail_tokens": kv_tail_tokens})
         answer = _estimate_offline(o, body)
         assumptions = {**o.assumptions, "prefill_tok_s": {
             "value": None, "from": "offline there is no measured prefill rate, so est_ttft_s is null"}}

@@ -51,12 +51,12 @@ def run_command(
     top_k: int = typer.Option(0, "--top-k", min=0),
     min_p: float = typer.Option(0.0, "--min-p", min=0.0, max=1.0),
     seed: int = typer.Option(None, "--seed", help="Seed for sampling, so a run repeats."),
-    weights: str = typer.Option("auto", help="auto, native (MLX quantized) or float (dequantized)."),
+    weights: str = typer.Option("auto", help="auto, gguf (the file's blocks, gmlx kernels), native (MLX quantized) or float (dequantized)."),
     json_out: bool = JSON_OPT,
 ) -> None:
     """Generate from a model, streaming the text, then print speed and memory figures."""
-    if weights not in ("auto", "native", "float"):
-        fail(f"--weights must be auto, native or float, not {weights!r}", 2)
+    if weights not in ("auto", "native", "float", "gguf"):
+        fail(f"--weights must be auto, native, float or gguf, not {weights!r}", 2)
     if prompt is None:
         if sys.stdin.isatty():
             fail("no prompt: pass --prompt TEXT or pipe it on stdin", 2)

@@ -22,6 +22,7 @@ from gmlx.cli.common import (
     model_path,
     print_json,
 )
+from gmlx.cli.completions import complete_gguf
 from gmlx.server.settings import Settings, SettingsError, describe, resolve_settings
 
 log = logging.getLogger("gmlx.serve")
@@ -38,13 +39,23 @@ def serve_command(
     queue_size: int = typer.Option(None, "--queue-size", help="Requests that may wait for a slot.  [default: 2 x decode batch]", show_default=False),
     queue_timeout: float = typer.Option(None, "--queue-timeout", help="Seconds a request may wait for a slot.  [default: 120]", show_default=False),
     max_body_bytes: int = typer.Option(None, "--max-body-bytes", help="Largest request body accepted.  [default: 4 MiB]", show_default=False),
-    weights: str = typer.Option(None, help="auto, native (MLX quantized) or float.  [default: auto]", show_default=False),
+    weights: str = typer.Option(None, help="auto, gguf (gmlx CPU kernels), native (MLX quantized) or float.  [default: auto]", show_default=False),
     prefill_step: int = typer.Option(None, "--prefill-step", help="Prompt tokens per prefill chunk between decode steps.", show_default=False),
     max_tokens: int = typer.Option(None, "--max-tokens", help="max_tokens for a request that sets none.", show_default=False),
     log_input_text: bool = typer.Option(None, "--log-input-text/--no-log-input-text", help="Log prompts and outputs.", show_default=False),
     shutdown_timeout: float = typer.Option(None, "--shutdown-timeout", help="Seconds running streams get to finish on shutdown.", show_default=False),
     log_level: str = typer.Option(None, "--log-level", help="debug, info, warning or error.", show_default=False),
     memory: str = typer.Option(None, "--memory", help="Memory the capacity table plans with, e.g. 64GiB.  [default: device or system memory]", show_default=False),
+    prompt_cache_bytes: str = typer.Option(None, "--prompt-cache-bytes", help="Memory for reusable prompt KV, e.g. 2GiB; 0 turns the cache off.  [default: 1/16 of memory, at most 4 GiB]", show_default=False),
+    prompt_cache_block: int = typer.Option(None, "--prompt-cache-block", help="Tokens per block of a prefix hit in a plain-attention model.  [default: 16]", show_default=False),
+    prompt_cache_checkpoint: int = typer.Option(None, "--prompt-cache-checkpoint", help="Tokens between checkpoints of a long prefill whose cache cannot be trimmed.  [default: 1024]", show_default=False),
+    draft: str = typer.Option(None, "--draft", help="A smaller GGUF with the same vocabulary that drafts tokens for speculative decoding.", show_default=False, autocompletion=complete_gguf),
+    num_draft: int = typer.Option(None, "--num-draft", help="Tokens the drafter proposes per round.  [default: 3]", show_default=False),
+    kv_bits: int = typer.Option(None, "--kv-bits", help="Quantize the KV cache: 2, 4 or 8 bits (keys, under kvarn).", show_default=False),
+    kv_group_size: int = typer.Option(None, "--kv-group-size", help="Elements per KV quantization group: 32, 64 or 128.  [default: 64]", show_default=False),
+    kv_scheme: str = typer.Option(None, "--kv-scheme", help="uniform, kvarn or auto.  [default: auto when --kv-bits is set, else off]", show_default=False),
+    kv_value_bits: int = typer.Option(None, "--kv-value-bits", help="kvarn: bits of the values.  [default: 4]", show_default=False),
+    kv_tail_tokens: int = typer.Option(None, "--kv-tail-tokens", help="kvarn: newest tokens kept in float.  [default: 128]", show_default=False),
     config: Path = typer.Option(None, "--config", help="A TOML or YAML file of settings (below flags and environment)."),
     print_config: bool = typer.Option(False, "--print-config", help="Show each setting and where it came from, then exit."),
     json_out: bool = JSON_OPT,
@@ -53,7 +64,10 @@ def serve_command(
     flags = dict(model=model, host=host, port=port, api_key=api_key, decode_batch=decode_batch, queue_size=queue_size,
                  queue_timeout=queue_timeout, max_body_bytes=max_body_bytes, weights=weights, prefill_step=prefill_step,
                  max_tokens_default=max_tokens, log_input_text=log_input_text, shutdown_timeout=shutdown_timeout,
-                 log_level=log_level, memory=memory)
+                 log_level=log_level, memory=memory, prompt_cache_bytes=prompt_cache_bytes,
+                 prompt_cache_block=prompt_cache_block, prompt_cache_checkpoint=prompt_cache_checkpoint,
+                 draft=draft, num_draft=num_draft, kv_bits=kv_bits, kv_group_size=kv_group_size, kv_scheme=kv_scheme,
+                 kv_value_bits=kv_value_bits, kv_tail_tokens=kv_tail_tokens)
     try:
         settings = resolve_settings(flags, config=config)
     except SettingsError as e:
@@ -87,21 +101,27 @@ def _serve(settings: Settings) -> int:
     import uvicorn
 
     from gmlx.capacity.memory import kv_bytes_after_prefill
-    from gmlx.engine.engine import Engine
     from gmlx.gguf.header import read_header
-    from gmlx.models.loader import architecture_for, load
+    from gmlx.models.loader import architecture_for
     from gmlx.server.app import create_app
+    from gmlx.server.build import build_engine
     from gmlx.server.lifecycle import DrainingServer
 
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     path = model_path(settings.model)
     with model_errors():  # a file we cannot serve fails now, not after the server is up
         architecture_for(read_header(path))
+    if settings.draft:  # so does a drafter that cannot draft for it (headers only, no weights)
+        from gmlx.engine.drafting import check_drafter_files
+
+        draft_path = model_path(settings.draft)
+        with model_errors():
+            check_drafter_files(read_header(path), read_header(draft_path))
     for warning in (platform.blas_warning(gmlx.BLAS), exposure_warning(settings)):
         if warning:
             log.warning(warning)
 
-    engine = Engine(lambda: load(path, settings.weights), path.stem, settings.decode_batch, settings.prefill_step)
+    engine = build_engine(settings, path)
     app = create_app(settings, engine, path.stem)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             timeout_graceful_shutdown=_CONNECTION_CLOSE_S, access_log=False)

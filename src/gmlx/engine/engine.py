@@ -21,7 +21,9 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
+from gmlx.engine.prompt_cache import MISS, Hit, PromptCache
 from gmlx.engine.sampling import Sampler, SamplingParams, make_sampler
+from gmlx.engine.speculative import SpeculativeCounters, SpeculativeStream, can_speculate
 from gmlx.engine.stops import StopMatcher
 from gmlx.models.loader import LoadedModel
 
@@ -43,6 +45,7 @@ class Finished:
     completion_tokens: int
     ttft_s: float | None
     decode_tok_s: float | None
+    cached_tokens: int = 0  # prompt tokens the prompt cache supplied
 
 
 @dataclass
@@ -62,6 +65,7 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
     emit: Callable[[Event], None] = lambda _: None
+    anchor_tokens: int = 0  # where a shared system prompt ends in prompt_ids (0: none)
     # Live state, written by the engine thread and read by snapshots.
     state: str = "queued"  # queued -> prefill -> decode -> done
     uid: int | None = None
@@ -69,6 +73,8 @@ class Request:
     first_token_at: float | None = None
     prefilled: int = 0
     generated: int = 0
+    cache: Hit | None = None  # the prompt cache's answer, once the engine has asked it
+    speculative: SpeculativeCounters | None = None  # with a drafter: its rounds for this request
 
     @property
     def ttft_s(self) -> float | None:
@@ -79,6 +85,12 @@ class Request:
             return None
         span = (now or time.monotonic()) - self.first_token_at
         return (self.generated - 1) / span if span > 0 else None
+
+
+def _split(tokens: list[int], start: int, cuts: list[int]) -> list[list[int]]:
+    """tokens[start:] in segments that end at each cut (prefill stops there so a cache can be kept)."""
+    bounds = [start, *(c for c in cuts if start < c < len(tokens)), len(tokens)]
+    return [tokens[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
 def _mean(values: Iterable[float | None]) -> float | None:
@@ -102,14 +114,18 @@ class EngineStats:
     decode_rate_sum: float = 0.0  # over finished requests that decoded, for the lifetime mean
     decode_rate_count: int = 0
     finish_reasons: Counter = field(default_factory=Counter)
+    speculative: SpeculativeCounters = field(default_factory=SpeculativeCounters)  # lifetime, with a drafter
 
     def record(self, req: Request, event: Finished) -> None:
         self.finish_reasons[event.finish_reason] += 1
+        if req.speculative is not None:
+            self.speculative.add(req.speculative)
         if event.finish_reason == "cancelled":
             return
         self.finished += 1
         self.generated_total += req.generated
-        prefill = len(req.prompt_ids) / event.ttft_s if event.ttft_s else None
+        cold = len(req.prompt_ids) - (req.cache.warm_tokens if req.cache else 0)  # what was really prefilled
+        prefill = cold / event.ttft_s if event.ttft_s else None
         self.recent_requests.append((event.decode_tok_s, prefill))
         if event.decode_tok_s is not None:
             self.decode_rate_sum += event.decode_tok_s
@@ -192,9 +208,19 @@ class Engine:
     model's arrays from the start; `ready` is set once it has returned."""
 
     def __init__(self, load: Callable[[], LoadedModel], name: str, decode_batch: int = 8, prefill_step: int = 512,
-                 make_cache: CacheFactory = make_prompt_cache):
+                 make_cache: CacheFactory = make_prompt_cache, prompt_cache: PromptCache | None = None,
+                 checkpoint_every: int = 1024, load_draft: Callable[[LoadedModel], LoadedModel] | None = None,
+                 num_draft: int = 3):
         self._load = load
         self._make_cache = make_cache  # fresh caches for a request (quantized KV plugs in here)
+        self.prompt_cache = prompt_cache if prompt_cache is not None and prompt_cache.enabled else None
+        self.checkpoint_every = checkpoint_every
+        self._trim_limit: float = float("inf")  # tokens past which a request's caches cannot be trimmed
+        self._load_draft = load_draft  # loads and checks the drafter against the served model
+        self.draft: LoadedModel | None = None
+        self.num_draft = num_draft
+        self._lane: tuple[Request, SpeculativeStream] | None = None  # the one request decoding with the drafter
+        self._no_lane: str | None = None  # why this model's caches cannot decode speculatively at all
         self.loaded: LoadedModel | None = None
         self.measured: Measured | None = None
         self.load_error: str | None = None
@@ -208,7 +234,10 @@ class Engine:
         self._lock = threading.Lock()
         self._detok: dict[int, object] = {}
         self._stops: dict[int, StopMatcher] = {}
+        self._checkpoints: dict[int, dict[int, str]] = {}  # uid -> {prompt position: kind} still to take
         self._sampling_failed: list[tuple[Request, str]] = []  # this step's, engine thread only
+        self._samplers: dict[str, Sampler] = {}  # request id -> its sampler, kept across handovers (its seed runs on)
+        self._draft_states: dict[str, tuple] = {}  # request id -> the drafter's cache from its last lane
         self._thread = threading.Thread(target=self._run, name=f"engine-{name}", daemon=True)
 
     # --- called from any thread -------------------------------------------------------
@@ -270,10 +299,18 @@ class Engine:
     def _run(self) -> None:
         try:
             self.loaded = self._load()
+            if self._load_draft is not None:
+                self.draft = self._load_draft(self.loaded)
+                self._no_lane = can_speculate(self._make_cache(self.loaded.model))
+                if self._no_lane:
+                    log.warning("the drafter stays idle: %s", self._no_lane)
             self.measured = warm_up(self.loaded, make_cache=self._make_cache)
+            windows = [w for c in self._make_cache(self.loaded.model) if (w := getattr(c, "max_size", None))]
+            self._trim_limit = min(windows, default=float("inf"))
         except Exception as e:
             log.exception("loading the model failed")
             self.load_error = str(e)
+            self.loaded = self.draft = None  # not ready: nothing will serve it
             return
         finally:
             self.ready.set()
@@ -282,10 +319,15 @@ class Engine:
             try:
                 if not self._take_commands(gen, block=not self._active):
                     break
-                if self._active:
+                if self._lane is None and self._may_speculate():
+                    self._enter_lane(gen)
+                if self._lane is not None:
+                    self._lane_round(gen)
+                elif self._active:
                     self._step(gen)
             except Exception as e:  # the thread must outlive any one request's failure
                 log.exception("engine step failed; failing %d request(s) and starting afresh", len(self._active))
+                self._lane = None
                 for req in list(self._active.values()):
                     self._finish(req, Failed(f"generation failed: {e}"))
                 gen = self._new_generator()
@@ -294,12 +336,15 @@ class Engine:
         gen.close()
 
     def _cancel(self, gen: BatchGenerator, req: Request, error: Failed | None = None) -> None:
+        if self._lane is not None and self._lane[0] is req:
+            self._lane = None
         gen.remove([req.uid])
         self._finish(req, error or self._cancelled(req))
 
     @staticmethod
     def _cancelled(req: Request) -> Finished:
-        return Finished("cancelled", len(req.prompt_ids), req.generated, req.ttft_s, req.decode_tok_s())
+        return Finished("cancelled", len(req.prompt_ids), req.generated, req.ttft_s, req.decode_tok_s(),
+                        req.cache.warm_tokens if req.cache else 0)
 
     def _take_commands(self, gen: BatchGenerator, block: bool) -> bool:
         """Apply waiting commands; False once asked to stop."""
@@ -312,6 +357,7 @@ class Engine:
             if kind == "stop":
                 return False
             if kind == "submit":
+                self._leave_lane(gen)  # the drafter cannot join a batch: the lane's stream goes back
                 self._insert(gen, arg)
             elif kind == "cancel":
                 request_id, error = arg
@@ -319,6 +365,8 @@ class Engine:
                 if req is not None and req.uid in self._active:
                     self._cancel(gen, req, error)
             elif kind == "clear_cache":
+                if self.prompt_cache is not None:
+                    self.prompt_cache.clear()
                 mx.clear_cache()
             elif kind == "cancel_all":
                 for req in list(self._active.values()):
@@ -330,16 +378,57 @@ class Engine:
             self._finish(req, Failed("empty prompt or max_tokens < 1"))
             return
         try:
-            [uid] = gen.insert([req.prompt_ids], [req.max_tokens], caches=[self._make_cache(self.loaded.model)],
-                               samplers=[self._guarded_sampler(req)])
+            hit, cache = self.prompt_cache.fetch(req.prompt_ids) if self.prompt_cache is not None else (MISS, None)
+            checkpoints = self._checkpoint_plan(req, hit.warm_tokens)
+            [uid] = gen.insert_segments(
+                [_split(req.prompt_ids, hit.warm_tokens, sorted(checkpoints))], [req.max_tokens],
+                caches=[cache or self._make_cache(self.loaded.model)], all_tokens=[req.prompt_ids[:hit.warm_tokens]],
+                samplers=[self._sampler(req)])
         except Exception as e:  # not yet active, so the loop's handler would not end it: it would hang
             log.exception("request %s: starting it failed", req.id)
             self._finish(req, Failed(f"generation failed: {e}"))
             return
-        req.uid, req.state = uid, "prefill"
+        req.uid, req.state, req.cache, req.prefilled = uid, "prefill", hit, hit.warm_tokens
+        if self.draft is not None:
+            req.speculative = SpeculativeCounters()
         self._active[uid] = req
+        self._checkpoints[uid] = checkpoints
         self._detok[uid] = self.loaded.tokenizer.detokenizer
         self._stops[uid] = StopMatcher(req.stop)
+
+    def _checkpoint_plan(self, req: Request, warm: int) -> dict[int, str]:
+        """Prompt positions at which to keep the cache while prefilling, and of what kind.
+
+        An anchor where a shared system prompt ends. Where the caches cannot be trimmed back
+        (sliding layers past their window), a checkpoint every `checkpoint_every` tokens and one
+        just before the last prompt token, since the request's final cache will not trim to them.
+        """
+        if self.prompt_cache is None:
+            return {}
+        last = len(req.prompt_ids) - 1
+        plan: dict[int, str] = {}
+        if last + req.max_tokens >= self._trim_limit:
+            plan = {p: "ckpt" for p in range(self.checkpoint_every, last, self.checkpoint_every)}
+            plan[last] = "ckpt"
+        if 0 < req.anchor_tokens < last:
+            plan[req.anchor_tokens] = "anchor"
+        return {p: kind for p, kind in plan.items() if p > warm}
+
+    def _take_checkpoint(self, gen: BatchGenerator, req: Request, position: int) -> None:
+        kind = self._checkpoints[req.uid].pop(position, None)
+        if kind is None or self.prompt_cache is None:
+            return
+        for cache, tokens in gen.extract_cache([req.uid]).values():
+            self.prompt_cache.store(tokens, cache, kind)
+
+    def _keep_final(self, cache: list | None, tokens: list[int] | None) -> None:
+        if self.prompt_cache is not None and cache is not None and tokens:
+            self.prompt_cache.store(list(tokens), cache, "final")
+
+    def _sampler(self, req: Request) -> Sampler:
+        if req.id not in self._samplers:
+            self._samplers[req.id] = self._guarded_sampler(req)
+        return self._samplers[req.id]
 
     def _guarded_sampler(self, req: Request) -> Sampler:
         """The request's sampler, made to fail that request alone: a raise inside the batch's
@@ -359,6 +448,78 @@ class Engine:
 
         return sample
 
+    # --- speculative decoding: one request alone, with the drafter --------------------------
+
+    def _may_speculate(self) -> bool:
+        if self.draft is None or self._no_lane or len(self._active) != 1 or not self._commands.empty():
+            return False
+        [req] = self._active.values()
+        # Leaving the batch costs a step; a request about to end is not worth it.
+        return req.state == "decode" and req.generated >= 1 and req.max_tokens - req.generated > self.num_draft
+
+    def _enter_lane(self, gen: BatchGenerator) -> None:
+        assert self.loaded is not None and self.draft is not None
+        [req] = self._active.values()
+        length = len(req.prompt_ids) + req.generated
+        if length + self.num_draft >= self._trim_limit:  # checked before leaving the batch, which is not free
+            return
+        [(cache, tokens)] = gen.remove([req.uid], return_prompt_caches=True).values()
+        lane = SpeculativeStream.from_batch(self.loaded.model, self.draft.model, cache, tokens,
+                                            sampler=self._sampler(req), num_draft=self.num_draft,
+                                            prefill_step=self.prefill_step,
+                                            draft_state=self._draft_states.pop(req.id, None))
+        assert req.speculative is not None
+        lane.counters = req.speculative  # the row shows the request's figures live
+        self._lane = (req, lane)
+
+    def _lane_round(self, gen: BatchGenerator) -> None:
+        assert self._lane is not None and self.loaded is not None
+        req, lane = self._lane
+        start = time.perf_counter()
+        tokens = lane.round(req.max_tokens - req.generated, self.loaded.tokenizer.eos_token_ids)
+        now, st = time.monotonic(), self.stats
+        st.decode_tokens += len(tokens)
+        st.decode_seconds += time.perf_counter() - start
+        st.recent_steps.append((now, len(tokens)))
+        if self._sampling_failed:
+            self._sampling_failed.clear()
+            self._lane = None
+            self._finish(req, Failed("sampling failed"))
+            return
+        eos = self.loaded.tokenizer.eos_token_ids
+        for token in tokens:
+            finish = "stop" if token in eos else "length" if req.generated + 1 >= req.max_tokens else None
+            self._on_token(gen, req, token, finish, now)
+            if req.state == "done":
+                self._lane = None
+                self._keep_final(lane.cache, lane.history)
+                return
+        if lane.reason() is not None:  # its sliding window is near: trimming back would no longer be exact
+            self._leave_lane(gen)
+
+    def _leave_lane(self, gen: BatchGenerator) -> None:
+        if self._lane is None:
+            return
+        req, lane = self._lane
+        self._lane = None
+        self._rejoin(gen, req, *lane.release())
+        if lane.draft_state is not None:  # a later lane catches the drafter up instead of prefilling it
+            self._draft_states[req.id] = lane.draft_state
+
+    def _rejoin(self, gen: BatchGenerator, req: Request, cache: list, history: list[int], pending: list[int]) -> None:
+        """Put a decoding request back in the batch under a new uid; the batch decodes on from `pending`."""
+        [uid] = gen.insert([pending], [req.max_tokens - req.generated], caches=[cache], all_tokens=[history],
+                           samplers=[self._sampler(req)])
+        old = req.uid
+        req.uid = uid
+        self._active[uid] = self._active.pop(old)
+        self._detok[uid] = self._detok.pop(old)
+        self._stops[uid] = self._stops.pop(old)
+        self._checkpoints[uid] = {}
+        self._checkpoints.pop(old, None)
+        assert req.speculative is not None
+        req.speculative.batched = True
+
     def _step(self, gen: BatchGenerator) -> None:
         with gen.stats() as s:
             prompt_responses, generation_responses = gen.next()
@@ -370,18 +531,27 @@ class Engine:
         st = self.stats
         st.prefill_tokens += s.prompt_tokens
         st.prefill_seconds += s.prompt_time
+        if self.draft is not None and len(generation_responses) > 1:  # decoding together, without the drafter
+            for r in generation_responses:
+                if (req := self._active.get(r.uid)) is not None and req.speculative is not None:
+                    req.speculative.batched = True
         if generation_responses:
             st.decode_tokens += len(generation_responses)
             st.decode_seconds += s.decode_time
             st.recent_steps.append((now, len(generation_responses)))
 
         for p in prompt_responses:
-            if (req := self._active.get(p.uid)) is not None:
-                req.prefilled = p.progress[0]
+            if (req := self._active.get(p.uid)) is not None and req.state == "prefill":
+                warm = req.cache.warm_tokens if req.cache else 0
+                req.prefilled = warm + p.progress[0]
+                if p.end_of_segment and not p.end_of_prompt:
+                    self._take_checkpoint(gen, req, req.prefilled)
                 if p.end_of_prompt:
                     req.state = "decode"
         for r in generation_responses:
             if (req := self._active.get(r.uid)) is not None:
+                if r.finish_reason is not None:
+                    self._keep_final(r.prompt_cache, r.all_tokens)
                 self._on_token(gen, req, r.token, r.finish_reason, now)
 
     def _on_token(self, gen: BatchGenerator, req: Request, token: int, finish_reason: str | None, now: float) -> None:
@@ -399,10 +569,12 @@ class Engine:
         if text:
             self._emit(req, Chunk(text))
         if hit and finish_reason is None:
-            gen.remove([req.uid])
+            for cache, tokens in gen.remove([req.uid], return_prompt_caches=self.prompt_cache is not None).values():
+                self._keep_final(cache, tokens)
         if hit or finish_reason is not None:
             reason = "stop" if hit else finish_reason
-            self._finish(req, Finished(reason, len(req.prompt_ids), req.generated, req.ttft_s, req.decode_tok_s(now)))
+            self._finish(req, Finished(reason, len(req.prompt_ids), req.generated, req.ttft_s, req.decode_tok_s(now),
+                                       req.cache.warm_tokens if req.cache else 0))
 
     def _finish(self, req: Request, event: Event) -> None:
         if isinstance(event, Finished):
@@ -411,6 +583,9 @@ class Engine:
         self._active.pop(req.uid, None)
         self._detok.pop(req.uid, None)
         self._stops.pop(req.uid, None)
+        self._checkpoints.pop(req.uid, None)
+        self._samplers.pop(req.id, None)
+        self._draft_states.pop(req.id, None)
         with self._lock:
             self._requests.pop(req.id, None)
         self._emit(req, event)

@@ -7,6 +7,9 @@ uint32 words and the block scales become MLX scales and biases. Formats with 16-
 groups (Q6_K, Q3_K, Q2_K) cannot be expressed at group size 32 without loss, so they
 are dequantized and re-quantized one width up. Everything is vectorized numpy over
 views of the file's mmap; no Python loop runs per block.
+
+In `gguf` mode (the CPU kernels of gmlx.kernels) a quantized weight is not converted
+at all: it stays the file's block bytes, one uint8 array of shape (rows, row_bytes).
 """
 
 from __future__ import annotations
@@ -24,10 +27,14 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from gmlx.gguf.header import GGUFError, GGUFHeader, TensorInfo
 
-WeightMode = Literal["native", "float"]
+WeightMode = Literal["native", "float", "gguf"]
 GROUP = 32  # MLX group size used for every repack (GGML's finest affine group width)
 CHUNK = 1 << 19  # weights per vectorized step
 SHARE_MLX_BUFFERS = True  # let numpy write into MLX buffers on the CPU (see _Out)
+GGUF_BLOCKS = 0  # quant[name] = (GGUF_BLOCKS, ggml_type): the weight is the file's blocks (gguf mode)
+# GGML types gmlx.kernels multiplies in their own blocks (kept in step with gmlx.kernels.TYPES,
+# which needs mlx and the extension; this module only needs the names).
+GGUF_KERNEL_TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
 
 # (q codes in element order (n_blocks, block_size), scale (n_blocks, groups), bias (n_blocks, groups))
 Unpacked = tuple[np.ndarray, np.ndarray, np.ndarray]
@@ -276,9 +283,13 @@ def load_tensors(
     arrays["X.biases"] (scale_dtype: float32 or float16, never bfloat16, which makes MLX's CPU
     quantized matmul ~10x slower), and quant["X.weight"] = (bits, group_size). 1-D tensors
     (norms, biases) are always float.
+
+    In gguf mode a 2-D weight of a type in GGUF_KERNEL_TYPES is the tensor's bytes as uint8
+    (rows, row_bytes) and quant["X.weight"] = (GGUF_BLOCKS, ggml_type); other quantized
+    tensors are dequantized to float32, and float tensors load as float32.
     """
-    if mode not in ("native", "float"):
-        raise ValueError(f"mode must be 'native' or 'float', not {mode!r}")
+    if mode not in ("native", "float", "gguf"):
+        raise ValueError(f"mode must be 'native', 'float' or 'gguf', not {mode!r}")
     if scale_dtype not in (mx.float32, mx.float16):
         raise ValueError("scale_dtype must be float32 or float16")
     wanted = list(header.tensors) if names is None else list(names)
@@ -304,17 +315,22 @@ def load_tensors(
         out: dict[str, mx.array]
         if t in _FLOATS:
             native_dtype = {T.F32: mx.float32, T.F16: mx.float16, T.BF16: bf16_dtype}[t]
-            dtype = float_dtype if mode == "float" else native_dtype
+            dtype = native_dtype if mode == "native" else float_dtype
             out = {name: _float(buf, info, dtype)}
             action = _DTYPE_NAMES.get(dtype, str(dtype))
+        elif mode == "gguf" and t in GGUF_KERNEL_TYPES and len(info.shape) == 2 and name.endswith(".weight"):
+            rows = _blocks(buf, info).reshape(info.shape[1], -1)  # (out features, row bytes), a view of the mmap
+            out = {name: mx.array(rows)}  # one copy into MLX: resident bytes == tensor bytes
+            action = "gguf blocks"
+            quant[name] = (GGUF_BLOCKS, int(t))
         elif mode == "native" and len(info.shape) >= 2 and name.endswith(".weight"):
             w, s, b, bits = _repack(buf, info)
             action = f"{'exact' if t in _EXACT else 're-quantized'} {bits}-bit g{GROUP}"
             base = name[: -len(".weight")]
             out = {name: w, f"{base}.scales": s.astype(scale_dtype), f"{base}.biases": b.astype(scale_dtype)}
             quant[name] = (bits, GROUP)
-        else:  # float mode, or a quantized 1-D tensor in native mode
-            dtype = float_dtype if mode == "float" else mx.float32
+        else:  # float mode, a quantized 1-D tensor, or a type gguf mode has no kernel for
+            dtype = mx.float32 if mode == "native" else float_dtype
             a = _dequantize(buf, info)
             out = {name: a if dtype == mx.float32 else a.astype(dtype)}
             action = f"dequantized {_DTYPE_NAMES.get(dtype, str(dtype))}"

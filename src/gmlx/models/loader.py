@@ -10,16 +10,17 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_unflatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from gmlx.gguf.header import GGUFError, GGUFHeader, ModelGeometry, read_header
-from gmlx.gguf.tensors import LoadReport, load_tensors
+from gmlx.gguf.tensors import GGUF_BLOCKS, LoadReport, load_tensors
 from gmlx.gguf.tokenizer import load_tokenizer
 from gmlx.models.architecture import Architecture
 from gmlx.models.gemma3 import Gemma3
 from gmlx.models.llama import Llama
 from gmlx.models.qwen import Qwen2, Qwen3
-from gmlx.models.weights_mode import WeightsOption, choose_mode
+from gmlx.models.weights_mode import WeightsOption, choose_mode, gguf_kernels_reason
 
 ARCHITECTURES: dict[str, Architecture] = {a.gguf_name: a for a in (Llama(), Qwen2(), Qwen3(), Gemma3())}
 _SUFFIXES = ("weight", "bias", "scales", "biases")
@@ -32,7 +33,7 @@ class LoadedModel:
     model: nn.Module
     tokenizer: TokenizerWrapper
     header: GGUFHeader
-    mode: str  # "native" or "float"
+    mode: str  # "native", "float" or "gguf"
     report: LoadReport
     load_seconds: float
 
@@ -65,6 +66,8 @@ def load(path: str | Path, weights: WeightsOption = "auto", progress: Progress |
     h = read_header(path)
     arch = architecture_for(h)
     mode = choose_mode(weights, h)
+    if mode == "gguf" and (why := gguf_kernels_reason()) is not None:
+        raise GGUFError(f"weights mode gguf is not available here: {why}")
 
     step("weights")
     arrays, quant, report = load_tensors(h, mode)  # type: ignore[arg-type]
@@ -86,11 +89,16 @@ def _build(
 
     weights: dict[str, mx.array] = {}
     configs: dict[str, dict] = {}
+    blocks: dict[str, tuple[mx.array, int]] = {}  # gguf mode: module path -> (uint8 rows, GGML type)
     for name, array in arrays.items():
         base, _, suffix = name.rpartition(".")
         target = arch.mlx_name(base) if suffix in _SUFFIXES else None
         if target is None:
             continue  # e.g. rope_freqs: used by arch.finish, not a parameter
+        if name in quant and quant[name][0] == GGUF_BLOCKS:
+            weights[f"{target}.{suffix}"] = array
+            blocks[target] = (array, quant[name][1])
+            continue
         weights[f"{target}.{suffix}"] = arch.adjust(name, array)
         if name in quant:
             bits, group_size = quant[name]
@@ -99,9 +107,36 @@ def _build(
     weights = model.sanitize(weights)
     if configs:
         nn.quantize(model, class_predicate=lambda path, _: configs.get(path, False))
+    if blocks:
+        _use_gguf_blocks(model, blocks)
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
         raise GGUFError(f"{h.architecture}: tensors do not match the model ({e})") from None
     arch.finish(model, h, arrays)
     return model
+
+
+def _use_gguf_blocks(model: nn.Module, blocks: dict[str, tuple[mx.array, int]]) -> None:
+    """Swap each nn.Linear / nn.Embedding whose weight stays in GGUF blocks for gmlx.kernels' layer."""
+    from gmlx.kernels import GGUFEmbedding, GGUFLinear
+
+    swaps = []
+    for path, module in model.named_modules():
+        if path not in blocks:
+            continue
+        w, ggml_type = blocks[path]
+        rows, k = module.weight.shape  # the float layer mlx_lm built: (out, in)
+        if w.shape[0] != rows:
+            raise GGUFError(f"{path}: {w.shape[0]} rows in the file, the model expects {rows}")
+        if isinstance(module, nn.Embedding):
+            swaps.append((path, GGUFEmbedding(w, ggml_type, k)))
+        elif isinstance(module, nn.Linear):
+            bias = mx.zeros((rows,), mx.float32) if "bias" in module else None  # loaded by load_weights
+            swaps.append((path, GGUFLinear(w, ggml_type, k, bias=bias)))
+        else:
+            raise GGUFError(f"{path}: a {type(module).__name__} cannot take GGUF block weights")
+    missing = set(blocks) - {p for p, _ in swaps}
+    if missing:
+        raise GGUFError(f"GGUF block weights for modules the model lacks: {', '.join(sorted(missing))}")
+    model.update_modules(tree_unflatten(swaps))

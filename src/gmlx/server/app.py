@@ -28,6 +28,7 @@ from gmlx.server.errors import APIError
 from gmlx.server.governor import Governor
 from gmlx.server.http import ClientGone, read_json, unless_disconnected
 from gmlx.server.metrics import snapshot
+from gmlx.server.openapi import openapi_route
 from gmlx.server.settings import Settings
 from gmlx.server.state import LOADING_RETRY_AFTER_S, QueuedRow, ServerState
 from gmlx.server.system import system_info
@@ -73,7 +74,7 @@ async def generate(request: Request, chat: bool) -> Response:
     state.check_model(p.model)
     if p.sampling.top_k >= state.engine.loaded.geometry.vocab_size:  # type: ignore[union-attr]
         p = replace(p, sampling=replace(p.sampling, top_k=0))  # keeping every token is no top-k (mlx_lm refuses it)
-    prompt_ids = await asyncio.to_thread(state.tokenize, p)
+    prompt_ids, anchor = await asyncio.to_thread(state.tokenize_with_anchor, p)
     context = state.engine.loaded.context_length  # type: ignore[union-attr]
     if len(prompt_ids) >= context:
         raise APIError(400, f"the prompt has {len(prompt_ids)} tokens; the context window holds {context}",
@@ -98,7 +99,7 @@ async def generate(request: Request, chat: bool) -> Response:
             state.gate.release()
 
     state.engine.submit(EngineRequest(rid, prompt_ids, max_tokens, p.sampling, p.stop,
-                                      emit=lambda e: loop.call_soon_threadsafe(deliver, e)))
+                                      emit=lambda e: loop.call_soon_threadsafe(deliver, e), anchor_tokens=anchor))
     prompt_for_log = p.messages if chat else p.prompt
     if p.stream:
         return StreamingResponse(_sse(state, p, rid, events, prompt_for_log), media_type="text/event-stream",
@@ -116,7 +117,7 @@ async def generate(request: Request, chat: bool) -> Response:
     _log_finished(state, rid, end, prompt_for_log, text)
     if end.finish_reason == "cancelled":
         raise APIError(503, "the server is shutting down", "shutting_down", retry_after=RETRY_AFTER_FULL_S)
-    use = openai_api.usage(end.prompt_tokens, end.completion_tokens)
+    use = openai_api.usage(end.prompt_tokens, end.completion_tokens, end.cached_tokens)
     return JSONResponse(openai_api.completion(p, rid, state.model_id, text, end.finish_reason, use))
 
 
@@ -148,7 +149,7 @@ async def _sse(state: ServerState, p: openai_api.GenerationParams, rid: str, eve
             _log_finished(state, rid, e, prompt_for_log, "".join(parts))
             yield _sse_data(openai_api.chunk(p, rid, model, finish=e.finish_reason))
             if p.include_usage:
-                yield _sse_data(openai_api.chunk(p, rid, model, use=openai_api.usage(e.prompt_tokens, e.completion_tokens)))
+                yield _sse_data(openai_api.chunk(p, rid, model, use=openai_api.usage(e.prompt_tokens, e.completion_tokens, e.cached_tokens)))
         yield "data: [DONE]\n\n"
     finally:
         if not ended:  # the client went away mid-stream: free the slot within one step
@@ -170,6 +171,8 @@ async def models(request: Request) -> Response:
         entry["context_length"] = loaded.context_length
     table = state.table()
     entry["max_context_at_width_1"] = table.max_context_at_width(1) if table else None
+    if loaded is not None and (kv_quant := getattr(state.engine, "kv_quant", None)) is not None:
+        entry["kv_quant"] = kv_quant.to_json()
     return JSONResponse({"object": "list", "data": [entry]})
 
 
@@ -197,8 +200,11 @@ async def health(request: Request) -> Response:
 
 async def metrics_route(request: Request) -> Response:
     state: ServerState = request.app.state.gmlx
+    fmt = request.query_params.get("format")
+    if fmt not in (None, "json", "prometheus"):
+        raise APIError(400, f"'format' must be json or prometheus, not {fmt!r}", "invalid_request", param="format")
     snap = snapshot(state)
-    if request.query_params.get("format") == "prometheus":
+    if fmt == "prometheus":
         return Response(state.histograms.render(snap), media_type=CONTENT_TYPE_LATEST)
     return JSONResponse(snap)
 
@@ -216,7 +222,10 @@ async def _api_error(request: Request, exc: Exception) -> Response:
 async def _not_found(request: Request, exc: Exception) -> Response:
     status = getattr(exc, "status_code", 404)
     code = "not_found" if status == 404 else "method_not_allowed"
-    return APIError(status, f"{request.method} {request.url.path}: {code.replace('_', ' ')}", code).response()
+    response = APIError(status, f"{request.method} {request.url.path}: {code.replace('_', ' ')}", code,
+                        type_="invalid_request_error" if status == 405 else None).response()
+    response.headers.update(getattr(exc, "headers", None) or {})  # a 405 says what is allowed (Allow)
+    return response
 
 
 def create_app(settings: Settings, engine: Engine, model_id: str) -> Starlette:
@@ -241,6 +250,7 @@ def create_app(settings: Settings, engine: Engine, model_id: str) -> Starlette:
         Route("/v1/estimate", estimate_route, methods=["POST"]),
         Route("/v1/metrics", metrics_route, methods=["GET"]),
         Route("/system", system_route, methods=["GET"]),
+        Route("/openapi.json", openapi_route, methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={APIError: _api_error, 404: _not_found, 405: _not_found})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any
 
 import mlx.core as mx
@@ -11,6 +12,7 @@ from starlette.responses import JSONResponse, Response
 
 from gmlx.capacity.estimate import estimate
 from gmlx.capacity.plan import LiveState, plan
+from gmlx.engine.prompt_cache import MISS
 from gmlx.server import openai_api
 from gmlx.server.errors import bad_request
 from gmlx.server.http import read_json
@@ -23,10 +25,11 @@ def _positive_int(request: Request, name: str) -> int:
     raw = request.query_params.get(name)
     if raw is None:
         raise bad_request(f"'{name}' is required (a positive integer)", name)
-    try:
-        value = int(raw)
-    except ValueError:
-        raise bad_request(f"'{name}' must be an integer, not {raw!r}", name) from None
+    # Plain ASCII digits only: int() would also take " 7", "+7", "1_000" and other scripts' digits,
+    # which the published schema (a decimal integer) does not; over 4300 digits it raises.
+    if not re.fullmatch(r"-?[0-9]{1,100}", raw):
+        raise bad_request(f"'{name}' must be an integer, not {raw[:40]!r}", name)
+    value = int(raw)
     if value < 1:
         raise bad_request(f"'{name}' must be at least 1, not {value}", name)
     return value
@@ -88,7 +91,7 @@ async def estimate_body(state: ServerState, body: Any) -> dict:
                    context_limit=loaded.context_length, prefill_bytes=budget.prefill_bytes,
                    free_now_bytes=free_now, free_drained_bytes=free_drained, prefill_tok_s=prefill_rate,
                    queue_wait_s=queue_wait_s(state), first_step_s=1 / measured.decode_tok_s if measured else 0.0,
-                   kv=table.kv)
+                   kv=table.kv, **_prompt_cache_hit(state, prompt_ids))
     out["model"] = state.model_id
     if media:
         # Rendered (prompt_tokens counts the text) but not estimated: this engine is text-only.
@@ -98,6 +101,13 @@ async def estimate_body(state: ServerState, body: Any) -> dict:
     else:
         out["estimated"] = True
     return out
+
+
+def _prompt_cache_hit(state: ServerState, prompt_ids: list[int]) -> dict:
+    """What the prompt cache would give this prompt now (it is only looked at, not changed)."""
+    cache = state.engine.prompt_cache
+    hit = cache.peek(prompt_ids) if cache is not None else MISS
+    return {"warm_tokens": hit.warm_tokens, "cache_tier": hit.tier}
 
 
 def queue_wait_s(state: ServerState) -> float:

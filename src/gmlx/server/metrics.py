@@ -82,6 +82,8 @@ def _rates(s: ServerState) -> dict:
         "prefill_tok_s_recent": _round(prefill_recent),
         "decode_tok_s_recent": _round(decode_recent),
         "decode_tok_s_lifetime": _round(st.decode_tok_s_per_request_lifetime()),
+        # The drafter's share of proposals the served model kept, over every finished request.
+        "speculative_accept_rate": None if s.engine.draft is None else _round(st.speculative.accept_rate, 4),
     }
 
 
@@ -101,10 +103,15 @@ def _requests(s: ServerState) -> list[dict]:
             "id": r.id, "uid": r.uid, "model": s.model_id, "state": r.state, "prompt_tokens": len(r.prompt_ids),
             "generated": r.generated, "max_tokens": r.max_tokens, "elapsed_s": round(now - r.submitted_at, 2),
             "ttft_s": _round(r.ttft_s, 3), "decode_tok_s": _round(r.decode_tok_s(now)),
-            # No prompt cache yet: every prompt is prefilled cold.
-            "cache": {"tier": "miss", "warm_tokens": 0}, "speculative": None,
+            "cache": r.cache.to_json() if r.cache else None,
+            "speculative": r.speculative.to_json() if r.speculative else None,
         })
     return rows
+
+
+def _prompt_cache(s: ServerState) -> dict:
+    cache = s.engine.prompt_cache
+    return cache.snapshot() if cache is not None else {"enabled": False}
 
 
 def _resident_models(s: ServerState) -> list[dict]:
@@ -126,8 +133,10 @@ SECTIONS: dict[str, tuple[Probe, tuple[str, ...]]] = {
                          "process_rss_bytes", "system_available_bytes", "system_total_bytes")),
     "capacity": (_capacity, ()),
     "rates": (_rates, ("decode_tok_s", "decode_streams", "prefill_tok_s_recent", "decode_tok_s_recent",
-                       "decode_tok_s_lifetime")),
+                       "decode_tok_s_lifetime", "speculative_accept_rate")),
     "totals": (_totals, ("requests_finished", "prompt_tokens", "generated_tokens")),
+    "prompt_cache": (_prompt_cache, ("enabled", "max_bytes", "bytes", "entries", "hits", "misses", "hit_rate",
+                                     "reused_tokens", "stored_bytes", "evicted_bytes")),
     "requests": (_requests, ()),
     "resident_models": (_resident_models, ()),
 }

@@ -92,11 +92,12 @@ def parse(body: Any, chat: bool) -> GenerationParams:
     n = _typed(body, "n", int, "an integer")
     if n not in (None, 1):
         raise bad_request("only n=1 is supported", "n")
-    max_tokens = _typed(body, "max_completion_tokens", int, "an integer")
-    if max_tokens is None:
-        max_tokens = _typed(body, "max_tokens", int, "an integer")
-    if max_tokens is not None and max_tokens < 1:
-        raise bad_request("'max_tokens' must be at least 1", "max_tokens")
+    max_tokens = None
+    for name in ("max_tokens", "max_completion_tokens"):  # both are checked; the newer name wins
+        value = _typed(body, name, int, "an integer")
+        if value is not None and value < 1:
+            raise bad_request(f"'{name}' must be at least 1", name)
+        max_tokens = value if value is not None else max_tokens
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else stop
     if stops is not None and (not isinstance(stops, list) or not all(isinstance(s, str) for s in stops)):
@@ -109,6 +110,9 @@ def parse(body: Any, chat: bool) -> GenerationParams:
         raise bad_request("'seed' must be between 0 and 2**64 - 1", "seed")
     stream = bool(_typed(body, "stream", bool, "a boolean"))
     options = _typed(body, "stream_options", dict, "an object") or {}
+    _typed(options, "include_usage", bool, "a boolean")  # checked like the rest, not just truth-tested
+    if chat:
+        _typed(body, "dry_run", bool, "a boolean")  # true is answered before parse(); anything but a flag is a 400
     sampling = SamplingParams(
         temperature=_number(body, "temperature", 0.0, 2.0, 1.0),
         top_p=_number(body, "top_p", 0.0, 1.0, 1.0),
@@ -133,9 +137,10 @@ def new_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def completion(p: GenerationParams, rid: str, model: str, text: str, finish: str, use: dict) -> dict:
@@ -166,6 +171,34 @@ def chunk(p: GenerationParams, rid: str, model: str, text: str | None = None, fi
         choice["text"] = text or ""
     out["choices"] = [choice]
     return out
+
+
+_USER_MARK = "\ue000gmlx-user\ue000"  # a private-use sentinel no real message contains
+
+
+def system_prefix_tokens(tokenizer: Any, messages: list[dict[str, Any]] | None, prompt_ids: list[int]) -> int:
+    """How many of prompt_ids the leading system message(s) account for: the rendered prompt up to
+    where the first user message's text would start, so requests that share a system prompt and
+    differ after it share exactly this prefix (the prompt cache anchors there). 0 without one."""
+    system = []
+    for m in messages or ():
+        if m.get("role") not in ("system", "developer"):
+            break
+        system.append(m)
+    if not system or len(system) == len(messages or ()):
+        return 0
+    try:
+        text = tokenizer.apply_chat_template([*system, {"role": "user", "content": _USER_MARK}],
+                                             add_generation_prompt=False, tokenize=False)
+    except Exception:  # a template that will not render this shape has no anchor
+        return 0
+    cut = text.find(_USER_MARK)
+    if cut <= 0:
+        return 0
+    head = tokenizer.encode(text[:cut], add_special_tokens=False)
+    # The first user token may merge with what precedes it: only the prefix both tokenizations share counts.
+    shared = next((i for i, (a, b) in enumerate(zip(head, prompt_ids)) if a != b), min(len(head), len(prompt_ids)))
+    return shared if shared < len(prompt_ids) else 0
 
 
 def prompt_token_ids(tokenizer: Any, p: GenerationParams, vocab_size: int) -> list[int]:

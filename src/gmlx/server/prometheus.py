@@ -50,6 +50,7 @@ class _Snapshot:
                 c = CounterMetricFamily(f"gmlx_{name}", f"{name.replace('_', ' ').capitalize()}", labels=["model"])
                 c.add_metric([model], totals[name])
                 yield c
+        yield from _prompt_cache(s.get("prompt_cache") or {}, model)
         for m in models:
             for key in ("in_flight", "weight_bytes", "decode_batch", "context_length"):
                 g = GaugeMetricFamily(f"gmlx_model_{key}", f"Resident model {key.replace('_', ' ')}",
@@ -67,6 +68,30 @@ def _gauges(prefix: str, section: dict, skip: tuple[str, ...] = (), labels: dict
         g = GaugeMetricFamily(f"{prefix}_{key}", f"{prefix.removeprefix('gmlx_')} {key}", labels=list(labels))
         g.add_metric(list(labels.values()), value)
         yield g
+
+
+def _prompt_cache(pc: dict, model: str) -> Iterator[Metric]:
+    if not pc.get("enabled"):
+        return
+    hits = CounterMetricFamily("gmlx_prompt_cache_hits", "Requests whose prefix the prompt cache held, by tier",
+                               labels=["model", "tier"])
+    for tier, n in (pc.get("hits_by_tier") or {}).items():
+        hits.add_metric([model, tier], n)
+    yield hits
+    for key, what in (("misses", "Requests the prompt cache had nothing for"),
+                      ("reused_tokens", "Prompt tokens served from the prompt cache instead of prefilled"),
+                      ("stored_bytes", "Bytes of KV stored into the prompt cache"),
+                      ("evicted_bytes", "Bytes of KV evicted from the prompt cache (LRU or governor)")):
+        if pc.get(key) is not None:
+            c = CounterMetricFamily(f"gmlx_prompt_cache_{key}", what, labels=["model"])
+            c.add_metric([model], pc[key])
+            yield c
+    for key, what in (("bytes", "Bytes the prompt cache holds now"), ("max_bytes", "The prompt cache's bound"),
+                      ("entries", "Entries in the prompt cache")):
+        if pc.get(key) is not None:
+            g = GaugeMetricFamily(f"gmlx_prompt_cache_{key}", what, labels=["model"])
+            g.add_metric([model], pc[key])
+            yield g
 
 
 def _capacity(cap: dict | None) -> Iterator[Metric]:

@@ -14,7 +14,11 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from gmlx.capacity.budget import parse_bytes
+from gmlx.capacity.budget import default_prompt_cache_bytes, parse_bytes
+from gmlx.capacity.kv_quant import BITS as _KV_BITS
+from gmlx.capacity.kv_quant import GROUP_SIZES as _KV_GROUPS
+from gmlx.capacity.kv_quant import SCHEME_CHOICES as _KV_SCHEMES
+from gmlx.capacity.kv_quant import KVQuantSettings
 
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
@@ -102,6 +106,13 @@ def _bytes(v: Any) -> int:
     return parse_bytes(str(v))
 
 
+def _int_in(*choices: int) -> Check:
+    def check(v: Any) -> None:
+        if v not in choices:
+            raise ValueError(f"must be one of {', '.join(map(str, choices))}")
+    return check
+
+
 def _fraction(v: float) -> None:
     if not 0 <= v < 1:
         raise ValueError("must be at least 0 and below 1")
@@ -145,7 +156,7 @@ class Settings:
     queue_size: int = _f(None, _int, "GMLX_QUEUE_SIZE", "QUEUE_SIZE", check=_at_least(0))
     queue_timeout: float = _f(120.0, _float, "GMLX_QUEUE_TIMEOUT", "QUEUE_TIMEOUT_S", check=_above(0))
     max_body_bytes: int = _f(4 * 1024 * 1024, _int, "GMLX_MAX_BODY_BYTES", check=_at_least(1))
-    weights: str = _f("auto", _lower, "GMLX_WEIGHTS", check=_one_of("auto", "native", "float"))
+    weights: str = _f("auto", _lower, "GMLX_WEIGHTS", check=_one_of("auto", "native", "float", "gguf"))
     prefill_step: int = _f(512, _int, "GMLX_PREFILL_STEP", check=_at_least(16))
     max_tokens_default: int = _f(512, _int, "GMLX_MAX_TOKENS", check=_at_least(1))
     log_input_text: bool = _f(False, _bool, "GMLX_LOG_INPUT_TEXT", "LOG_INPUT_TEXT")
@@ -156,6 +167,20 @@ class Settings:
     reserve_fraction: float = _f(0.10, _float, "GMLX_RESERVE_FRACTION", check=_fraction)
     reserve_floor: int = _f(512 * 2**20, _bytes, "GMLX_RESERVE_FLOOR")
     overcommit: bool = _f(False, _bool, "GMLX_OVERCOMMIT")
+    # The prompt cache: its bound (None: a share of memory, see capacity.budget; 0: off), the
+    # block its plain-attention hits are counted in, and how often a long prefill keeps a checkpoint.
+    prompt_cache_bytes: int | None = _f(None, _bytes, "GMLX_PROMPT_CACHE_BYTES")
+    prompt_cache_block: int = _f(16, _int, "GMLX_PROMPT_CACHE_BLOCK", check=_at_least(1))
+    prompt_cache_checkpoint: int = _f(1024, _int, "GMLX_PROMPT_CACHE_CHECKPOINT", check=_at_least(16))
+    # KV-cache quantization (gmlx.capacity.kv_quant): all unset means off.
+    kv_bits: int | None = _f(None, _int, "GMLX_KV_BITS", check=_int_in(*_KV_BITS))
+    kv_group_size: int | None = _f(None, _int, "GMLX_KV_GROUP_SIZE", check=_int_in(*_KV_GROUPS))
+    kv_scheme: str | None = _f(None, _lower, "GMLX_KV_SCHEME", check=_one_of(*_KV_SCHEMES))
+    kv_value_bits: int | None = _f(None, _int, "GMLX_KV_VALUE_BITS", check=_int_in(*_KV_BITS))
+    kv_tail_tokens: int | None = _f(None, _int, "GMLX_KV_TAIL_TOKENS", check=_at_least(0))
+    # Speculative decoding: a drafter GGUF with the served model's vocabulary, and drafts per round.
+    draft: str | None = _f(None, _opt_str, "GMLX_DRAFT")
+    num_draft: int = _f(3, _int, "GMLX_NUM_DRAFT", check=_at_least(1))
     # The memory governor: band thresholds as fractions of the budget (total less reserve) in use.
     governor: bool = _f(True, _bool, "GMLX_GOVERNOR")
     governor_yellow: float = _f(0.80, _float, "GMLX_GOVERNOR_YELLOW", check=_share)
@@ -164,6 +189,14 @@ class Settings:
     governor_hysteresis: float = _f(0.05, _float, "GMLX_GOVERNOR_HYSTERESIS", check=_fraction)
     governor_interval_s: float = _f(0.25, _float, "GMLX_GOVERNOR_INTERVAL_S", check=_above(0))
     sources: dict[str, str] = field(default_factory=dict)
+
+    def kv_quant(self) -> KVQuantSettings:
+        return KVQuantSettings(self.kv_bits, self.kv_group_size, self.kv_scheme, self.kv_value_bits,
+                               self.kv_tail_tokens)
+
+    def prompt_cache_limit(self, memory: int) -> int:
+        """The prompt cache's bound with `memory` to plan with: as set, or the default share."""
+        return default_prompt_cache_bytes(memory) if self.prompt_cache_bytes is None else self.prompt_cache_bytes
 
 
 _SPECS: dict[str, _Spec] = {f.name: f.metadata["spec"] for f in fields(Settings) if "spec" in f.metadata}
@@ -227,6 +260,11 @@ def resolve_settings(flags: Mapping[str, Any], env: Mapping[str, str] | None = N
     bands = [values[f"governor_{b}"] for b in ("yellow", "orange", "red")]
     if not bands[0] < bands[1] < bands[2]:
         raise SettingsError(f"governor thresholds must rise: yellow {bands[0]} < orange {bands[1]} < red {bands[2]}")
+    try:
+        KVQuantSettings(values["kv_bits"], values["kv_group_size"], values["kv_scheme"], values["kv_value_bits"],
+                        values["kv_tail_tokens"]).check()
+    except ValueError as e:
+        raise SettingsError(str(e)) from None
     if values["queue_size"] is None:
         values["queue_size"] = 2 * values["decode_batch"]
         sources["queue_size"] = "default (2 x decode_batch)"

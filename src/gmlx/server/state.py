@@ -68,17 +68,37 @@ class ServerState:
             raise APIError(404, f"model {model!r} is not served here (this server serves {self.model_id!r})",
                            "model_not_found")
 
+    def weight_bytes(self) -> int:
+        """Resident weights: the served model's, and its drafter's when one drafts for it."""
+        loaded, draft = self.engine.loaded, self.engine.draft
+        assert loaded is not None
+        return loaded.report.resident_bytes + (draft.report.resident_bytes if draft is not None else 0)
+
     def table(self) -> CapacityTable | None:
         """The capacity table, built once the model is loaded (None before)."""
         loaded, measured = self.engine.loaded, self.engine.measured
         if self._table is None and loaded is not None and measured is not None:
             s = self.settings
+            memory = s.memory or platform.total_memory_bytes()
             self._table = capacity_table(
-                loaded.geometry, weight_bytes=loaded.report.resident_bytes, decode_batch=s.decode_batch,
-                prefill_step=s.prefill_step, kv=KVFormat(float_bytes=measured.kv_dtype_bytes),
-                memory=s.memory or platform.total_memory_bytes(), reserve_fraction=s.reserve_fraction,
-                reserve_floor=s.reserve_floor, context_length=loaded.context_length)
+                loaded.geometry, weight_bytes=self.weight_bytes(), decode_batch=s.decode_batch,
+                prefill_step=s.prefill_step, kv=self.kv_format(measured.kv_dtype_bytes),
+                memory=memory, reserve_fraction=s.reserve_fraction, reserve_floor=s.reserve_floor,
+                context_length=loaded.context_length, prompt_cache_bytes=s.prompt_cache_limit(memory))
         return self._table
+
+    def kv_format(self, float_bytes: int) -> KVFormat:
+        """The KV cache's format: the engine's quantization plan, or float."""
+        plan = getattr(self.engine, "kv_quant", None)
+        return plan.kv_format(float_bytes) if plan is not None else KVFormat(float_bytes=float_bytes)
+
+    def tokenize_with_anchor(self, p: openai_api.GenerationParams) -> tuple[list[int], int]:
+        """The prompt's ids, and where its shared system prompt ends (for the prompt cache)."""
+        ids = self.tokenize(p)
+        if not p.chat or self.engine.prompt_cache is None:
+            return ids, 0
+        with self._tokenizer_lock:
+            return ids, openai_api.system_prefix_tokens(self.engine.loaded.tokenizer, p.messages, ids)  # type: ignore[union-attr]
 
     def tokenize(self, p: openai_api.GenerationParams) -> list[int]:
         loaded = self.engine.loaded

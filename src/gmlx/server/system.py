@@ -62,7 +62,12 @@ def system_info(state: ServerState) -> dict:
         status = "loading"
     compute = platform.backend()
     if loaded is not None:
-        dtype = "float32" if loaded.mode == "float" else "affine-quantized"
+        # gguf: the file's blocks through gmlx.kernels (named with the ISA), e.g. cpu/gguf-blocks-avx2+openblas
+        dtype = {"float": "float32", "gguf": "gguf-blocks"}.get(loaded.mode, "affine-quantized")
+        if loaded.mode == "gguf":
+            from gmlx import kernels
+
+            dtype += f"-{kernels.isa()}"
         compute += f"/{dtype}" + (f"+{gmlx.BLAS.name}" if platform.backend() == "cpu" else "")
     return {
         "version": gmlx.__version__,

@@ -123,7 +123,16 @@ def rates_line(p: Poller) -> Text:
                          ("  streams ", "dim"), f.text(rates.get("decode_streams")),
                          ("   recent requests: prefill ", "dim"), f.rate(rates.get("prefill_tok_s_recent")),
                          ("  decode ", "dim"), f.rate(rates.get("decode_tok_s_recent")),
-                         ("   lifetime decode ", "dim"), f.rate(rates.get("decode_tok_s_lifetime")))
+                         ("   lifetime decode ", "dim"), f.rate(rates.get("decode_tok_s_lifetime")),
+                         *_prompt_cache(section(p, "prompt_cache")))
+
+
+def _prompt_cache(pc: dict) -> tuple[tuple[str, str] | str, ...]:
+    if not pc.get("enabled"):
+        return ()
+    hit_rate = f.num(pc.get("hit_rate"))
+    return (("   prompt cache ", "dim"), f.DASH if hit_rate is None else f"{100 * hit_rate:.0f} % hits",
+            ("  ", "dim"), f.size(pc.get("bytes")))
 
 
 def capacity_rows(p: Poller) -> list[tuple[str, str]]:

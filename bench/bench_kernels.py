@@ -1,0 +1,295 @@
+"""The `gguf` weight mode (gmlx.kernels) against float32 + OpenBLAS and llama.cpp, in one run.
+
+    python -m bench.bench_kernels [--model M.gguf] [--steps 32] [--rounds 3] [--modes gguf,float] [--no-llama]
+
+Measures, on one model file and the same cores:
+- decode tok/s at batch 1, 4 and 8 (aggregate): gmlx modes step the mlx_lm model directly
+  (B streams, one token each per step, greedy), after a 16-token prompt; llama.cpp runs
+  `llama-server -np 8` with B concurrent requests and the sum of each stream's own
+  generation rate (its `timings.predicted_per_second`).
+- prefill tok/s at 512 tokens: gmlx as mlx_lm prefills (511 tokens evaluating only the KV
+  cache, then the last token's logits); llama.cpp's `timings.prompt_per_second`.
+- for the gguf mode, a profile of one batch-1 decode step: the linear layers' matmuls,
+  the LM head, and the rest (attention, norms, graph overhead).
+
+Each gmlx mode runs in its own process, all engines stay loaded, and the rounds interleave
+them (each figure: the best of the rounds), so a shared machine's load falls on all alike.
+Writes bench/results/kernels-<model>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+BATCHES = (1, 4, 8)
+PREFILL = 512
+PROMPT = 16
+
+
+def _worker(model: str, mode: str) -> None:
+    """A loaded model answering commands on stdin, one JSON line each on stdout:
+    `decode B STEPS`, `prefill`, `profile STEPS`; the first line out is the load report."""
+    import numpy as np
+
+    import gmlx  # noqa: F401  (BLAS bring-up before mlx)
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from gmlx.models.loader import load
+
+    t0 = time.perf_counter()
+    m = load(model, mode)  # type: ignore[arg-type]
+    print(json.dumps({"mode": m.mode, "load_s": round(time.perf_counter() - t0, 2),
+                      "resident_bytes": m.report.resident_bytes, "weights": m.report.describe()}), flush=True)
+    model_ = m.model
+    rng = np.random.default_rng(0)
+
+    def step(y, cache):
+        return model_(y, cache=cache)[:, -1].argmax(-1)[:, None]
+
+    def decode(b: int, steps: int) -> float:
+        cache = make_prompt_cache(model_)
+        y = step(mx.array(rng.integers(1000, 20000, (b, PROMPT))), cache)
+        for _ in range(2):
+            y = step(y, cache)
+            mx.eval(y)
+        t = time.perf_counter()
+        for _ in range(steps):
+            y = step(y, cache)
+            mx.eval(y)
+        return b * steps / (time.perf_counter() - t)
+
+    def prefill() -> float:  # as mlx_lm prefills: the prompt fills the cache, logits of the last token only
+        cache = make_prompt_cache(model_)
+        toks = mx.array(rng.integers(1000, 20000, (1, PREFILL)))
+        t = time.perf_counter()
+        model_(toks[:, :-1], cache=cache)
+        mx.eval([c.state for c in cache])
+        mx.eval(model_(toks[:, -1:], cache=cache))
+        return PREFILL / (time.perf_counter() - t)
+
+    for line in sys.stdin:
+        cmd = line.split()
+        if cmd[0] == "decode":
+            out = {"tok_s": decode(int(cmd[1]), int(cmd[2]))}
+        elif cmd[0] == "prefill":
+            out = {"tok_s": prefill()}
+        elif cmd[0] == "profile":
+            out = _profile(model_, int(cmd[1]))
+        else:
+            out = {"error": f"unknown command {cmd}"}
+        print(json.dumps(out), flush=True)
+
+
+def _profile(model, steps: int) -> dict:
+    """One batch-1 decode step split into: every linear layer's matmul (each run alone on a
+    (1, K) input), the tied LM head, and what is left (attention, norms, rope, graph)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from gmlx.kernels import GGUFEmbedding, GGUFLinear
+
+    def timed(fn, reps):
+        fn()
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - t) / reps * 1e3
+
+    cache = make_prompt_cache(model)
+    y = model(mx.array([[1000 + i for i in range(PROMPT)]]), cache=cache)[:, -1].argmax(-1)[:, None]
+    mx.eval(y)
+
+    def one_step():
+        nonlocal y
+        y = model(y, cache=cache)[:, -1].argmax(-1)[:, None]
+        mx.eval(y)
+
+    total = timed(one_step, steps)
+    linears = [mod for _, mod in model.named_modules() if isinstance(mod, GGUFLinear)]
+    xs = {mod.in_features: mx.random.normal((1, mod.in_features)) for mod in linears}
+    mx.eval(*xs.values())
+
+    def all_linears():
+        for mod in linears:
+            mx.eval(mod(xs[mod.in_features]))
+
+    lin = timed(all_linears, max(4, steps // 4))
+    head = 0.0
+    emb = next((mod for _, mod in model.named_modules() if isinstance(mod, GGUFEmbedding)), None)
+    if emb is not None and "lm_head" not in dict(model.children()):
+        x = mx.random.normal((1, emb.dims))
+        head = timed(lambda: mx.eval(emb.as_linear(x)), max(4, steps // 4))
+    weight_bytes = sum(mod.weight.nbytes for mod in linears) + (emb.weight.nbytes if emb is not None else 0)
+    return {"step": round(total, 2), "linear_layers": round(lin, 2), "lm_head": round(head, 2),
+            "rest": round(total - lin - head, 2), "linear_layers_count": len(linears),
+            "weight_bytes_read": weight_bytes,
+            "effective_gb_s": round(weight_bytes / ((lin + head) / 1e3) / 1e9, 1) if lin + head else None}
+
+
+class _Llama:
+    """llama-server -np 8 on the model; decode(b) and prefill() measure through /completion."""
+
+    def __init__(self, model: Path):
+        import httpx
+
+        from bench.peers import cores, llama_server_path
+
+        binary = llama_server_path()  # raises Missing
+        port = 18000 + os.getpid() % 1000
+        env = {**os.environ, "LD_LIBRARY_PATH": os.pathsep.join(filter(None, [str(binary.parent),
+                                                                               os.environ.get("LD_LIBRARY_PATH")]))}
+        argv = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-np", "8",
+                "-t", str(cores()), "-c", str(8 * 1024), "--cont-batching", "--no-cache-prompt", "--no-webui",
+                "--log-disable"]
+        ver = subprocess.run([str(binary), "--version"], capture_output=True, text=True, env=env)
+        self.version = next((ln for ln in (ver.stdout + ver.stderr).splitlines() if ln.startswith("version")), "")
+        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.url = f"http://127.0.0.1:{port}"
+        self.client = httpx.Client(timeout=300)
+        for _ in range(600):
+            try:
+                if self.client.get(f"{self.url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        else:
+            self.close()
+            raise RuntimeError("llama-server did not become ready")
+        import random
+
+        self.rnd = random.Random(0)
+        self._complete(self._toks(PROMPT), 8)  # warm up
+
+    def _toks(self, n: int) -> list[int]:
+        return [self.rnd.randrange(1000, 20000) for _ in range(n)]
+
+    def _complete(self, prompt: list[int], n: int) -> dict:
+        r = self.client.post(f"{self.url}/completion", json={"prompt": prompt, "n_predict": n, "temperature": 0,
+                                                             "ignore_eos": True, "cache_prompt": False})
+        r.raise_for_status()
+        return r.json()["timings"]
+
+    def decode(self, b: int, steps: int) -> float:
+        # each stream's own generation rate, summed: the streams run side by side in one batch
+        with ThreadPoolExecutor(b) as pool:
+            ts = list(pool.map(lambda _: self._complete(self._toks(PROMPT), steps), range(b)))
+        return sum(t["predicted_per_second"] for t in ts)
+
+    def prefill(self) -> float:
+        return self._complete(self._toks(PREFILL), 1)["prompt_per_second"]
+
+    def close(self) -> None:
+        self.client.close()
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+class _Gmlx:
+    def __init__(self, model: Path, mode: str):
+        self.proc = subprocess.Popen([sys.executable, "-m", "bench.bench_kernels", "--worker", mode,
+                                      "--model", str(model)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+        self.info = self._read()
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("worker exited")
+        return json.loads(line)
+
+    def ask(self, cmd: str) -> dict:
+        self.proc.stdin.write(cmd + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def decode(self, b: int, steps: int) -> float:
+        return self.ask(f"decode {b} {steps}")["tok_s"]
+
+    def prefill(self) -> float:
+        return self.ask("prefill")["tok_s"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(30)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--modes", default="gguf,float")
+    ap.add_argument("--no-llama", action="store_true")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+
+    from gmlx.default_model import resolve_model
+
+    model = Path(resolve_model(args.model))
+    if args.worker:
+        _worker(str(model), args.worker)
+        return
+
+    import gmlx
+    import gmlx.kernels as gk
+    from bench.peers import Missing
+
+    result: dict = {"model": model.name, "cores": os.cpu_count(), "blas": gmlx.BLAS.name,
+                    "kernels_isa": gk.isa(), "kernels_reason": gk.reason(), "steps": args.steps,
+                    "rounds": args.rounds, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "load_average_1m_start": os.getloadavg()[0], "gmlx": {}}
+    engines: dict = {}
+    for mode in args.modes.split(","):
+        engines[mode] = _Gmlx(model, mode)
+        result["gmlx"][mode] = dict(engines[mode].info)
+    if not args.no_llama:
+        try:
+            engines["llama_cpp"] = _Llama(model)
+            result["llama_cpp"] = {"version": engines["llama_cpp"].version}
+        except (Missing, RuntimeError) as e:
+            result["llama_cpp"] = {"error": str(e)}
+    # Rounds interleave the engines, and each figure is the best over rounds: on a shared machine
+    # that is the figure least disturbed by other work, taken under the same conditions for all.
+    best: dict = {name: {"decode_tok_s": {}, "prefill_512_tok_s": 0.0} for name in engines}
+    for r in range(args.rounds):
+        for name, eng in engines.items():
+            for b in BATCHES:
+                v = eng.decode(b, args.steps)
+                d = best[name]["decode_tok_s"]
+                d[str(b)] = round(max(d.get(str(b), 0.0), v), 2)
+            best[name]["prefill_512_tok_s"] = round(max(best[name]["prefill_512_tok_s"], eng.prefill()), 1)
+            print(f"round {r + 1}: {name} {best[name]}", file=sys.stderr, flush=True)
+    if "gguf" in engines:
+        result["gmlx"]["gguf"]["profile_decode_b1_ms"] = engines["gguf"].ask(f"profile {args.steps}")
+    for name, eng in engines.items():
+        eng.close()
+        (result["gmlx"][name] if name in result["gmlx"] else result["llama_cpp"]).update(best[name])
+    result["load_average_1m_end"] = os.getloadavg()[0]
+
+    ratios = {}
+    g = result["gmlx"].get("gguf", {})
+    for peer, ref in (("float", result["gmlx"].get("float", {})), ("llama_cpp", result.get("llama_cpp", {}))):
+        if "decode_tok_s" in g and "decode_tok_s" in ref:
+            ratios[f"gguf_vs_{peer}"] = {
+                **{f"decode_b{b}": round(g["decode_tok_s"][str(b)] / ref["decode_tok_s"][str(b)], 2) for b in BATCHES},
+                "prefill_512": round(g["prefill_512_tok_s"] / ref["prefill_512_tok_s"], 2)}
+    result["ratios"] = ratios
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"kernels-{model.stem}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(ratios, indent=2))
+    print(f"wrote {path}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+// nanobind module gmlx.kernels._ext. Built in nanobind's "mlx" domain so that
+// mx.array crosses between this module and mlx.core.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/variant.h>
+
+#include "mlx/version.h"
+#include "ops.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+namespace gk = gmlx_kernels;
+
+NB_MODULE(_ext, m) {
+  m.doc() = "Quantized matmul over GGUF block formats for MLX on the CPU";
+  m.def("gguf_matmul", &gk::gguf_matmul, "x"_a, "w"_a, "type"_a, "n"_a, "k"_a, nb::kw_only(),
+        "stream"_a = nb::none(),
+        "y = x @ dequant(w).T for GGUF block weights w (uint8, (n, row_bytes)); x (..., k).");
+  m.def("gguf_dequant_rows", &gk::gguf_dequant_rows, "rows"_a, "type"_a, "k"_a, nb::kw_only(),
+        "stream"_a = nb::none(), "Dequantize GGUF block rows (uint8 (..., row_bytes)) to float32 (..., k).");
+  m.def("isa", [] { return std::string(gk::active_impl()->name); }, "Instruction set the kernels use.");
+  m.def("set_isa", &gk::set_isa, "want"_a, "Pick the ISA (generic, avx2, avx512; '' = best); returns the one chosen.");
+  m.def("set_int8_levels", &gk::set_int8_levels, "levels"_a,
+        "Decode path activations: 2 int8 codes each (default), 1 (as llama.cpp), 0 (float path only).");
+  m.def("set_blas", &gk::set_blas, "on"_a, "Prefill through the process's optimized cblas_sgemm (default on).");
+  m.def("blas", &gk::blas_name, "The library whose cblas_sgemm prefill uses ('' = own kernel).");
+  m.def("block_size", &gk::block_size, "type"_a);
+  m.def("type_size", &gk::type_size, "type"_a);
+  m.attr("mlx_version") = std::to_string(MLX_VERSION_MAJOR) + "." + std::to_string(MLX_VERSION_MINOR) + "." +
+                          std::to_string(MLX_VERSION_PATCH);
+#ifdef _OPENMP
+  m.attr("openmp") = true;
+#else
+  m.attr("openmp") = false;
+#endif
+}

@@ -1,0 +1,56 @@
+// Quantized matrix multiply over GGUF (GGML) block formats, CPU.
+//
+// The same source (kernels_impl.cpp) is compiled once per instruction set
+// (generic, AVX2+FMA+F16C, AVX-512) into its own namespace; ops.cpp picks one
+// at run time with __builtin_cpu_supports. Nothing from the C++ standard
+// library crosses this interface, so no inline function compiled for a wider
+// ISA can leak into code that runs on a narrower one.
+#pragma once
+
+#include <cstdint>
+
+namespace gmlx_kernels {
+
+// GGML type ids (ggml.h / gguf.constants.GGMLQuantizationType)
+enum GGMLType : int {
+  Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8,
+  Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
+};
+
+// Weights per block and bytes per block; 0 for a type this library does not handle.
+int block_size(int type);
+int type_size(int type);
+
+// Rows of W dequantized together: the unit of work handed to a thread.
+constexpr int ROW_TILE = 16;
+
+struct MatmulArgs {
+  int type;              // GGML type of W
+  const uint8_t* w;      // N rows of row_bytes each (the GGUF tensor's bytes)
+  int64_t row_bytes;     // K / block_size * type_size
+  const float* x;        // M rows of K floats, row-major, contiguous
+  float* y;              // M rows of N floats, row-major
+  int64_t M, N, K;
+};
+
+// One ISA's entry points. scratch holds ROW_TILE * K floats.
+struct Impl {
+  const char* name;
+  // y[:, n0:n1] = x @ dequant(W[n0:n1]).T   (n0 a multiple of ROW_TILE)
+  void (*matmul_rows)(const MatmulArgs& a, int64_t n0, int64_t n1, float* scratch);
+  // out[r, :] = dequant(rows[r]) for r < n_rows
+  void (*dequant_rows)(int type, const uint8_t* rows, int64_t n_rows, int64_t K, int64_t row_bytes, float* out);
+  // Decode path (few activation rows): x coded as `levels` (1 or 2) int8 codes per element with
+  // one scale per 32 (level 2 codes level 1's residual), then integer dot products.
+  // Buffers: xq levels*M*K, xd levels*M*K/32, xs M*K/32. int8_supported: this ISA has it for (type, M).
+  bool (*int8_supported)(int type, int64_t M);
+  void (*quantize_x)(const MatmulArgs& a, int levels, int8_t* xq, float* xd, float* xs);
+  void (*matmul_rows_int8)(const MatmulArgs& a, int levels, const int8_t* xq, const float* xd, const float* xs,
+                           int64_t n0, int64_t n1);
+};
+
+namespace generic { extern const Impl impl; }
+namespace avx2 { extern const Impl impl; }
+namespace avx512 { extern const Impl impl; }
+
+}  // namespace gmlx_kernels

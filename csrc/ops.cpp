@@ -1,0 +1,358 @@
+// MLX primitives over GGUF block weights: GGUFMatmul (x @ W.T) and GGUFDequantRows.
+#include "ops.h"
+
+#include <algorithm>
+#include <atomic>
+#include <string>
+#include <cstdlib>
+#include <sstream>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__unix__) || defined(__APPLE__)
+#include <dlfcn.h>
+#endif
+
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/allocator.h"
+
+namespace gmlx_kernels {
+
+int block_size(int type) {
+  switch (type) {
+    case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: return 32;
+    case Q4_K: case Q5_K: case Q6_K: return 256;
+    default: return 0;
+  }
+}
+
+int type_size(int type) {
+  switch (type) {
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q5_0: return 22;
+    case Q5_1: return 24;
+    case Q8_0: return 34;
+    case Q4_K: return 144;
+    case Q5_K: return 176;
+    case Q6_K: return 210;
+    default: return 0;
+  }
+}
+
+namespace {
+
+const Impl* choose_impl(std::string want) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  const bool has512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl");
+  const bool has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("f16c");
+#ifdef GMLX_HAVE_AVX512
+  if ((want.empty() || want == "avx512") && has512) return &avx512::impl;
+#endif
+#ifdef GMLX_HAVE_AVX2
+  if ((want.empty() || want == "avx2" || want == "avx512") && has2) return &avx2::impl;
+#endif
+#endif
+  return &generic::impl;
+}
+
+int n_threads() {
+  static int n = [] {
+    if (const char* s = std::getenv("GMLX_KERNELS_THREADS")) {
+      int v = std::atoi(s);
+      if (v > 0) return v;
+    }
+    unsigned hw = std::thread::hardware_concurrency();
+    return hw ? (int)hw : 1;
+  }();
+  return n;
+}
+
+thread_local std::vector<float> tl_scratch;
+
+// int8 activation codes per element on the decode path: 2 (default, error ~1/32000 of each
+// 32-block's max), 1 (llama.cpp's Q8_0 activations: ~1/254), 0 (float path only).
+std::atomic<int> g_levels{-1};
+int int8_levels() {
+  int v = g_levels.load(std::memory_order_relaxed);
+  if (v < 0) {
+    const char* s = std::getenv("GMLX_KERNELS_INT8_LEVELS");
+    v = s ? std::atoi(s) : 2;
+    if (v < 0 || v > 2) v = 2;
+    g_levels.store(v);
+  }
+  return v;
+}
+
+// fn(c) for every chunk c < n_chunks, on nt threads taking chunks as they finish: on a shared
+// machine a descheduled thread then costs its current chunk, not a fixed share of the rows.
+template <class F>
+void parallel_chunks(int nt, int64_t n_chunks, F&& fn) {
+  if (nt <= 1 || n_chunks <= 1) {
+    for (int64_t c = 0; c < n_chunks; c++) fn(c);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  auto work = [&] {
+    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < n_chunks;) fn(c);
+  };
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nt)
+  work();
+#else
+  std::vector<std::thread> ts;
+  for (int i = 1; i < nt; i++) ts.emplace_back(work);
+  work();
+  for (auto& t : ts) t.join();
+#endif
+}
+
+float* scratch(size_t n) {
+  if (tl_scratch.size() < n) tl_scratch.resize(n);
+  return tl_scratch.data();
+}
+
+thread_local std::vector<int8_t> tl_xq;
+thread_local std::vector<float> tl_xd;
+thread_local std::vector<float> tl_xs;
+
+// Prefill through an optimized BLAS already in the process (gmlx preloads OpenBLAS with
+// RTLD_GLOBAL on Linux): dequantize a panel of weight rows to float, then one sgemm. Only a
+// BLAS known to be fast is used; MLX's bundled reference BLAS is not.
+typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float*, int, const float*, int, float, float*, int);
+constexpr int64_t BLAS_MIN_ROWS = 64;
+constexpr int64_t BLAS_PANEL = 256;
+
+sgemm_fn find_sgemm() {
+#if defined(__unix__) || defined(__APPLE__)
+  if (const char* s = std::getenv("GMLX_KERNELS_BLAS"); s && std::string(s) == "0") return nullptr;
+  void* f = dlsym(RTLD_DEFAULT, "cblas_sgemm");
+  Dl_info info;
+  if (!f || !dladdr(f, &info) || !info.dli_fname) return nullptr;
+  const std::string lib = info.dli_fname;
+  for (const char* fast : {"openblas", "mkl", "blis", "Accelerate"})
+    if (lib.find(fast) != std::string::npos) return (sgemm_fn)f;
+#endif
+  return nullptr;
+}
+
+std::atomic<int> g_blas{-1};  // -1: not looked up yet
+
+sgemm_fn blas_sgemm() {
+  static sgemm_fn f = find_sgemm();
+  return g_blas.load(std::memory_order_relaxed) == 0 ? nullptr : f;
+}
+
+thread_local std::vector<float> tl_panel;
+
+bool run_blas(const MatmulArgs& a) {
+  sgemm_fn sgemm = blas_sgemm();
+  if (!sgemm || a.M < BLAS_MIN_ROWS || a.K > (1 << 30) / BLAS_PANEL) return false;
+  const Impl* impl = active_impl();
+  if (tl_panel.size() < (size_t)(BLAS_PANEL * a.K)) tl_panel.resize((size_t)(BLAS_PANEL * a.K));
+  float* panel = tl_panel.data();
+  for (int64_t n0 = 0; n0 < a.N; n0 += BLAS_PANEL) {
+    const int64_t rows = std::min<int64_t>(BLAS_PANEL, a.N - n0);
+    impl->dequant_rows(a.type, a.w + n0 * a.row_bytes, rows, a.K, a.row_bytes, panel);
+    // y[:, n0:n0+rows] = x (M x K) @ panel.T (K x rows); CblasRowMajor=101, NoTrans=111, Trans=112
+    sgemm(101, 111, 112, (int)a.M, (int)rows, (int)a.K, 1.f, a.x, (int)a.K, panel, (int)a.K, 0.f, a.y + n0, (int)a.N);
+  }
+  return true;
+}
+
+void run_matmul(const MatmulArgs& a) {
+  const Impl* impl = active_impl();
+  if (run_blas(a)) return;
+  const int levels = int8_levels();
+  // two codes per activation cost twice the integer work per row: past 4 rows the float path wins
+  if (levels > 0 && impl->int8_supported(a.type, a.M) && (levels == 1 || a.M <= 4)) {
+    const size_t nq = (size_t)(a.M * a.K), nb = nq / 32;
+    if (tl_xq.size() < 2 * nq) tl_xq.resize(2 * nq);
+    if (tl_xd.size() < 2 * nb) { tl_xd.resize(2 * nb); tl_xs.resize(nb); }
+    impl->quantize_x(a, levels, tl_xq.data(), tl_xd.data(), tl_xs.data());
+    const int8_t* xq = tl_xq.data();
+    const float* xd = tl_xd.data();
+    const float* xs = tl_xs.data();
+    int nt = (int)std::min<int64_t>(n_threads(), a.N / 64 + 1);
+    if (a.M * a.N * a.K < (int64_t)1 << 18) nt = 1;
+    const int64_t chunk = std::max<int64_t>(16, a.N / (8 * nt));
+    parallel_chunks(nt, (a.N + chunk - 1) / chunk, [&](int64_t c) {
+      impl->matmul_rows_int8(a, levels, xq, xd, xs, c * chunk, std::min<int64_t>((c + 1) * chunk, a.N));
+    });
+    return;
+  }
+  const int64_t tiles = (a.N + ROW_TILE - 1) / ROW_TILE;
+  // Work per call below a few hundred thousand multiply-adds is not worth waking threads for.
+  int nt = (int)std::min<int64_t>(n_threads(), tiles);
+  if (a.M * a.N * a.K < (int64_t)1 << 18) nt = 1;
+  const int64_t chunk = std::max<int64_t>(1, tiles / (8 * nt));  // tiles per chunk
+  parallel_chunks(nt, (tiles + chunk - 1) / chunk, [&](int64_t c) {
+    const int64_t n0 = c * chunk * ROW_TILE, n1 = std::min<int64_t>((c + 1) * chunk * ROW_TILE, a.N);
+    impl->matmul_rows(a, n0, n1, scratch((size_t)ROW_TILE * a.K));
+  });
+}
+
+void check_type(int type) {
+  if (block_size(type) == 0) {
+    std::ostringstream msg;
+    msg << "gguf kernels: GGML type " << type << " is not supported";
+    throw std::invalid_argument(msg.str());
+  }
+}
+
+}  // namespace
+
+std::atomic<const Impl*> g_impl{nullptr};
+
+const Impl* active_impl() {
+  const Impl* impl = g_impl.load(std::memory_order_acquire);
+  if (!impl) {
+    const char* force = std::getenv("GMLX_KERNELS_ISA");  // generic, avx2, avx512: tests and benchmarks
+    impl = choose_impl(force ? force : "");
+    g_impl.store(impl, std::memory_order_release);
+  }
+  return impl;
+}
+
+std::string set_blas(bool on) {
+  g_blas.store(on ? 1 : 0);
+  return blas_sgemm() ? "cblas_sgemm" : "";
+}
+
+std::string blas_name() {
+#if defined(__unix__) || defined(__APPLE__)
+  Dl_info info;
+  if (sgemm_fn f = blas_sgemm(); f && dladdr((void*)f, &info) && info.dli_fname) return info.dli_fname;
+#endif
+  return "";
+}
+
+void set_int8_levels(int levels) {
+  if (levels < 0 || levels > 2) throw std::invalid_argument("int8 levels must be 0, 1 or 2");
+  g_levels.store(levels);
+}
+
+std::string set_isa(const std::string& want) {
+  const Impl* impl = choose_impl(want);
+  g_impl.store(impl, std::memory_order_release);
+  return impl->name;
+}
+
+namespace mx = mlx::core;
+
+void GGUFMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  const mx::array& x = inputs[0];
+  const mx::array& w = inputs[1];
+  mx::array& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  encoder.set_input_array(x);
+  encoder.set_input_array(w);
+  encoder.set_output_array(out);
+  const int64_t M = x.size() / K_;
+  encoder.dispatch([x = mx::array::unsafe_weak_copy(x), w = mx::array::unsafe_weak_copy(w),
+                    out = mx::array::unsafe_weak_copy(out), type = type_, N = N_, K = K_, M]() mutable {
+    MatmulArgs a{type, w.data<uint8_t>(), (int64_t)(w.size() / N), x.data<float>(), out.data<float>(), M, N, K};
+    if (M > 0) run_matmul(a);
+  });
+}
+
+bool GGUFMatmul::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const GGUFMatmul&>(other);
+  return type_ == o.type_ && N_ == o.N_ && K_ == o.K_;
+}
+
+std::vector<mx::Shape> GGUFMatmul::output_shapes(const std::vector<mx::array>& inputs) {
+  auto shape = inputs[0].shape();
+  shape.back() = (int)N_;
+  return {shape};
+}
+
+void GGUFDequantRows::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  const mx::array& rows = inputs[0];
+  mx::array& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  encoder.set_input_array(rows);
+  encoder.set_output_array(out);
+  const int64_t row_bytes = rows.shape().back();
+  const int64_t n_rows = row_bytes ? rows.size() / row_bytes : 0;
+  encoder.dispatch([rows = mx::array::unsafe_weak_copy(rows), out = mx::array::unsafe_weak_copy(out),
+                    type = type_, K = K_, row_bytes, n_rows]() mutable {
+    active_impl()->dequant_rows(type, rows.data<uint8_t>(), n_rows, K, row_bytes, out.data<float>());
+  });
+}
+
+bool GGUFDequantRows::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const GGUFDequantRows&>(other);
+  return type_ == o.type_ && K_ == o.K_;
+}
+
+std::vector<mx::Shape> GGUFDequantRows::output_shapes(const std::vector<mx::array>& inputs) {
+  auto shape = inputs[0].shape();
+  shape.back() = (int)K_;
+  return {shape};
+}
+
+// a itself where it is already evaluated and row-contiguous (weights always are): one graph node
+// less per matmul; otherwise MLX's contiguous op.
+static mx::array row_contiguous(const mx::array& a, mx::Stream stream) {
+  if (a.is_available() && a.flags().row_contiguous) return a;
+  return mx::contiguous(a, false, stream);
+}
+
+static int64_t row_bytes_for(int type, int64_t K) {
+  check_type(type);
+  if (K <= 0 || K % block_size(type) != 0) {
+    std::ostringstream msg;
+    msg << "gguf kernels: K=" << K << " is not a multiple of the block size " << block_size(type);
+    throw std::invalid_argument(msg.str());
+  }
+  return K / block_size(type) * type_size(type);
+}
+
+mx::array gguf_matmul(const mx::array& x_in, const mx::array& w, int type, int64_t N, int64_t K, mx::StreamOrDevice s) {
+  const int64_t rb = row_bytes_for(type, K);
+  if (w.dtype() != mx::uint8 || w.ndim() != 2 || w.shape(0) != N || w.shape(1) != rb) {
+    std::ostringstream msg;
+    msg << "gguf_matmul: weight must be uint8 of shape (" << N << ", " << rb << ")";
+    throw std::invalid_argument(msg.str());
+  }
+  if (x_in.ndim() < 1 || x_in.shape().back() != K) {
+    std::ostringstream msg;
+    msg << "gguf_matmul: last dimension of x must be " << K;
+    throw std::invalid_argument(msg.str());
+  }
+  auto stream = mx::to_stream(s, mx::Device::cpu);
+  if (stream.device != mx::Device::cpu) throw std::invalid_argument("gguf_matmul runs on the CPU only");
+  const auto dtype = x_in.dtype();
+  mx::array x = row_contiguous(mx::astype(x_in, mx::float32, stream), stream);
+  auto shape = x.shape();
+  shape.back() = (int)N;
+  mx::array y(shape, mx::float32, std::make_shared<GGUFMatmul>(stream, type, N, K), {x, row_contiguous(w, stream)});
+  return dtype == mx::float32 ? y : mx::astype(y, dtype, stream);
+}
+
+mx::array gguf_dequant_rows(const mx::array& rows, int type, int64_t K, mx::StreamOrDevice s) {
+  const int64_t rb = row_bytes_for(type, K);
+  if (rows.dtype() != mx::uint8 || rows.ndim() < 1 || rows.shape().back() != rb) {
+    std::ostringstream msg;
+    msg << "gguf_dequant_rows: rows must be uint8 with last dimension " << rb;
+    throw std::invalid_argument(msg.str());
+  }
+  auto stream = mx::to_stream(s, mx::Device::cpu);
+  if (stream.device != mx::Device::cpu) throw std::invalid_argument("gguf_dequant_rows runs on the CPU only");
+  auto shape = rows.shape();
+  shape.back() = (int)K;
+  return mx::array(shape, mx::float32, std::make_shared<GGUFDequantRows>(stream, type, K),
+                   {row_contiguous(rows, stream)});
+}
+
+}  // namespace gmlx_kernels

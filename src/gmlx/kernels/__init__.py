@@ -1,0 +1,148 @@
+"""Quantized matmul over GGUF block formats for MLX on the CPU (the `gguf` weight mode).
+
+The compiled part, `gmlx.kernels._ext`, is built by the package's own build
+(scikit-build-core + CMake, csrc/). It is optional: where it was not built (no
+compiler), cannot load (an MLX version other than the one it was built against), or
+does not apply (MLX's default device is a GPU), `available()` is False, `reason()`
+says why, and gmlx runs on MLX's own kernels.
+
+GGUFLinear and GGUFEmbedding hold the tensor's bytes as one uint8 MLX array
+(N rows of K / block_size * type_size bytes), so resident memory equals the
+file's tensor bytes; mlx_lm's model code calls them like nn.Linear / nn.Embedding.
+
+Paths (csrc/kernels_impl.cpp): up to 4 activation rows (decode), each activation is
+coded as two int8 codes per 32-block (the second codes the first's residual: error
+about 1/32000 of the block's max) and the weights' blocks meet them in integer dot
+products (AVX2 maddubs); more rows (prefill) dequantize 16 weight rows at a time to
+float and run a register-blocked FMA micro-kernel. Knobs, for tests and benchmarks:
+GMLX_KERNELS_THREADS (default: all cores), GMLX_KERNELS_ISA (generic, avx2, avx512),
+GMLX_KERNELS_INT8_LEVELS (2; 1 = llama.cpp's one code, up to 8 rows; 0 = float path
+only), GMLX_KERNELS_EXT (load the extension from another build).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from functools import cache
+from types import ModuleType
+
+import mlx.core as mx
+import mlx.nn as nn
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.constants import GGMLQuantizationType as T
+
+# GGML types the kernels read directly.
+TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
+TYPE_NAMES = tuple(t.name for t in TYPES)
+
+_reason: str | None = None
+
+
+@cache
+def _load() -> ModuleType | None:
+    global _reason
+    try:
+        path = os.environ.get("GMLX_KERNELS_EXT")  # a build elsewhere (development, benchmarks)
+        if path:
+            spec = importlib.util.spec_from_file_location("gmlx.kernels._ext", path)
+            if spec is None or spec.loader is None:
+                raise ImportError(f"GMLX_KERNELS_EXT={path}: not a loadable module")
+            ext = importlib.util.module_from_spec(spec)
+            sys.modules["gmlx.kernels._ext"] = ext
+            spec.loader.exec_module(ext)
+        else:
+            from gmlx.kernels import _ext as ext  # type: ignore[attr-defined, no-redef]
+    except ImportError as e:
+        _reason = f"extension not built or not loadable ({e})"
+        return None
+    if ext.mlx_version != mx.__version__.split(".dev")[0]:
+        _reason = (f"extension built against MLX {ext.mlx_version}, running MLX {mx.__version__}; "
+                   "reinstall gmlx to rebuild it")
+        return None
+    try:  # the extension must share nanobind's type domain with mlx.core
+        ext.gguf_dequant_rows(mx.zeros((1, 34), mx.uint8), int(T.Q8_0), 32, stream=mx.cpu)
+    except TypeError as e:
+        _reason = f"extension cannot exchange arrays with this mlx.core ({e})"
+        return None
+    return ext
+
+
+def extension() -> ModuleType | None:
+    return _load()
+
+
+def available() -> bool:
+    """True where the kernels loaded and MLX computes on the CPU (the only place they apply)."""
+    return _load() is not None and mx.default_device() == mx.cpu
+
+
+def reason() -> str | None:
+    """Why the kernels are not used here; None when they are."""
+    if _load() is None:
+        return _reason
+    if mx.default_device() != mx.cpu:
+        return "MLX's default device is a GPU; its own quantized kernels apply there"
+    return None
+
+
+def isa() -> str | None:
+    ext = _load()
+    return ext.isa() if ext is not None else None
+
+
+def row_bytes(ggml_type: int, k: int) -> int:
+    block, size = GGML_QUANT_SIZES[T(ggml_type)]
+    return k // block * size
+
+
+def matmul(x: mx.array, w: mx.array, ggml_type: int, n: int, k: int) -> mx.array:
+    """x (..., k) @ dequant(w).T -> (..., n), with w the GGUF tensor's bytes as uint8 (n, row_bytes)."""
+    return _load().gguf_matmul(x, w, int(ggml_type), n, k, stream=mx.cpu)
+
+
+def dequant_rows(rows: mx.array, ggml_type: int, k: int) -> mx.array:
+    """uint8 (..., row_bytes) block rows -> float32 (..., k)."""
+    return _load().gguf_dequant_rows(rows, int(ggml_type), k, stream=mx.cpu)
+
+
+class GGUFLinear(nn.Module):
+    """nn.Linear over a GGUF quantized weight: y = x @ W.T (+ bias). W stays in its blocks."""
+
+    def __init__(self, weight: mx.array, ggml_type: int, in_features: int, bias: mx.array | None = None):
+        super().__init__()
+        self.ggml_type = int(ggml_type)
+        self.in_features, self.out_features = in_features, weight.shape[0]
+        self.weight = weight
+        if bias is not None:
+            self.bias = bias
+        self.freeze()
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = matmul(x, self.weight, self.ggml_type, self.out_features, self.in_features)
+        return y + self["bias"] if "bias" in self else y
+
+    def _extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, {T(self.ggml_type).name}"
+
+
+class GGUFEmbedding(nn.Module):
+    """nn.Embedding over a GGUF quantized table: a lookup dequantizes only the rows it gathers;
+    as_linear (a tied LM head) is the quantized matmul."""
+
+    def __init__(self, weight: mx.array, ggml_type: int, dims: int):
+        super().__init__()
+        self.ggml_type = int(ggml_type)
+        self.num_embeddings, self.dims = weight.shape[0], dims
+        self.weight = weight
+        self.freeze()
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        return dequant_rows(self.weight[ids], self.ggml_type, self.dims)
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return matmul(x, self.weight, self.ggml_type, self.num_embeddings, self.dims)
+
+    def _extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.dims}, {T(self.ggml_type).name}"

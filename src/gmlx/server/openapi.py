@@ -1,0 +1,244 @@
+"""GET /openapi.json: the server's own OpenAPI 3.1 description, written by hand as data.
+
+It states what the routes accept, so a client (or a schema-based fuzz) knows it before sending:
+the query parameters with their types and ranges, the request bodies that `openai_api.parse`
+accepts, the answers, the OpenAI error shape, and the 4xx/503 each route can give. The bearer key
+is declared only when the server has one, because only then is it enforced; `/health` and
+`/system` stay open either way. The document is no secret, but it is a route like any other, so
+it needs the key when the server has one (the spec: every route but /health and /system).
+`tests/test_openapi.py` checks that it lists exactly the app's routes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+import gmlx
+
+OPEN_PATHS = frozenset({"/health", "/system"})  # the same as app.OPEN_PATHS (a test checks)
+MAX_STOPS = 16  # openai_api._MAX_STOPS
+MEDIA_PARTS = ["image_url", "input_image", "image", "input_audio", "audio", "video", "video_url", "file"]
+
+
+def _ref(name: str) -> dict:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _nullable(schema: dict) -> dict:
+    """null is accepted wherever a field may be left out: parse() reads it as absent."""
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def _json(schema: dict) -> dict:
+    return {"application/json": {"schema": schema}}
+
+
+_RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before trying again.", "required": True,
+                                "schema": {"type": "string", "pattern": "^[0-9]+$"}}}
+_ERRORS = {
+    400: "Bad request: a malformed body, a wrong type or range, a prompt over the context window.",
+    401: "A missing or wrong API key.",
+    404: "The model is not served here.",
+    413: "The request body is over the server's limit.",
+    503: "Load (`queue_full`, `queue_timeout`, `memory_pressure`), loading or shutting down; see Retry-After.",
+}
+
+
+def _errors(*statuses: int) -> dict:
+    out = {}
+    for status in statuses:
+        out[str(status)] = {"description": _ERRORS[status], "content": _json(_ref("Error"))}
+        if status == 503:
+            out[str(status)]["headers"] = _RETRY_AFTER
+    return out
+
+
+_TEXT_PART = {"type": "object", "required": ["type", "text"],
+              "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+_MEDIA_PART = {"type": "object", "required": ["type"], "properties": {"type": {"enum": MEDIA_PARTS}}}
+
+
+def _message(parts: list[dict]) -> dict:
+    content = {"anyOf": [{"type": "string"}, {"type": "null"}, {"type": "array", "items": {"anyOf": parts}}]}
+    return {"type": "object", "required": ["role"], "properties": {"role": {"type": "string"}, "content": content}}
+
+
+_SAMPLING: dict[str, Any] = {
+    "model": _nullable({"type": "string", "description": "The served model's id; any other is a 404."}),
+    "max_tokens": _nullable({"type": "integer", "minimum": 1}),
+    "max_completion_tokens": _nullable({"type": "integer", "minimum": 1,
+                                        "description": "Takes precedence over max_tokens."}),
+    "temperature": _nullable({"type": "number", "minimum": 0, "maximum": 2}),
+    "top_p": _nullable({"type": "number", "minimum": 0, "maximum": 1}),
+    "min_p": _nullable({"type": "number", "minimum": 0, "maximum": 1}),
+    "top_k": _nullable({"type": "integer", "description": "0 or less: off."}),
+    "seed": _nullable({"type": "integer", "minimum": 0, "maximum": 2**64 - 1}),
+    "n": _nullable({"type": "integer", "enum": [1]}),
+    "stop": _nullable({"anyOf": [{"type": "string"},
+                                 {"type": "array", "items": {"type": "string"}, "maxItems": MAX_STOPS}]}),
+    "stream": _nullable({"type": "boolean"}),
+    "stream_options": _nullable({"type": "object", "properties": {"include_usage": _nullable({"type": "boolean"})}}),
+}
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+
+
+def _body(required: str, first: dict, **more: Any) -> dict:
+    return {"type": "object", "required": [required], "properties": {required: first, **_SAMPLING, **more},
+            "description": "Unknown fields are ignored."}
+
+
+_CHOICE = {"type": "object", "required": ["index", "finish_reason"],
+           "properties": {"index": {"type": "integer"}, "finish_reason": {"type": ["string", "null"]}}}
+_USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+          "properties": {k: {"type": "integer", "minimum": 0}
+                         for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
+
+SCHEMAS: dict[str, dict] = {
+    "Error": {
+        "type": "object", "required": ["error"],
+        "properties": {"error": {"type": "object", "required": ["message", "type", "code"], "properties": {
+            "message": {"type": "string"}, "type": {"type": "string"}, "code": {"type": "string"},
+            "param": {"type": ["string", "null"]}}}},
+    },
+    "ChatCompletionRequest": _body(
+        "messages", {"type": "array", "minItems": 1, "items": _message([_TEXT_PART])},
+        dry_run=_nullable({"type": "boolean", "description": "true: answer with the estimate, run nothing."})),
+    "CompletionRequest": _body("prompt", {"anyOf": [
+        {"type": "string"}, _TOKEN_IDS,
+        {"type": "array", "minItems": 1, "maxItems": 1, "items": {"anyOf": [{"type": "string"}, _TOKEN_IDS]}}],
+        "description": "One prompt: a string or token ids (each below the vocabulary size), or a batch of one."}),
+    "EstimateRequest": _body("messages", {"type": "array", "minItems": 1,
+                                          "items": _message([_TEXT_PART, _MEDIA_PART])},
+                             dry_run=_nullable({"type": "boolean", "description": "Accepted, and changes nothing."})),
+    "Completion": {
+        "type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
+        "properties": {"id": {"type": "string"}, "object": {"enum": ["chat.completion", "text_completion"]},
+                       "created": {"type": "integer"}, "model": {"type": "string"},
+                       "choices": {"type": "array", "items": _CHOICE}, "usage": _USAGE},
+    },
+    "Estimate": {
+        "type": "object",
+        "required": ["prompt_tokens", "warm_tokens", "cache_tier", "need_bytes", "fits_now", "fits_drained",
+                     "context_ok", "context_limit", "est_ttft_s", "resident", "model", "estimated"],
+        "properties": {
+            "prompt_tokens": {"type": "integer", "minimum": 0}, "warm_tokens": {"type": "integer", "minimum": 0},
+            "cache_tier": {"type": "string"}, "need_bytes": {"type": ["integer", "null"]},
+            "fits_now": {"type": ["boolean", "null"]}, "fits_drained": {"type": ["boolean", "null"]},
+            "context_ok": {"type": "boolean"}, "context_limit": {"type": "integer"},
+            "est_ttft_s": {"type": ["number", "null"]}, "resident": {"type": "boolean"},
+            "model": {"type": "string"}, "estimated": {"type": "boolean"}, "note": {"type": "string"}},
+    },
+    "Plan": {
+        "type": "object",
+        "required": ["width", "depth", "ok", "max_context_at_width", "max_width_at_depth", "model", "band",
+                     "decode_batch", "in_flight", "waiting", "slots", "admit_now", "reason"],
+        "properties": {
+            "width": {"type": "integer"}, "depth": {"type": "integer"}, "ok": {"type": ["boolean", "null"]},
+            "max_context_at_width": {"type": ["integer", "null"]}, "max_width_at_depth": {"type": ["integer", "null"]},
+            "model": {"type": "string"}, "band": {"enum": ["green", "yellow", "orange", "red", None]},
+            "decode_batch": {"type": "integer"}, "in_flight": {"type": "integer"}, "waiting": {"type": "integer"},
+            "slots": {"type": "integer"}, "admit_now": {"type": "boolean"}, "reason": {"type": "string"}},
+    },
+    "ModelList": {
+        "type": "object", "required": ["object", "data"],
+        "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": {
+            "type": "object", "required": ["id", "object", "created", "owned_by", "max_context_at_width_1"],
+            "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
+                           "owned_by": {"type": "string"}, "context_length": {"type": "integer"},
+                           "max_context_at_width_1": {"type": ["integer", "null"]}, "kv_quant": {"type": "object"}}}}},
+    },
+    "Health": {
+        "type": "object", "required": ["status", "pid"],
+        "properties": {"status": {"const": "healthy"}, "pid": {"type": "integer"}, "ready": {"type": "boolean"},
+                       "reason": {"enum": ["loading", "shutting_down", "pressure", "queue", "busy"]}},
+    },
+    "Metrics": {"type": "object", "required": ["server"], "properties": {"server": {"type": "object"}}},
+    "System": {
+        "type": "object", "required": ["version", "state", "device", "compute_type", "model", "gpu", "activity", "models"],
+        "properties": {"version": {"type": "string"}, "state": {"enum": ["loading", "ready", "draining"]},
+                       "gpu": {"type": ["array", "null"]},
+                       "activity": {"type": "object", "required": ["active", "waiting"],
+                                    "properties": {"active": {"type": "integer"}, "waiting": {"type": "integer"}}}},
+    },
+}
+
+
+def _op(summary: str, ok: dict, *errors: int, body: str | None = None, params: list | None = None) -> dict:
+    op: dict[str, Any] = {"summary": summary, "responses": {"200": ok, **_errors(*errors)}}
+    if body:
+        op["requestBody"] = {"required": True, "content": _json(_ref(body))}
+    if params:
+        op["parameters"] = params
+    return op
+
+
+def _query(name: str, schema: dict, required: bool = False, description: str = "") -> dict:
+    return {"name": name, "in": "query", "required": required, "schema": schema, "description": description}
+
+
+# One server-sent event: `data` is a JSON chunk (or an error object) and the last is `[DONE]`.
+_SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
+_GENERATION_OK = {"description": "The answer; with stream=true, server-sent events ending in `data: [DONE]`.",
+                  "content": {**_json({"anyOf": [_ref("Completion"), _ref("Estimate")]}),
+                              "text/event-stream": {"schema": _SSE_EVENT}}}
+
+PATHS: dict[str, dict[str, dict]] = {
+    "/v1/chat/completions": {"post": _op("Chat completion (or, with dry_run, its estimate)", _GENERATION_OK,
+                                         400, 404, 413, 503, body="ChatCompletionRequest")},
+    "/v1/completions": {"post": _op("Text completion", _GENERATION_OK, 400, 404, 413, 503, body="CompletionRequest")},
+    "/v1/models": {"get": _op("The served model", {"description": "One entry", "content": _json(_ref("ModelList"))})},
+    "/health": {"get": _op("Liveness, and with ready=1 readiness", {"description": "Healthy (and ready)",
+                                                                    "content": _json(_ref("Health"))},
+                           params=[_query("ready", {"type": "string"},
+                                          description="1, true or yes: answer 503 with a reason when not ready")])
+                | {"responses": {"200": {"description": "Healthy (and ready)", "content": _json(_ref("Health"))},
+                                 "503": {"description": "Not ready: `reason` says why", "headers": _RETRY_AFTER,
+                                         "content": _json(_ref("Health"))}}}},
+    "/v1/capacity/plan": {"get": _op(
+        "Do `width` streams of `depth` tokens fit, and can they start now?",
+        {"description": "The plan", "content": _json(_ref("Plan"))}, 400,
+        params=[_query("width", {"type": "integer", "minimum": 1}, True, "Concurrent streams"),
+                _query("depth", {"type": "integer", "minimum": 1}, True, "Tokens per stream")])},
+    "/v1/estimate": {"post": _op("What one chat request would need, without running it",
+                                 {"description": "The estimate", "content": _json(_ref("Estimate"))},
+                                 400, 404, 413, 503, body="EstimateRequest")},
+    "/v1/metrics": {"get": _op(
+        "The live snapshot, as JSON or Prometheus text",
+        {"description": "The snapshot", "content": {**_json(_ref("Metrics")), "text/plain": {"schema": {"type": "string"}}}},
+        400, params=[_query("format", {"enum": ["json", "prometheus"]})])},
+    "/system": {"get": _op("What runs where; open, no content", {"description": "System facts",
+                                                                  "content": _json(_ref("System"))})},
+    "/openapi.json": {"get": _op("This document", {"description": "OpenAPI 3.1", "content": _json({"type": "object"})})},
+}
+
+
+def document(api_key: bool) -> dict:
+    """The OpenAPI document; with `api_key`, every route but the open ones declares (and gets) a 401."""
+    paths: dict[str, dict] = {}
+    for path, methods in PATHS.items():
+        paths[path] = {}
+        for method, op in methods.items():
+            op = {**op, "operationId": f"{method}_{path.strip('/').replace('/', '_').replace('.', '_')}"}
+            if api_key and path not in OPEN_PATHS:
+                op["responses"] = {**op["responses"], **_errors(401)}
+            elif api_key:
+                op["security"] = []
+            paths[path][method] = op
+    doc: dict[str, Any] = {
+        "openapi": "3.1.0",
+        "info": {"title": "gmlx", "version": gmlx.__version__,
+                 "description": "OpenAI-compatible server for GGUF models on MLX. Errors have the OpenAI shape."},
+        "paths": paths,
+        "components": {"schemas": SCHEMAS},
+    }
+    if api_key:
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        doc["security"] = [{"bearer": []}]
+    return doc
+
+
+async def openapi_route(request: Request) -> Response:
+    return JSONResponse(document(bool(request.app.state.gmlx.settings.api_key)))

@@ -1,0 +1,302 @@
+"""The GGUF block-format matmul (gmlx.kernels): exactness against a float64 reference.
+
+Reference: gguf.quants.dequantize (gguf's own numpy code) in float64, times float64
+activations. Bounds, per output y[m, n]:
+- float path (any batch; the only path of the generic ISA, and of every ISA for more than
+  4 activation rows; from 64 rows through OpenBLAS's sgemm on dequantized panels where gmlx
+  preloaded it): |y - ref| <= BOUND * sum_k |x_k| |w_k| (float32 products summed in
+  float32; measured max about 1e-7 for K up to 4096);
+- int8 decode path (AVX2/AVX-512, at most 8 activation rows, types INT8_TYPES): each
+  activation is coded as int8 per 32-block. With one code (llama.cpp's Q8_0 activations)
+  add R = sum over blocks b of (max_b |x| / 127 / 2) * sum_{k in b} |w_k|; with two codes
+  (the default: the second codes the first one's residual) add R / 254.
+Dequantized rows must equal gguf's float32 values exactly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mlx.core as mx
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.constants import GGMLQuantizationType as T
+from gguf.quants import dequantize, quantize
+
+import gmlx.kernels as gk
+
+
+
+@pytest.fixture(autouse=True)
+def _needs_kernels(request):
+    if not request.node.name.startswith("test_fallback") and not gk.available():
+        pytest.skip(f"gguf kernels unavailable: {gk.reason()}")
+
+BOUND = 1e-6
+QUANTIZABLE = {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0}  # gguf.quants.quantize implements these
+INT8_TYPES = {T.Q8_0, T.Q4_0, T.Q5_0, T.Q4_K, T.Q6_K}  # the decode path quantizes activations for these
+INT8_MAX_ROWS = 8
+
+
+def _isas() -> list[str]:
+    if gk.extension() is None:
+        return ["generic"]
+    ext = gk.extension()
+    best = ext.set_isa("")
+    return ["generic"] if best == "generic" else ["generic", best]
+
+
+def random_weights(t: T, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """(n, row_bytes) uint8 rows of type t: quantized from normal floats where gguf can,
+    else random bytes with small positive f16 super-block scales (every code pattern occurs)."""
+    if t in QUANTIZABLE:
+        return quantize(rng.standard_normal((n, k)).astype(np.float32), t)
+    bs, ts = GGML_QUANT_SIZES[t]
+    nb = n * k // bs
+    b = rng.integers(0, 256, size=(nb, ts), dtype=np.uint8)
+    cols = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}[t]
+    for c in cols:
+        b[:, c:c + 2] = rng.uniform(1e-3, 2e-2, size=nb).astype(np.float16).view(np.uint8).reshape(nb, 2)
+    return b.reshape(n, -1)
+
+
+@pytest.fixture(params=_isas())
+def isa(request):
+    ext = gk.extension()
+    chosen = ext.set_isa(request.param)
+    assert chosen == request.param
+    yield chosen
+    ext.set_isa("")
+
+
+@pytest.fixture(params=[2, 1, 0], ids=["int8x2", "int8", "float"])
+def int8(request):
+    ext = gk.extension()
+    ext.set_int8_levels(request.param)
+    yield request.param
+    ext.set_int8_levels(2)
+
+
+def activation_rounding_bound(x: np.ndarray, wd: np.ndarray) -> np.ndarray:
+    """(m, n): sum over 32-blocks of half an int8 step of x's block times sum |w| in that block."""
+    m, k = x.shape
+    step = np.abs(x.astype(np.float64)).reshape(m, k // 32, 32).max(-1) / 127
+    wabs = np.abs(wd).reshape(wd.shape[0], k // 32, 32).sum(-1)
+    return 0.5 * step @ wabs.T
+
+
+# (N output rows, K, M activation rows): ragged against the 16-row tile, the 4-row and
+# 3-row micro-kernel and the single-thread cutoff; K a single block up to 4096.
+SHAPES = [(1, 256, 1), (5, 256, 2), (17, 512, 3), (37, 768, 4), (64, 256, 8), (33, 1024, 13),
+          (100, 512, 64), (19, 256, 300), (130, 4096, 7)]
+
+
+@pytest.fixture(params=[True, False], ids=["blas", "own"])
+def blas(request):
+    """Prefill (>= 64 rows) through the process's OpenBLAS where gmlx preloaded one, or the own kernel."""
+    ext = gk.extension()
+    ext.set_blas(request.param)
+    if request.param and not ext.blas():
+        pytest.skip("no optimized BLAS in this process")
+    yield request.param
+    ext.set_blas(True)
+
+
+@pytest.mark.parametrize("t", gk.TYPES, ids=lambda t: t.name)
+def test_matmul_matches_float64_reference(t, isa, int8, blas):
+    rng = np.random.default_rng(int(t))
+    for n, k, m in SHAPES:
+        w = random_weights(t, n, k, rng)
+        assert w.shape == (n, gk.row_bytes(t, k))
+        wd = dequantize(w, t).reshape(n, k).astype(np.float64)
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        ref = x.astype(np.float64) @ wd.T
+        y = np.array(gk.matmul(mx.array(x), mx.array(w), t, n, k))
+        assert y.shape == (m, n) and y.dtype == np.float32
+        bound = BOUND * (np.abs(x).astype(np.float64) @ np.abs(wd).T)
+        if int8 and isa != "generic" and t in INT8_TYPES and m <= INT8_MAX_ROWS:
+            bound = bound + activation_rounding_bound(x, wd) / (254 if int8 == 2 else 1)
+        worst = np.max(np.abs(y - ref) - bound)
+        assert worst <= 0, f"{t.name} {isa} N={n} K={k} M={m}: error over bound by {worst}"
+
+
+@pytest.mark.parametrize("t", gk.TYPES, ids=lambda t: t.name)
+def test_dequant_rows_is_exact(t, isa):
+    rng = np.random.default_rng(100 + int(t))
+    n, k = 23, 768
+    w = random_weights(t, n, k, rng)
+    ref = dequantize(w, t).reshape(n, k)
+    ids = np.array([[0, 22, 5], [5, 5, 1]])
+    rows = np.array(gk.dequant_rows(mx.array(w)[mx.array(ids)], t, k))
+    np.testing.assert_array_equal(rows, ref[ids])
+
+
+def test_leading_dims_dtypes_and_strides():
+    rng = np.random.default_rng(7)
+    t, n, k = T.Q8_0, 48, 256
+    w = random_weights(t, n, k, rng)
+    wd = dequantize(w, t).reshape(n, k)
+    x = rng.standard_normal((2, 3, k)).astype(np.float32)
+    ref = x @ wd.T
+    wm = mx.array(w)
+    y = gk.matmul(mx.array(x), wm, t, n, k)
+    assert y.shape == (2, 3, n)
+    np.testing.assert_allclose(np.array(y), ref, rtol=1e-4, atol=1e-3)
+    # a transposed (non-contiguous) input
+    xt = mx.array(np.ascontiguousarray(x.reshape(6, k).T)).T
+    np.testing.assert_allclose(np.array(gk.matmul(xt, wm, t, n, k)), ref.reshape(6, n), rtol=1e-4, atol=1e-3)
+    for dt in (mx.float16, mx.bfloat16):
+        yh = gk.matmul(mx.array(x).astype(dt), wm, t, n, k)
+        assert yh.dtype == dt
+        np.testing.assert_allclose(np.array(yh.astype(mx.float32)), ref, rtol=5e-2, atol=0.5)
+    # zero rows
+    assert gk.matmul(mx.zeros((0, k)), wm, t, n, k).shape == (0, n)
+
+
+def test_rejects_bad_shapes():
+    w = mx.zeros((4, 34), mx.uint8)
+    with pytest.raises(ValueError):
+        gk.matmul(mx.zeros((1, 33)), w, T.Q8_0, 4, 32)  # K not x's width
+    with pytest.raises(ValueError):
+        gk.matmul(mx.zeros((1, 32)), w, T.Q8_0, 5, 32)  # N not w's rows
+    with pytest.raises(ValueError):
+        gk.matmul(mx.zeros((1, 32)), w, T.Q2_K, 4, 32)  # unsupported type
+
+
+def test_modules_behave_like_linear_and_embedding():
+    import mlx.nn as nn
+
+    rng = np.random.default_rng(3)
+    t, n, k = T.Q4_K, 40, 512
+    w = random_weights(t, n, k, rng)
+    wd = dequantize(w, t).reshape(n, k)
+    bias = rng.standard_normal(n).astype(np.float32)
+    lin = gk.GGUFLinear(mx.array(w), t, k, bias=mx.array(bias))
+    ref = nn.Linear(k, n)
+    ref.weight, ref.bias = mx.array(wd), mx.array(bias)
+    x = mx.array(rng.standard_normal((3, k)).astype(np.float32))
+    expected = np.array(ref(x))
+    tol = 1e-4 * np.abs(expected).max()  # the int8x2 decode path: well under 1e-4 of the output scale
+    np.testing.assert_allclose(np.array(lin(x)), expected, rtol=0, atol=tol)
+    assert lin.trainable_parameters() == {}
+
+    emb = gk.GGUFEmbedding(mx.array(w), t, k)
+    ids = mx.array([[3, 0, 39]])
+    np.testing.assert_array_equal(np.array(emb(ids)), wd[np.array([[3, 0, 39]])])
+    np.testing.assert_allclose(np.array(emb.as_linear(x)), np.array(x) @ wd.T, rtol=0, atol=tol)
+
+
+# ---- whole models in `gguf` mode ----
+
+MODEL_TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
+PROMPT = [2, 10, 20, 30, 40, 50]
+
+
+def _logits(path, weights: str) -> np.ndarray:
+    from gmlx.models.loader import load
+
+    m = load(path, weights)
+    assert m.mode == weights
+    return np.array(m.model(mx.array([PROMPT]))[0].astype(mx.float32))
+
+
+@pytest.mark.parametrize("qtype", MODEL_TYPES, ids=lambda q: q.name)
+def test_tiny_model_gguf_mode_matches_float(tmp_path, qtype):
+    from tiny_models import write_model
+
+    path = write_model(tmp_path / f"{qtype.name}.gguf", "llama", qtype=qtype)
+    blocks, floats = _logits(path, "gguf"), _logits(path, "float")
+    # 6 prompt rows take the int8x2 decode path; random-weight models amplify its ~1e-5 error
+    assert np.abs(blocks - floats).max() <= 5e-4 * np.abs(floats).max()
+    assert (blocks.argmax(-1) == floats.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_gguf_mode_layers_resident_bytes_and_biases(tmp_path, tied):
+    from tiny_models import write_model
+
+    from gmlx.gguf.header import read_header
+    from gmlx.models.loader import load
+    from gmlx.models.weights_mode import resident_bytes
+
+    path = write_model(tmp_path / "m.gguf", "qwen2", qtype=T.Q8_0, tied=tied)  # qwen2: biased QKV
+    m = load(path, "gguf")
+    inner = m.model.model
+    assert isinstance(inner.embed_tokens, gk.GGUFEmbedding)
+    assert isinstance(inner.layers[0].self_attn.q_proj, gk.GGUFLinear)
+    assert "bias" in inner.layers[0].self_attn.q_proj
+    assert isinstance(dict(m.model.children()).get("lm_head"), gk.GGUFLinear) is not tied
+    h = read_header(path)
+    assert m.report.resident_bytes == resident_bytes(h, "gguf")
+    blocks, floats = _logits(path, "gguf"), _logits(path, "float")
+    assert np.abs(blocks - floats).max() <= 5e-4 * np.abs(floats).max()
+
+
+@pytest.mark.slow
+def test_default_model_gguf_mode_matches_float_and_writes_about_the_sea(default_model):
+    """The default model (Q8_0/Q5_0/Q4_K/Q6_K) in gguf mode: the same greedy text as the other
+    modes (the loader's llama.cpp-checked prompt), and next-token logits that agree with the
+    float32 model (itself within KL 0.005 of llama.cpp's) on the top 10."""
+    from mlx_lm import generate
+
+    from gmlx.gguf.header import read_header
+    from gmlx.models.loader import load
+
+    g = load(default_model, "gguf")
+    tensor_bytes = sum(t.nbytes for t in read_header(default_model).tensors.values())
+    assert abs(g.report.resident_bytes - tensor_bytes) <= 0.05 * tensor_bytes
+    prompt = g.tokenizer.encode("Here is a short poem about the sea:\n")
+    text = generate(g.model, g.tokenizer, prompt, max_tokens=8)
+    assert text.startswith("The sea is a beautiful place"), text
+
+    ids = mx.array([g.tokenizer.encode("The capital of France is")])
+    lg = np.array(g.model(ids)[0, -1].astype(mx.float32), np.float64)
+    del g
+    f = load(default_model, "float")
+    lf = np.array(f.model(ids)[0, -1].astype(mx.float32), np.float64)
+    top_g, top_f = np.argsort(-lg)[:10], np.argsort(-lf)[:10]
+    assert top_g[0] == top_f[0] and len(set(top_g) & set(top_f)) >= 9
+    pg, pf = np.exp(lg - lg.max()), np.exp(lf - lf.max())
+    pg, pf = pg / pg.sum(), pf / pf.sum()
+    assert float(np.sum(pf * (np.log(pf + 1e-30) - np.log(pg + 1e-30)))) < 1e-3
+
+
+def test_fallback_without_the_extension_uses_mlx_kernels_and_says_why(tmp_path):
+    """Where the extension cannot load, gmlx imports, `auto` keeps MLX's own kernels,
+    inspect names the reason, and asking for gguf mode is a clear error."""
+    import subprocess
+    import sys
+
+    code = """
+import json
+import gmlx.kernels as k
+from gmlx.cli.inspect import describe
+from gmlx.gguf.header import GGUFError
+from gmlx.models.loader import load
+from gmlx.models.weights_mode import choose_mode
+from gmlx.gguf.header import read_header
+import sys
+sys.path.insert(0, "tests")
+from tiny_models import write_model
+from gguf import GGMLQuantizationType as Q
+path = write_model(sys.argv[1], "llama", qtype=Q.Q8_0)
+out = {"available": k.available(), "reason": k.reason(), "auto": choose_mode("auto", read_header(path)),
+       "inspect": describe(str(path), "auto")["platform"]["gguf_kernels"]}
+try:
+    load(path, "gguf")
+    out["gguf"] = "loaded"
+except GGUFError as e:
+    out["gguf"] = str(e)
+print(json.dumps(out))
+"""
+    env = {**__import__("os").environ, "GMLX_KERNELS_EXT": str(tmp_path / "missing" / "_ext.so")}
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "m.gguf")], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    import json
+
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["available"] is False and "not built or not loadable" in out["reason"]
+    assert out["auto"] in ("float", "native")
+    assert out["inspect"]["isa"] is None and out["inspect"]["reason"] == out["reason"]
+    assert out["gguf"].startswith("weights mode gguf is not available here")
