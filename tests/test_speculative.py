@@ -74,7 +74,7 @@ def run(stream: SpeculativeStream, n: int) -> list[int]:
     out: list[int] = []
     while len(out) < n:
         got = stream.round(n - len(out))
-        assert 1 <= len(got) <= stream.num_draft + 1
+        assert len(got) in range(1, stream.num_draft + 2)
         out += got
     assert len(out) == n
     return out
