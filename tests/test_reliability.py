@@ -35,7 +35,7 @@ def chat_body(content: str = "Hello there", **kw: object) -> dict:
 @pytest.fixture(scope="module")
 def server(tiny_models: dict[str, Path]) -> Iterator[LiveServer]:
     # prefill_step 16: a long prompt prefills over several steps, so a disconnect can land inside it.
-    with LiveServer(tiny_models["llama"], decode_batch=4, queue_size=8, prefill_step=16) as s:
+    with LiveServer(tiny_models["llama"], decode_batch=4, queue_size=8, prefill_step=16, prompt_cache_bytes=0) as s:  # memory must settle to idle
         with s.client() as c:
             assert c.post(CHAT, json=chat_body(max_tokens=4)).status_code == 200  # warm, then measure idle
         s.idle_memory = mx.get_active_memory()  # type: ignore[attr-defined]
