@@ -454,15 +454,15 @@ class Engine:
         if self.draft is None or self._no_lane or len(self._active) != 1 or not self._commands.empty():
             return False
         [req] = self._active.values()
-        # Leaving the batch costs a step; a request about to end is not worth it.
-        return req.state == "decode" and req.generated >= 1 and req.max_tokens - req.generated > self.num_draft
+        # Leaving the batch costs a step: not for a request about to end, or about to reach a
+        # sliding window (past it, rejected drafts could not be trimmed back).
+        length = len(req.prompt_ids) + req.generated
+        return (req.state == "decode" and req.generated >= 1 and req.max_tokens - req.generated > self.num_draft
+                and length + self.num_draft < self._trim_limit)
 
     def _enter_lane(self, gen: BatchGenerator) -> None:
         assert self.loaded is not None and self.draft is not None
         [req] = self._active.values()
-        length = len(req.prompt_ids) + req.generated
-        if length + self.num_draft >= self._trim_limit:  # checked before leaving the batch, which is not free
-            return
         [(cache, tokens)] = gen.remove([req.uid], return_prompt_caches=True).values()
         lane = SpeculativeStream.from_batch(self.loaded.model, self.draft.model, cache, tokens,
                                             sampler=self._sampler(req), num_draft=self.num_draft,
