@@ -61,7 +61,8 @@ def peer(name: str, model: Path, port: int, context: int) -> Peer:
 
 def _gmlx(model: Path, port: int, context: int) -> Peer:
     argv = [sys.executable, "-m", "gmlx", "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
-            "--decode-batch", str(WIDTH), "--weights", "float", "--log-level", "warning"]
+            "--decode-batch", str(WIDTH), "--prompt-cache-bytes", "0",
+            "--log-level", "warning"]  # weights auto: gguf on a CPU
     return Peer("gmlx", argv, gmlx.__version__, env={"GMLX_API_KEY": ""},
                 notes="no ignore_eos: a stream may stop at EOS; rates use the usage counts; no prompt cache")
 

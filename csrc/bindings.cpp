@@ -1,8 +1,10 @@
 // nanobind module gmlx.kernels._ext. Built in nanobind's "mlx" domain so that
 // mx.array crosses between this module and mlx.core.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/variant.h>
+#include <nanobind/stl/vector.h>
 
 #include "mlx/version.h"
 #include "ops.h"
@@ -16,8 +18,17 @@ NB_MODULE(_ext, m) {
   m.def("gguf_matmul", &gk::gguf_matmul, "x"_a, "w"_a, "type"_a, "n"_a, "k"_a, nb::kw_only(),
         "stream"_a = nb::none(),
         "y = x @ dequant(w).T for GGUF block weights w (uint8, (n, row_bytes)); x (..., k).");
+  m.def("gguf_matmul_group", &gk::gguf_matmul_group, "x"_a, "ws"_a, "types"_a, "ns"_a, "k"_a, nb::kw_only(),
+        "stream"_a = nb::none(), "[x @ dequant(w).T for w in ws] as one node: x is coded once for them all.");
   m.def("gguf_dequant_rows", &gk::gguf_dequant_rows, "rows"_a, "type"_a, "k"_a, nb::kw_only(),
         "stream"_a = nb::none(), "Dequantize GGUF block rows (uint8 (..., row_bytes)) to float32 (..., k).");
+  m.def("rms_norm", &gk::rms_norm, "x"_a, "weight"_a.none(), "eps"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "mx.fast.rms_norm as one CPU node (float32).");
+  m.def("rope", &gk::rope, "x"_a, "dims"_a, nb::kw_only(), "traditional"_a, "base"_a.none(), "scale"_a, "offset"_a,
+        "freqs"_a = nb::none(), "stream"_a = nb::none(), "mx.fast.rope as one CPU node (float32).");
+  m.def("attention", &gk::attention, "q"_a, "k"_a, "v"_a, nb::kw_only(), "scale"_a, "mask"_a = nb::none(),
+        "causal"_a = false, "stream"_a = nb::none(),
+        "softmax(scale q k^T + mask) v as one CPU node (float32), q (B, Hq, L, D), k and v (B, Hkv, T, D).");
   m.def("isa", [] { return std::string(gk::active_impl()->name); }, "Instruction set the kernels use.");
   m.def("set_isa", &gk::set_isa, "want"_a, "Pick the ISA (generic, avx2, avx512; '' = best); returns the one chosen.");
   m.def("set_int8_levels", &gk::set_int8_levels, "levels"_a,

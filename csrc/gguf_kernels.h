@@ -33,6 +33,33 @@ struct MatmulArgs {
   int64_t M, N, K;
 };
 
+struct RopeArgs {
+  const float* x;        // (N, L, D) rows, contiguous; N = batch * heads
+  float* y;
+  int64_t L, D, heads;   // heads: rows of N per batch row (positions are per batch row)
+  int dims;              // features rotated (the first dims); the rest pass through
+  bool traditional;      // pairs (2i, 2i+1) rather than (i, i + dims/2)
+  const float* inv_freq; // dims/2 angular frequencies
+  float scale;           // position multiplier
+  int64_t offset;        // the position of l = 0, unless offsets is set:
+  const int32_t* offsets;
+  bool offsets_per_batch;  // offsets[b] for batch row b, else offsets[0] for all
+};
+
+struct AttentionArgs {
+  const float* q;        // (B, Hq, L, D), contiguous
+  const float* k;        // (B, Hkv, T, D) with strides ks over (b, h, t); features contiguous
+  const float* v;        // likewise with strides vs
+  float* out;            // (B, Hq, L, D), contiguous
+  int64_t B, Hq, Hkv, L, T, D;
+  int64_t ks[3], vs[3];
+  const void* mask;      // null, bool (attend where true) or float (added to the scores)
+  bool mask_bool;
+  int64_t ms[4];         // mask strides over (b, h, l, t); 0 where broadcast
+  bool causal;           // query l sees keys t <= T - L + l
+  float scale;
+};
+
 // One ISA's entry points. scratch holds ROW_TILE * K floats.
 struct Impl {
   const char* name;
@@ -47,6 +74,13 @@ struct Impl {
   void (*quantize_x)(const MatmulArgs& a, int levels, int8_t* xq, float* xd, float* xs);
   void (*matmul_rows_int8)(const MatmulArgs& a, int levels, const int8_t* xq, const float* xd, const float* xs,
                            int64_t n0, int64_t n1);
+  // y[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w (w may be null), rows of D floats
+  void (*rms_norm_rows)(const float* x, const float* w, float* y, int64_t rows, int64_t D, float eps);
+  // rows r0..r1 of RoPE; cs holds dims floats
+  void (*rope_rows)(const RopeArgs& a, int64_t r0, int64_t r1, float* cs);
+  // softmax(scale q k^T + mask) v for query heads h0..h1 of batch row b (one KV head's group);
+  // scores holds (h1 - h0) * L * T floats
+  void (*attend)(const AttentionArgs& a, int64_t b, int64_t h0, int64_t h1, float* scores);
 };
 
 namespace generic { extern const Impl impl; }

@@ -380,17 +380,27 @@ struct XQ {
 
 // One weight row against M (<= MMAX) quantized activation rows; writes out[m] for each m.
 // MC > 0: the row count is the compile-time MC (accumulators stay in registers); else M.
+//
+// Each product is added into one of U * LEVELS accumulators per row rather than one: a single
+// chain would wait out the FMA's latency at every block, and for one or two rows (decode) that
+// latency, not memory, bounded the LM head.
 template <int TYPE, int LEVELS, int MC>
 inline void row_dot(const uint8_t* w, const XQ& x, int M_, float* out) {
+  constexpr int U = MC == 1 ? 4 : MC == 2 ? 2 : 1;
+  constexpr int MR = MC > 0 ? MC : MMAX;
   const int M = MC > 0 ? MC : M_;
   const int64_t LQ = x.M * x.K, LD = x.M * (x.K / 32);  // level strides
   const int64_t K = x.K, nb32 = K / 32;
-  __m256 acc[MMAX];
-  float mins[MMAX];
-  for (int m = 0; m < M; m++) { acc[m] = _mm256_setzero_ps(); mins[m] = 0.f; }
+  __m256 acc[U][LEVELS][MR];
+  float mins[MR];
+  for (int m = 0; m < M; m++) {
+    mins[m] = 0.f;
+    for (int u = 0; u < U; u++)
+      for (int l = 0; l < LEVELS; l++) acc[u][l][m] = _mm256_setzero_ps();
+  }
   if constexpr (TYPE == Q8_0 || TYPE == Q4_0 || TYPE == Q5_0) {
     constexpr int TS = TYPE == Q8_0 ? 34 : TYPE == Q4_0 ? 18 : 22;
-    for (int64_t b = 0; b < nb32; b++) {
+    auto block = [&](int64_t b, __m256 (&a)[LEVELS][MR]) {
       const uint8_t* blk = w + b * TS;
       const float dw = f16_at(blk);
       __m256i q;
@@ -408,10 +418,14 @@ inline void row_dot(const uint8_t* w, const XQ& x, int M_, float* out) {
           const __m256i y = _mm256_loadu_si256((const __m256i*)(x.q + l * LQ + m * K + b * 32));
           const __m256i dot = _mm256_maddubs_epi16(aq, _mm256_sign_epi8(y, q));
           const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(dot, _mm256_set1_epi16(1)));
-          acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(dw * x.d[l * LD + m * nb32 + b]), p, acc[m]);
+          a[l][m] = _mm256_fmadd_ps(_mm256_set1_ps(dw * x.d[l * LD + m * nb32 + b]), p, a[l][m]);
         }
       }
-    }
+    };
+    int64_t b = 0;
+    for (; b + U <= nb32; b += U)
+      for (int u = 0; u < U; u++) block(b + u, acc[u]);
+    for (; b < nb32; b++) block(b, acc[0]);
   } else if constexpr (TYPE == Q4_K) {
     for (int64_t sb = 0; sb < K / 256; sb++) {
       const uint8_t* blk = w + sb * 144;
@@ -431,8 +445,10 @@ inline void row_dot(const uint8_t* w, const XQ& x, int M_, float* out) {
             const float* xd = x.d + l * LD + m * nb32 + b0;
             const __m256 p0 = sum_u8_i8_float(lo, _mm256_loadu_si256((const __m256i*)xq));
             const __m256 p1 = sum_u8_i8_float(hi, _mm256_loadu_si256((const __m256i*)(xq + 32)));
-            acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d0 * xd[0]), p0, acc[m]);
-            acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d1 * xd[1]), p1, acc[m]);
+            __m256& a0 = acc[(2 * j) % U][l][m];
+            __m256& a1 = acc[(2 * j + 1) % U][l][m];
+            a0 = _mm256_fmadd_ps(_mm256_set1_ps(d0 * xd[0]), p0, a0);
+            a1 = _mm256_fmadd_ps(_mm256_set1_ps(d1 * xd[1]), p1, a1);
           }
           const float* xs = x.s + m * nb32 + b0;
           mins[m] += dmin * ((float)mn[2 * j] * xs[0] + (float)mn[2 * j + 1] * xs[1]);
@@ -471,14 +487,21 @@ inline void row_dot(const uint8_t* w, const XQ& x, int M_, float* out) {
               const __m256i y = _mm256_loadu_si256((const __m256i*)(xq + 32 * g));
               const __m256i dot = _mm256_maddubs_epi16(aq[g], _mm256_sign_epi8(y, q[g]));
               const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(dot, s16[g]));
-              acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd[g]), p, acc[m]);
+              __m256& a = acc[g % U][l][m];
+              a = _mm256_fmadd_ps(_mm256_set1_ps(d * xd[g]), p, a);
             }
           }
         }
       }
     }
   }
-  for (int m = 0; m < M; m++) out[m] = hsum8(acc[m]) - mins[m];
+  for (int m = 0; m < M; m++) {
+    __m256 total = acc[0][0][m];
+    for (int u = 0; u < U; u++)
+      for (int l = 0; l < LEVELS; l++)
+        if (u || l) total = _mm256_add_ps(total, acc[u][l][m]);
+    out[m] = hsum8(total) - mins[m];
+  }
 }
 
 template <int TYPE, int LEVELS, int MC>
@@ -547,9 +570,15 @@ void dequant_rows(int type, const uint8_t* rows, int64_t n_rows, int64_t K, int6
 
 }  // namespace
 
+// layers_impl.cpp, the same ISA
+void rms_norm_rows(const float* x, const float* w, float* y, int64_t rows, int64_t D, float eps);
+void rope_rows(const RopeArgs& a, int64_t r0, int64_t r1, float* cs);
+void attend(const AttentionArgs& a, int64_t b, int64_t h0, int64_t h1, float* scores);
+
 #define GMLX_STR2(x) #x
 #define GMLX_STR(x) GMLX_STR2(x)
-const Impl impl = {GMLX_STR(GMLX_ISA), matmul_rows, dequant_rows, int8_supported, quantize_x, matmul_rows_int8};
+const Impl impl = {GMLX_STR(GMLX_ISA), matmul_rows,   dequant_rows, int8_supported, quantize_x,
+                   matmul_rows_int8,  rms_norm_rows, rope_rows,    attend};
 
 }  // namespace GMLX_ISA
 }  // namespace gmlx_kernels

@@ -1,5 +1,6 @@
 // MLX primitives over GGUF block weights: GGUFMatmul (x @ W.T) and GGUFDequantRows.
 #include "ops.h"
+#include "parallel.h"
 
 #include <algorithm>
 #include <atomic>
@@ -10,9 +11,6 @@
 #include <thread>
 #include <vector>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 #if defined(__unix__) || defined(__APPLE__)
 #include <dlfcn.h>
 #endif
@@ -44,6 +42,18 @@ int type_size(int type) {
   }
 }
 
+int n_threads() {
+  static int n = [] {
+    if (const char* s = std::getenv("GMLX_KERNELS_THREADS")) {
+      int v = std::atoi(s);
+      if (v > 0) return v;
+    }
+    unsigned hw = std::thread::hardware_concurrency();
+    return hw ? (int)hw : 1;
+  }();
+  return n;
+}
+
 namespace {
 
 const Impl* choose_impl(std::string want) {
@@ -63,18 +73,6 @@ const Impl* choose_impl(std::string want) {
   return &generic::impl;
 }
 
-int n_threads() {
-  static int n = [] {
-    if (const char* s = std::getenv("GMLX_KERNELS_THREADS")) {
-      int v = std::atoi(s);
-      if (v > 0) return v;
-    }
-    unsigned hw = std::thread::hardware_concurrency();
-    return hw ? (int)hw : 1;
-  }();
-  return n;
-}
-
 thread_local std::vector<float> tl_scratch;
 
 // int8 activation codes per element on the decode path: 2 (default, error ~1/32000 of each
@@ -89,29 +87,6 @@ int int8_levels() {
     g_levels.store(v);
   }
   return v;
-}
-
-// fn(c) for every chunk c < n_chunks, on nt threads taking chunks as they finish: on a shared
-// machine a descheduled thread then costs its current chunk, not a fixed share of the rows.
-template <class F>
-void parallel_chunks(int nt, int64_t n_chunks, F&& fn) {
-  if (nt <= 1 || n_chunks <= 1) {
-    for (int64_t c = 0; c < n_chunks; c++) fn(c);
-    return;
-  }
-  std::atomic<int64_t> next{0};
-  auto work = [&] {
-    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < n_chunks;) fn(c);
-  };
-#ifdef _OPENMP
-#pragma omp parallel num_threads(nt)
-  work();
-#else
-  std::vector<std::thread> ts;
-  for (int i = 1; i < nt; i++) ts.emplace_back(work);
-  work();
-  for (auto& t : ts) t.join();
-#endif
 }
 
 float* scratch(size_t n) {
@@ -167,27 +142,9 @@ bool run_blas(const MatmulArgs& a) {
   return true;
 }
 
-void run_matmul(const MatmulArgs& a) {
+void run_float(const MatmulArgs& a) {
   const Impl* impl = active_impl();
   if (run_blas(a)) return;
-  const int levels = int8_levels();
-  // two codes per activation cost twice the integer work per row: past 4 rows the float path wins
-  if (levels > 0 && impl->int8_supported(a.type, a.M) && (levels == 1 || a.M <= 4)) {
-    const size_t nq = (size_t)(a.M * a.K), nb = nq / 32;
-    if (tl_xq.size() < 2 * nq) tl_xq.resize(2 * nq);
-    if (tl_xd.size() < 2 * nb) { tl_xd.resize(2 * nb); tl_xs.resize(nb); }
-    impl->quantize_x(a, levels, tl_xq.data(), tl_xd.data(), tl_xs.data());
-    const int8_t* xq = tl_xq.data();
-    const float* xd = tl_xd.data();
-    const float* xs = tl_xs.data();
-    int nt = (int)std::min<int64_t>(n_threads(), a.N / 64 + 1);
-    if (a.M * a.N * a.K < (int64_t)1 << 18) nt = 1;
-    const int64_t chunk = std::max<int64_t>(16, a.N / (8 * nt));
-    parallel_chunks(nt, (a.N + chunk - 1) / chunk, [&](int64_t c) {
-      impl->matmul_rows_int8(a, levels, xq, xd, xs, c * chunk, std::min<int64_t>((c + 1) * chunk, a.N));
-    });
-    return;
-  }
   const int64_t tiles = (a.N + ROW_TILE - 1) / ROW_TILE;
   // Work per call below a few hundred thousand multiply-adds is not worth waking threads for.
   int nt = (int)std::min<int64_t>(n_threads(), tiles);
@@ -196,6 +153,41 @@ void run_matmul(const MatmulArgs& a) {
   parallel_chunks(nt, (tiles + chunk - 1) / chunk, [&](int64_t c) {
     const int64_t n0 = c * chunk * ROW_TILE, n1 = std::min<int64_t>((c + 1) * chunk * ROW_TILE, a.N);
     impl->matmul_rows(a, n0, n1, scratch((size_t)ROW_TILE * a.K));
+  });
+}
+
+// Weights that multiply one x (q, k and v; gate and up): on the integer path x is coded once
+// and one parallel region covers every weight's rows.
+void run_matmuls(const MatmulArgs* parts, int n_parts) {
+  const Impl* impl = active_impl();
+  const MatmulArgs& a = parts[0];
+  const int levels = int8_levels();
+  // two codes per activation cost twice the integer work per row: past 4 rows the float path wins
+  bool int8 = levels > 0 && (levels == 1 || a.M <= 4);
+  for (int i = 0; i < n_parts; i++) int8 = int8 && impl->int8_supported(parts[i].type, a.M);
+  if (!int8) {
+    for (int i = 0; i < n_parts; i++) run_float(parts[i]);
+    return;
+  }
+  const size_t nq = (size_t)(a.M * a.K), nb = nq / 32;
+  if (tl_xq.size() < 2 * nq) tl_xq.resize(2 * nq);
+  if (tl_xd.size() < 2 * nb) { tl_xd.resize(2 * nb); tl_xs.resize(nb); }
+  impl->quantize_x(a, levels, tl_xq.data(), tl_xd.data(), tl_xs.data());
+  const int8_t* xq = tl_xq.data();
+  const float* xd = tl_xd.data();
+  const float* xs = tl_xs.data();
+  int64_t rows = 0;
+  for (int i = 0; i < n_parts; i++) rows += parts[i].N;
+  int nt = (int)std::min<int64_t>(n_threads(), rows / 64 + 1);
+  if (a.M * rows * a.K < (int64_t)1 << 18) nt = 1;
+  const int64_t chunk = std::max<int64_t>(16, rows / (8 * nt));
+  struct Chunk { int part; int64_t n0, n1; };
+  std::vector<Chunk> chunks;
+  for (int i = 0; i < n_parts; i++)
+    for (int64_t n0 = 0; n0 < parts[i].N; n0 += chunk) chunks.push_back({i, n0, std::min(n0 + chunk, parts[i].N)});
+  parallel_chunks(nt, (int64_t)chunks.size(), [&](int64_t c) {
+    const Chunk& ch = chunks[c];
+    impl->matmul_rows_int8(parts[ch.part], levels, xq, xd, xs, ch.n0, ch.n1);
   });
 }
 
@@ -247,6 +239,8 @@ std::string set_isa(const std::string& want) {
 
 namespace mx = mlx::core;
 
+thread_local std::vector<float> tl_x;
+
 void GGUFMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   const mx::array& x = inputs[0];
   const mx::array& w = inputs[1];
@@ -259,9 +253,48 @@ void GGUFMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::
   const int64_t M = x.size() / K_;
   encoder.dispatch([x = mx::array::unsafe_weak_copy(x), w = mx::array::unsafe_weak_copy(w),
                     out = mx::array::unsafe_weak_copy(out), type = type_, N = N_, K = K_, M]() mutable {
-    MatmulArgs a{type, w.data<uint8_t>(), (int64_t)(w.size() / N), x.data<float>(), out.data<float>(), M, N, K};
-    if (M > 0) run_matmul(a);
+    // x is often a transposed view (attention's output): copied here rather than by a graph node
+    MatmulArgs a{type, w.data<uint8_t>(), (int64_t)(w.size() / N), row_major(x, tl_x), out.data<float>(), M, N, K};
+    if (M > 0) run_matmuls(&a, 1);
   });
+}
+
+void GGUFMatmulGroup::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (auto& in : inputs) encoder.set_input_array(in);
+  std::vector<mx::array> ws, outs;
+  for (size_t i = 0; i < outputs.size(); i++) {
+    outputs[i].set_data(mx::allocator::malloc(outputs[i].nbytes()));
+    encoder.set_output_array(outputs[i]);
+    outs.push_back(mx::array::unsafe_weak_copy(outputs[i]));
+    ws.push_back(mx::array::unsafe_weak_copy(inputs[i + 1]));
+  }
+  const int64_t M = inputs[0].size() / K_;
+  encoder.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]), ws, outs, types = types_, ns = ns_, K = K_,
+                    M]() mutable {
+    if (M == 0) return;
+    const float* xp = row_major(x, tl_x);
+    std::vector<MatmulArgs> parts;
+    for (size_t i = 0; i < ws.size(); i++)
+      parts.push_back({types[i], ws[i].data<uint8_t>(), (int64_t)(ws[i].size() / ns[i]), xp,
+                       outs[i].data<float>(), M, ns[i], K});
+    run_matmuls(parts.data(), (int)parts.size());
+  });
+}
+
+bool GGUFMatmulGroup::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const GGUFMatmulGroup&>(other);
+  return types_ == o.types_ && ns_ == o.ns_ && K_ == o.K_;
+}
+
+std::vector<mx::Shape> GGUFMatmulGroup::output_shapes(const std::vector<mx::array>& inputs) {
+  std::vector<mx::Shape> shapes;
+  for (int64_t n : ns_) {
+    auto shape = inputs[0].shape();
+    shape.back() = (int)n;
+    shapes.push_back(shape);
+  }
+  return shapes;
 }
 
 bool GGUFMatmul::is_equivalent(const mx::Primitive& other) const {
@@ -333,11 +366,47 @@ mx::array gguf_matmul(const mx::array& x_in, const mx::array& w, int type, int64
   auto stream = mx::to_stream(s, mx::Device::cpu);
   if (stream.device != mx::Device::cpu) throw std::invalid_argument("gguf_matmul runs on the CPU only");
   const auto dtype = x_in.dtype();
-  mx::array x = row_contiguous(mx::astype(x_in, mx::float32, stream), stream);
+  mx::array x = x_in.dtype() == mx::float32 ? x_in : mx::astype(x_in, mx::float32, stream);
   auto shape = x.shape();
   shape.back() = (int)N;
   mx::array y(shape, mx::float32, std::make_shared<GGUFMatmul>(stream, type, N, K), {x, row_contiguous(w, stream)});
   return dtype == mx::float32 ? y : mx::astype(y, dtype, stream);
+}
+
+std::vector<mx::array> gguf_matmul_group(const mx::array& x_in, const std::vector<mx::array>& ws,
+                                         const std::vector<int>& types, const std::vector<int64_t>& ns, int64_t K,
+                                         mx::StreamOrDevice s) {
+  if (ws.empty() || ws.size() != types.size() || ws.size() != ns.size())
+    throw std::invalid_argument("gguf_matmul_group: one type and one row count per weight");
+  auto stream = mx::to_stream(s, mx::Device::cpu);
+  if (stream.device != mx::Device::cpu) throw std::invalid_argument("gguf_matmul_group runs on the CPU only");
+  if (x_in.ndim() < 1 || x_in.shape().back() != K) {
+    std::ostringstream msg;
+    msg << "gguf_matmul_group: last dimension of x must be " << K;
+    throw std::invalid_argument(msg.str());
+  }
+  for (size_t i = 0; i < ws.size(); i++) {
+    const int64_t rb = row_bytes_for(types[i], K);
+    if (ws[i].dtype() != mx::uint8 || ws[i].ndim() != 2 || ws[i].shape(0) != ns[i] || ws[i].shape(1) != rb) {
+      std::ostringstream msg;
+      msg << "gguf_matmul_group: weight " << i << " must be uint8 of shape (" << ns[i] << ", " << rb << ")";
+      throw std::invalid_argument(msg.str());
+    }
+  }
+  const auto dtype = x_in.dtype();
+  std::vector<mx::array> inputs{x_in.dtype() == mx::float32 ? x_in : mx::astype(x_in, mx::float32, stream)};
+  std::vector<mx::Shape> shapes;
+  for (size_t i = 0; i < ws.size(); i++) {
+    inputs.push_back(row_contiguous(ws[i], stream));
+    auto shape = x_in.shape();
+    shape.back() = (int)ns[i];
+    shapes.push_back(shape);
+  }
+  auto ys = mx::array::make_arrays(std::move(shapes), std::vector<mx::Dtype>(ws.size(), mx::float32),
+                                   std::make_shared<GGUFMatmulGroup>(stream, types, ns, K), std::move(inputs));
+  if (dtype != mx::float32)
+    for (auto& y : ys) y = mx::astype(y, dtype, stream);
+  return ys;
 }
 
 mx::array gguf_dequant_rows(const mx::array& rows, int type, int64_t K, mx::StreamOrDevice s) {

@@ -6,6 +6,10 @@
 #include "mlx/primitives.h"
 #include "mlx/utils.h"
 
+#include <optional>
+#include <variant>
+#include <vector>
+
 namespace gmlx_kernels {
 
 namespace mx = mlx::core;
@@ -27,8 +31,29 @@ std::string blas_name();
 mx::array gguf_matmul(const mx::array& x, const mx::array& w, int type, int64_t N, int64_t K,
                       mx::StreamOrDevice s = {});
 
+// Several weights against one x (q, k and v; gate and up): one node, x coded once.
+std::vector<mx::array> gguf_matmul_group(const mx::array& x, const std::vector<mx::array>& ws,
+                                         const std::vector<int>& types, const std::vector<int64_t>& ns, int64_t K,
+                                         mx::StreamOrDevice s = {});
+
 // rows uint8 (..., row_bytes) -> float32 (..., K): dequantize whole rows (embedding lookup).
 mx::array gguf_dequant_rows(const mx::array& rows, int type, int64_t K, mx::StreamOrDevice s = {});
+
+// a's elements in row-major order: its own buffer when already so, else a copy into buf.
+const float* row_major(const mx::array& a, std::vector<float>& buf);
+
+// The transformer ops MLX composes from many nodes on the CPU, as one node each (float32).
+// y = x / sqrt(mean(x^2, -1) + eps) * w, w (D,) or none.
+mx::array rms_norm(const mx::array& x, const std::optional<mx::array>& w, float eps, mx::StreamOrDevice s = {});
+// mx.fast.rope's contract: x (B, ..., L, D), positions offset + l (offset an int, or an int array
+// of one value or one per B), angular frequencies base^(-2i/dims) or 1 / freqs.
+mx::array rope(const mx::array& x, int dims, bool traditional, std::optional<float> base, float scale,
+               const std::variant<int, mx::array>& offset, const std::optional<mx::array>& freqs,
+               mx::StreamOrDevice s = {});
+// softmax(scale q k^T + mask) v with q (B, Hq, L, D), k and v (B, Hkv, T, D), Hq a multiple of
+// Hkv; mask bool (attend where true) or float (added), broadcastable to (B, Hq, L, T).
+mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
+                    const std::optional<mx::array>& mask, bool causal, mx::StreamOrDevice s = {});
 
 class GGUFMatmul : public mx::Primitive {
  public:
@@ -46,6 +71,24 @@ class GGUFMatmul : public mx::Primitive {
   int64_t N_, K_;
 };
 
+class GGUFMatmulGroup : public mx::Primitive {
+ public:
+  GGUFMatmulGroup(mx::Stream stream, std::vector<int> types, std::vector<int64_t> ns, int64_t K)
+      : mx::Primitive(stream), types_(std::move(types)), ns_(std::move(ns)), K_(K) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("GGUFMatmulGroup has no GPU implementation");
+  }
+  const char* name() const override { return "GGUFMatmulGroup"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+
+ private:
+  std::vector<int> types_;
+  std::vector<int64_t> ns_;
+  int64_t K_;
+};
+
 class GGUFDequantRows : public mx::Primitive {
  public:
   GGUFDequantRows(mx::Stream stream, int type, int64_t K) : mx::Primitive(stream), type_(type), K_(K) {}
@@ -60,6 +103,68 @@ class GGUFDequantRows : public mx::Primitive {
  private:
   int type_;
   int64_t K_;
+};
+
+// One float32 output, CPU only; subclasses say how to compute and compare.
+class CPUPrimitive : public mx::Primitive {
+ public:
+  using mx::Primitive::Primitive;
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error(std::string(name()) + " has no GPU implementation");
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+};
+
+class RMSNorm : public CPUPrimitive {
+ public:
+  RMSNorm(mx::Stream s, float eps) : CPUPrimitive(s), eps_(eps) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "GmlxRMSNorm"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return eps_ == static_cast<const RMSNorm&>(other).eps_;
+  }
+
+ private:
+  float eps_;
+};
+
+class RoPE : public CPUPrimitive {
+ public:
+  // inputs: x, freqs if has_freqs (else base sets the frequencies), the offset array unless
+  // the offset is static
+  RoPE(mx::Stream s, int dims, bool traditional, float base, float scale, int64_t offset, bool has_freqs)
+      : CPUPrimitive(s), dims_(dims), traditional_(traditional), base_(base), scale_(scale), offset_(offset),
+        has_freqs_(has_freqs) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "GmlxRoPE"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const RoPE&>(other);
+    return dims_ == o.dims_ && traditional_ == o.traditional_ && base_ == o.base_ && scale_ == o.scale_ &&
+           offset_ == o.offset_ && has_freqs_ == o.has_freqs_;
+  }
+
+ private:
+  int dims_;
+  bool traditional_;
+  float base_, scale_;
+  int64_t offset_;
+  bool has_freqs_;
+};
+
+class Attention : public CPUPrimitive {
+ public:
+  // inputs: q, k, v, then the mask if any
+  Attention(mx::Stream s, float scale, bool causal) : CPUPrimitive(s), scale_(scale), causal_(causal) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "GmlxAttention"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const Attention&>(other);
+    return scale_ == o.scale_ && causal_ == o.causal_;
+  }
+
+ private:
+  float scale_;
+  bool causal_;
 };
 
 }  // namespace gmlx_kernels

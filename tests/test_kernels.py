@@ -186,6 +186,35 @@ def test_modules_behave_like_linear_and_embedding():
     np.testing.assert_allclose(np.array(emb.as_linear(x)), np.array(x) @ wd.T, rtol=0, atol=tol)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 80], ids=["decode", "int8x2", "prefill"])
+def test_grouped_linears_give_each_members_own_product(rows):
+    """q, k and v as one group (mixed types, a bias), called as mlx_lm's attention calls them,
+    in another order, and with a different input per member: each gets its own x @ W.T."""
+    import mlx.nn as nn
+
+    rng = np.random.default_rng(5)
+    k = 256
+    specs = [(T.Q5_0, 64), (T.Q4_K, 32), (T.Q8_0, 32)]
+    ws = [random_weights(t, n, k, rng) for t, n in specs]
+    members = [gk.GGUFLinear(mx.array(w), t, k) for w, (t, _) in zip(ws, specs)]
+    members[2] = gk.GGUFLinear(mx.array(ws[2]), T.Q8_0, k, bias=mx.array(np.ones(32, np.float32)))
+    parent = nn.Module()
+    parent.q_proj, parent.k_proj, parent.v_proj = members
+    assert gk.group_linears(parent) == 1 and members[0].group is members[1].group
+
+    def alone(i: int, x: mx.array) -> np.ndarray:
+        return np.array(gk.matmul(x, members[i].weight, specs[i][0], specs[i][1], k)) + (1.0 if i == 2 else 0.0)
+
+    x, x2 = (mx.array(rng.standard_normal((rows, k)).astype(np.float32)) for _ in range(2))
+    for order in ([0, 1, 2], [2, 0, 1]):
+        outs = {i: np.array(members[i](x)) for i in order}
+        for i in range(3):
+            np.testing.assert_allclose(outs[i], alone(i, x), rtol=0, atol=1e-5)
+    q, k_other = members[0](x), members[1](x2)  # a member called on another input computes its own
+    np.testing.assert_allclose(np.array(k_other), alone(1, x2), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(np.array(q), alone(0, x), rtol=0, atol=1e-5)
+
+
 # ---- whole models in `gguf` mode ----
 
 MODEL_TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]

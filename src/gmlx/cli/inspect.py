@@ -56,12 +56,20 @@ def describe(model: str | None, weights: WeightsOption) -> dict[str, Any]:
     }
 
 
+def _kernels_line(k: dict[str, Any]) -> str:
+    if k["isa"] is None:
+        return f"not used: {k['reason']}"
+    return f"{k['isa']}; norms, RoPE and attention as single nodes: {'on' if k['fast_ops'] else 'off'}"
+
+
 def _kernels() -> dict[str, Any]:
     """gmlx.kernels (the `gguf` weight mode): the ISA it runs on here, or why MLX's own kernels are used."""
     from gmlx import kernels
 
+    from gmlx.kernels import fast
+
     reason = kernels.reason()
-    return {"isa": kernels.isa() if reason is None else None, "reason": reason}
+    return {"isa": kernels.isa() if reason is None else None, "reason": reason, "fast_ops": fast.enabled()}
 
 
 def inspect_command(
@@ -97,7 +105,7 @@ def inspect_command(
         ("KV cache fp16", kv),
         ("weights", f"{info['weights']['mode']}, {human_bytes(info['weights']['resident_bytes'])} resident"),
         ("platform", f"{info['platform']['backend']}, BLAS {info['platform']['blas']}"),
-        ("gguf kernels", info["platform"]["gguf_kernels"]["isa"] or f"not used: {info['platform']['gguf_kernels']['reason']}"),
+        ("gguf kernels", _kernels_line(info["platform"]["gguf_kernels"])),
     ]
     for key, value in rows:
         table.add_row(key, value)

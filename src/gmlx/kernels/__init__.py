@@ -9,6 +9,8 @@ says why, and gmlx runs on MLX's own kernels.
 GGUFLinear and GGUFEmbedding hold the tensor's bytes as one uint8 MLX array
 (N rows of K / block_size * type_size bytes), so resident memory equals the
 file's tensor bytes; mlx_lm's model code calls them like nn.Linear / nn.Embedding.
+Linears that take one input (q, k, v; gate, up) form a LinearGroup: one graph node for
+all of them. gmlx.kernels.fast does the same for MLX's norms, RoPE and attention.
 
 Paths (csrc/kernels_impl.cpp): up to 4 activation rows (decode), each activation is
 coded as two int8 codes per 32-block (the second codes the first's residual: error
@@ -117,14 +119,61 @@ class GGUFLinear(nn.Module):
         self.weight = weight
         if bias is not None:
             self.bias = bias
+        self.group: LinearGroup | None = None
         self.freeze()
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = matmul(x, self.weight, self.ggml_type, self.out_features, self.in_features)
+        if self.group is not None:
+            y = self.group.output(self, x)
+        else:
+            y = matmul(x, self.weight, self.ggml_type, self.out_features, self.in_features)
         return y + self["bias"] if "bias" in self else y
 
     def _extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, {T(self.ggml_type).name}"
+
+
+class LinearGroup:
+    """GGUFLinears that multiply the same input (a layer's q, k and v; gate and up). The first
+    member called with an x computes every member's product in one node (x is coded once, one
+    parallel region covers all the rows); the others then collect theirs for that same x."""
+
+    def __init__(self, members: list[GGUFLinear]):
+        self.members = members
+        self._x: mx.array | None = None
+        self._pending: dict[int, mx.array] = {}
+        for m in members:
+            m.group = self
+
+    def output(self, member: GGUFLinear, x: mx.array) -> mx.array:
+        if x is self._x and id(member) in self._pending:
+            y = self._pending.pop(id(member))
+            if not self._pending:
+                self._x = None
+            return y
+        ms = self.members
+        ys = _load().gguf_matmul_group(x, [m.weight for m in ms], [m.ggml_type for m in ms],
+                                       [m.out_features for m in ms], member.in_features, stream=mx.cpu)
+        self._pending = {id(m): y for m, y in zip(ms, ys)}
+        self._x = x
+        return self._pending.pop(id(member))
+
+
+# Sibling linears that mlx_lm's models call on one input.
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def group_linears(model: nn.Module) -> int:
+    """Form a LinearGroup wherever a module holds a GROUPS set of GGUFLinears of one input width;
+    returns how many were formed."""
+    formed = 0
+    for _, module in model.named_modules():
+        for names in GROUPS:
+            members = [module[n] if n in module else None for n in names]
+            if all(isinstance(m, GGUFLinear) for m in members) and len({m.in_features for m in members}) == 1:
+                LinearGroup(members)  # type: ignore[arg-type]
+                formed += 1
+    return formed
 
 
 class GGUFEmbedding(nn.Module):

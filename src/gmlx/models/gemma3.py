@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_unflatten
 
 from gmlx.gguf.header import GGUFHeader
 from gmlx.models.architecture import Architecture
@@ -35,8 +37,27 @@ class Gemma3(Architecture):
         args["query_pre_attn_scalar"] = g.n_embd // g.n_heads if big else g.key_length
         return args
 
+    def finish(self, model: nn.Module, h: GGUFHeader, arrays: dict[str, mx.array]) -> None:
+        # mlx_lm's Gemma RMSNorm adds the 1 back at every call: two graph nodes per norm, six
+        # norms a layer. Fold it once; the parameter keeps mlx_lm's convention (export relies on it).
+        swaps = [(path, FoldedRMSNorm(m.weight, m.eps)) for path, m in model.named_modules()
+                 if type(m).__name__ == "RMSNorm" and type(m).__module__.endswith("gemma3_text")]
+        model.update_modules(tree_unflatten(swaps))
+
     def adjust(self, name: str, array: mx.array) -> mx.array:
         # llama.cpp stores gemma's RMSNorm weights with the +1 folded in; mlx_lm adds it itself.
         if name.endswith("norm.weight"):
             return array - 1.0
         return array
+
+
+class FoldedRMSNorm(nn.Module):
+    """mlx_lm's Gemma RMSNorm (scale 1 + weight) with the sum computed once."""
+
+    def __init__(self, weight: mx.array, eps: float):
+        super().__init__()
+        self.weight, self.eps = weight, eps
+        self._scale = 1.0 + weight  # underscored: not a parameter, so not exported or loaded
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.fast.rms_norm(x, self._scale, self.eps)

@@ -16,6 +16,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from gmlx.gguf.header import GGUFError, GGUFHeader, ModelGeometry, read_header
 from gmlx.gguf.tensors import GGUF_BLOCKS, LoadReport, load_tensors
 from gmlx.gguf.tokenizer import load_tokenizer
+from gmlx.kernels import fast as kernels_fast
 from gmlx.models.architecture import Architecture
 from gmlx.models.gemma3 import Gemma3
 from gmlx.models.llama import Llama
@@ -69,6 +70,8 @@ def load(path: str | Path, weights: WeightsOption = "auto", progress: Progress |
     if mode == "gguf" and (why := gguf_kernels_reason()) is not None:
         raise GGUFError(f"weights mode gguf is not available here: {why}")
 
+    # MLX's fast ops as single CPU graph nodes (does nothing off the CPU or without the extension)
+    kernels_fast.install()
     step("weights")
     arrays, quant, report = load_tensors(h, mode)  # type: ignore[arg-type]
     step("model")
@@ -119,7 +122,7 @@ def _build(
 
 def _use_gguf_blocks(model: nn.Module, blocks: dict[str, tuple[mx.array, int]]) -> None:
     """Swap each nn.Linear / nn.Embedding whose weight stays in GGUF blocks for gmlx.kernels' layer."""
-    from gmlx.kernels import GGUFEmbedding, GGUFLinear
+    from gmlx.kernels import GGUFEmbedding, GGUFLinear, group_linears
 
     swaps = []
     for path, module in model.named_modules():
@@ -140,3 +143,4 @@ def _use_gguf_blocks(model: nn.Module, blocks: dict[str, tuple[mx.array, int]]) 
     if missing:
         raise GGUFError(f"GGUF block weights for modules the model lacks: {', '.join(sorted(missing))}")
     model.update_modules(tree_unflatten(swaps))
+    group_linears(model)

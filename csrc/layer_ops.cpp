@@ -1,0 +1,239 @@
+// RMSNorm, RoPE and attention as single MLX nodes on the CPU (layers_impl.cpp computes).
+//
+// MLX's CPU backend has no kernels for mx.fast.rms_norm, rope and scaled_dot_product_attention:
+// it composes each from 8 to 25 graph nodes, and on a small model the per-node cost of those
+// (thousands a decode step) outweighs the arithmetic. gmlx.kernels.fast routes the fast ops here.
+#include <cmath>
+#include <sstream>
+#include <stdexcept>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "ops.h"
+#include "parallel.h"
+
+namespace gmlx_kernels {
+
+namespace {
+
+// Below this many multiply-adds a call runs on one thread: waking others costs more.
+constexpr int64_t PARALLEL_MIN_WORK = 1 << 16;
+
+thread_local std::vector<float> tl_a, tl_b, tl_c, tl_work;
+
+float* work_buffer(size_t n) {
+  if (tl_work.size() < n) tl_work.resize(n);
+  return tl_work.data();
+}
+
+void check(bool ok, const char* what) {
+  if (!ok) throw std::invalid_argument(what);
+}
+
+mx::Stream cpu_stream(mx::StreamOrDevice s, const char* op) {
+  auto stream = mx::to_stream(s, mx::Device::cpu);
+  if (stream.device != mx::Device::cpu) throw std::invalid_argument(std::string(op) + " runs on the CPU only");
+  return stream;
+}
+
+mx::array f32(const mx::array& a, mx::Stream s) { return a.dtype() == mx::float32 ? a : mx::astype(a, mx::float32, s); }
+
+// Strides (in elements) of a over the last `n` dims of a broadcast to `shape`: 0 where a has size 1
+// or lacks the dim.
+std::vector<int64_t> broadcast_strides(const mx::array& a, const mx::Shape& shape) {
+  const size_t n = shape.size(), off = n - a.ndim();
+  std::vector<int64_t> st(n, 0);
+  for (size_t i = off; i < n; i++) st[i] = a.shape(i - off) == 1 ? 0 : a.strides()[i - off];
+  return st;
+}
+
+mx::array alloc_output(mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  return mx::array::unsafe_weak_copy(out);
+}
+
+}  // namespace
+
+const float* row_major(const mx::array& a, std::vector<float>& buf) {
+  if (a.flags().row_contiguous) return a.data<float>();
+  buf.resize(a.size());
+  const auto& shape = a.shape();
+  const auto& strides = a.strides();
+  const int nd = a.ndim();
+  std::vector<int> idx(nd, 0);
+  const float* src = a.data<float>();
+  const int64_t inner = nd ? shape[nd - 1] : 1, inner_stride = nd ? strides[nd - 1] : 1;
+  for (size_t o = 0; o < a.size(); o += inner) {
+    int64_t base = 0;
+    for (int d = 0; d < nd - 1; d++) base += idx[d] * strides[d];
+    for (int64_t i = 0; i < inner; i++) buf[o + i] = src[base + i * inner_stride];
+    for (int d = nd - 2; d >= 0 && ++idx[d] == shape[d]; d--) idx[d] = 0;
+  }
+  return buf.data();
+}
+
+void RMSNorm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  for (auto& in : inputs) enc.set_input_array(in);
+  enc.set_output_array(outputs[0]);
+  auto out = alloc_output(outputs[0]);
+  auto x = mx::array::unsafe_weak_copy(inputs[0]);
+  std::optional<mx::array> w;
+  if (inputs.size() > 1) w = mx::array::unsafe_weak_copy(inputs[1]);
+  enc.dispatch([x, w, out, eps = eps_]() mutable {
+    const int64_t D = x.shape().back(), rows = D ? x.size() / D : 0;
+    const float* xp = row_major(x, tl_a);
+    const float* wp = w ? row_major(*w, tl_b) : nullptr;
+    const Impl* impl = active_impl();
+    const int64_t per = std::max<int64_t>(1, PARALLEL_MIN_WORK / std::max<int64_t>(D, 1));
+    parallel_chunks(rows > per ? n_threads() : 1, (rows + per - 1) / per, [&](int64_t c) {
+      const int64_t r0 = c * per, n = std::min(per, rows - r0);
+      impl->rms_norm_rows(xp + r0 * D, wp, out.data<float>() + r0 * D, n, D, eps);
+    });
+  });
+}
+
+void RoPE::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  for (auto& in : inputs) enc.set_input_array(in);
+  enc.set_output_array(outputs[0]);
+  auto out = alloc_output(outputs[0]);
+  auto x = mx::array::unsafe_weak_copy(inputs[0]);
+  size_t next = 1;
+  std::optional<mx::array> freqs, offsets;
+  if (has_freqs_) freqs = mx::array::unsafe_weak_copy(inputs[next++]);
+  if (next < inputs.size()) offsets = mx::array::unsafe_weak_copy(inputs[next]);
+  enc.dispatch([x, freqs, offsets, out, dims = dims_, traditional = traditional_, base = base_, scale = scale_,
+                offset = offset_]() mutable {
+    const auto& shape = x.shape();
+    const int64_t D = shape.back(), L = shape[shape.size() - 2], B = shape[0];
+    const int64_t rows = x.size() / D, half = dims / 2;
+    // as mx.fast.rope computes them: exp(-i * log(base) / half), or 1 / freqs, in float32
+    std::vector<float> inv_freq(half);
+    const float* fp = freqs ? row_major(*freqs, tl_b) : nullptr;
+    const float step = (float)(std::log((double)base) / (double)half);
+    for (int64_t i = 0; i < half; i++) inv_freq[i] = fp ? 1.f / fp[i] : std::exp((float)(-i) * step);
+    RopeArgs a{row_major(x, tl_a), out.data<float>(), L, D, rows / (B * L), dims, traditional,
+               inv_freq.data(), scale, offset, nullptr, false};
+    if (offsets) {
+      a.offsets = offsets->data<int32_t>();
+      a.offsets_per_batch = offsets->size() > 1;
+    }
+    const Impl* impl = active_impl();
+    const int64_t per = std::max<int64_t>(L, PARALLEL_MIN_WORK / (8 * std::max<int64_t>(D, 1)));
+    parallel_chunks(rows > per ? n_threads() : 1, (rows + per - 1) / per, [&](int64_t c) {
+      impl->rope_rows(a, c * per, std::min(rows, (c + 1) * per), work_buffer(dims));
+    });
+  });
+}
+
+void Attention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  for (auto& in : inputs) enc.set_input_array(in);
+  enc.set_output_array(outputs[0]);
+  auto out = alloc_output(outputs[0]);
+  auto q = mx::array::unsafe_weak_copy(inputs[0]);
+  auto k = mx::array::unsafe_weak_copy(inputs[1]);
+  auto v = mx::array::unsafe_weak_copy(inputs[2]);
+  std::optional<mx::array> mask;
+  if (inputs.size() > 3) mask = mx::array::unsafe_weak_copy(inputs[3]);
+  enc.dispatch([q, k, v, mask, out, scale = scale_, causal = causal_]() mutable {
+    // keys and values are usually a view of a KV cache's buffer: read through their strides
+    // when each row is contiguous, else copy
+    const float* kp = k.strides()[3] == 1 ? k.data<float>() : row_major(k, tl_b);
+    const float* vp = v.strides()[3] == 1 ? v.data<float>() : row_major(v, tl_c);
+    auto strides3 = [](const mx::array& a, bool copied) {
+      const int64_t T = a.shape(2), D = a.shape(3), H = a.shape(1);
+      return copied ? std::vector<int64_t>{H * T * D, T * D, D}
+                    : std::vector<int64_t>{a.strides()[0], a.strides()[1], a.strides()[2]};
+    };
+    const auto ks = strides3(k, k.strides()[3] != 1), vs = strides3(v, v.strides()[3] != 1);
+    AttentionArgs a{row_major(q, tl_a), kp, vp, out.data<float>(),
+                    q.shape(0), q.shape(1), k.shape(1), q.shape(2), k.shape(2), q.shape(3),
+                    {ks[0], ks[1], ks[2]}, {vs[0], vs[1], vs[2]}, nullptr, false, {0, 0, 0, 0},
+                    causal, scale};
+    if (mask) {
+      a.mask = mask->data<uint8_t>();
+      a.mask_bool = mask->dtype() == mx::bool_;
+      const auto ms = broadcast_strides(*mask, {(int)a.B, (int)a.Hq, (int)a.L, (int)a.T});
+      for (int i = 0; i < 4; i++) a.ms[i] = ms[i];
+    }
+    // work items: (batch row, a group of query heads sharing one KV head); a group is split
+    // when there are fewer KV heads than threads
+    const int64_t G = a.Hq / a.Hkv, groups = a.B * a.Hkv;
+    const int nt = a.B * a.Hq * a.L * a.T * a.D < PARALLEL_MIN_WORK ? 1 : n_threads();
+    const int64_t splits = std::min<int64_t>(G, (nt + groups - 1) / groups);
+    const int64_t per = (G + splits - 1) / splits;
+    const Impl* impl = active_impl();
+    parallel_chunks(nt, groups * splits, [&](int64_t c) {
+      const int64_t g = c / splits, h0 = (g % a.Hkv) * G + (c % splits) * per;
+      const int64_t h1 = std::min(h0 + per, (g % a.Hkv + 1) * G);
+      if (h0 < h1) impl->attend(a, g / a.Hkv, h0, h1, work_buffer((size_t)((h1 - h0) * a.L * a.T)));
+    });
+  });
+}
+
+mx::array rms_norm(const mx::array& x_in, const std::optional<mx::array>& w, float eps, mx::StreamOrDevice s) {
+  auto stream = cpu_stream(s, "rms_norm");
+  check(x_in.ndim() >= 1, "rms_norm: x must have at least one dimension");
+  const auto dtype = x_in.dtype();
+  std::vector<mx::array> inputs{f32(x_in, stream)};
+  if (w) {
+    check(w->ndim() == 1 && w->shape(0) == x_in.shape().back(), "rms_norm: weight must be (D,)");
+    inputs.push_back(f32(*w, stream));
+  }
+  mx::array y(x_in.shape(), mx::float32, std::make_shared<RMSNorm>(stream, eps), std::move(inputs));
+  return dtype == mx::float32 ? y : mx::astype(y, dtype, stream);
+}
+
+mx::array rope(const mx::array& x_in, int dims, bool traditional, std::optional<float> base, float scale,
+               const std::variant<int, mx::array>& offset, const std::optional<mx::array>& freqs,
+               mx::StreamOrDevice s) {
+  auto stream = cpu_stream(s, "rope");
+  check(x_in.ndim() >= 3, "rope: x must be (B, ..., L, D)");
+  check(dims > 0 && dims % 2 == 0 && dims <= x_in.shape().back(), "rope: dims must be even and at most D");
+  check(base.has_value() != freqs.has_value(), "rope: give exactly one of base and freqs");
+  const auto dtype = x_in.dtype();
+  std::vector<mx::array> inputs{f32(x_in, stream)};
+  if (freqs) {
+    check(freqs->ndim() == 1 && freqs->shape(0) == dims / 2, "rope: freqs must be (dims / 2,)");
+    inputs.push_back(f32(*freqs, stream));
+  }
+  int64_t static_offset = 0;
+  if (auto* o = std::get_if<mx::array>(&offset)) {
+    check(o->size() == 1 || (o->ndim() == 1 && o->shape(0) == x_in.shape(0)),
+          "rope: an offset array must hold one value or one per batch row");
+    inputs.push_back(o->dtype() == mx::int32 ? *o : mx::astype(*o, mx::int32, stream));
+  } else {
+    static_offset = std::get<int>(offset);
+  }
+  auto p = std::make_shared<RoPE>(stream, dims, traditional, base.value_or(0.f), scale, static_offset,
+                                  freqs.has_value());
+  mx::array y(x_in.shape(), mx::float32, std::move(p), std::move(inputs));
+  return dtype == mx::float32 ? y : mx::astype(y, dtype, stream);
+}
+
+mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
+                    const std::optional<mx::array>& mask, bool causal, mx::StreamOrDevice s) {
+  auto stream = cpu_stream(s, "attention");
+  check(q.ndim() == 4 && k.ndim() == 4 && v.ndim() == 4, "attention: q, k and v must be 4-D");
+  check(k.shape() == v.shape(), "attention: k and v must have one shape");
+  check(q.shape(0) == k.shape(0) && q.shape(3) == k.shape(3), "attention: q and k differ in batch or head size");
+  check(k.shape(1) > 0 && q.shape(1) % k.shape(1) == 0, "attention: query heads must be a multiple of KV heads");
+  check(!causal || q.shape(2) <= k.shape(2), "attention: a causal mask needs at least as many keys as queries");
+  const auto dtype = q.dtype();
+  std::vector<mx::array> inputs{f32(q, stream), f32(k, stream), f32(v, stream)};
+  if (mask) {
+    check(mask->ndim() <= 4, "attention: the mask has more than 4 dimensions");
+    const mx::Shape full{q.shape(0), q.shape(1), q.shape(2), k.shape(2)};
+    for (int i = 0; i < mask->ndim(); i++) {
+      const int m = mask->shape(i), want = full[4 - mask->ndim() + i];
+      check(m == 1 || m == want, "attention: the mask does not broadcast to (B, Hq, L, T)");
+    }
+    inputs.push_back(mask->dtype() == mx::bool_ ? *mask : f32(*mask, stream));
+  }
+  mx::array y(q.shape(), mx::float32, std::make_shared<Attention>(stream, scale, causal), std::move(inputs));
+  return dtype == mx::float32 ? y : mx::astype(y, dtype, stream);
+}
+
+}  // namespace gmlx_kernels

@@ -1,0 +1,37 @@
+// Work split across the kernels' threads (OpenMP where built with it, else std::thread).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <thread>
+#include <vector>
+
+namespace gmlx_kernels {
+
+// Threads the kernels use: GMLX_KERNELS_THREADS, else every core.
+int n_threads();
+
+// fn(c) for every chunk c < n_chunks, on nt threads taking chunks as they finish: on a shared
+// machine a descheduled thread then costs its current chunk, not a fixed share of the rows.
+template <class F>
+void parallel_chunks(int nt, int64_t n_chunks, F&& fn) {
+  if (nt <= 1 || n_chunks <= 1) {
+    for (int64_t c = 0; c < n_chunks; c++) fn(c);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  auto work = [&] {
+    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < n_chunks;) fn(c);
+  };
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nt)
+  work();
+#else
+  std::vector<std::thread> ts;
+  for (int i = 1; i < nt; i++) ts.emplace_back(work);
+  work();
+  for (auto& t : ts) t.join();
+#endif
+}
+
+}  // namespace gmlx_kernels

@@ -1,0 +1,116 @@
+"""gmlx.kernels.fast: MLX's fast ops as single CPU nodes give what MLX's own composition gives."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from gmlx import kernels
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"gguf kernels unavailable: {kernels.reason()}")
+
+if kernels.available():
+    from gmlx.kernels import fast
+
+TOL = 2e-5
+
+
+def close(a: mx.array, b: mx.array, tol: float = TOL) -> None:
+    a_, b_ = np.array(a), np.array(b)
+    assert a_.shape == b_.shape and a_.dtype == b_.dtype
+    np.testing.assert_allclose(a_, b_, rtol=tol, atol=tol)
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(7)
+
+
+def randn(rng: np.random.Generator, *shape: int) -> mx.array:
+    return mx.array(rng.standard_normal(shape).astype(np.float32))
+
+
+@pytest.fixture(autouse=True)
+def installed():
+    assert fast.install()
+    yield
+    fast.uninstall()
+
+
+def test_install_routes_mx_fast_and_uninstall_restores():
+    assert fast.installed() and mx.fast.rope is fast.rope
+    fast.uninstall()
+    assert not fast.installed() and mx.fast.rope is fast.ORIGINAL["rope"]
+
+
+@pytest.mark.parametrize("shape", [(1, 640), (3, 5, 7), (2, 4, 1, 256)])
+def test_rms_norm(rng, shape):
+    x, w = randn(rng, *shape), randn(rng, shape[-1])
+    for weight in (w, None):
+        close(mx.fast.rms_norm(x, weight, 1e-6), fast.ORIGINAL["rms_norm"](x, weight, 1e-6))
+    xt = randn(rng, 2, 3, 4, 8).transpose(0, 2, 1, 3)  # a strided view, as q_norm sees
+    close(mx.fast.rms_norm(xt, None, 1e-5), fast.ORIGINAL["rms_norm"](xt, None, 1e-5))
+
+
+@pytest.mark.parametrize("traditional", [False, True])
+@pytest.mark.parametrize("dims", [64, 32])
+def test_rope(rng, traditional, dims):
+    x = randn(rng, 3, 4, 5, 64)
+    offsets = (0, 17, mx.array(9), mx.array([1, 40, 300], mx.int32))
+    for offset in offsets:
+        kw = dict(traditional=traditional, base=10000.0, scale=0.5, offset=offset)
+        close(mx.fast.rope(x, dims, **kw), fast.ORIGINAL["rope"](x, dims, **kw), 1e-4)
+    freqs = mx.array(rng.uniform(1, 1000, dims // 2).astype(np.float32))
+    kw = dict(traditional=traditional, base=None, scale=1.0, offset=5, freqs=freqs)
+    close(mx.fast.rope(x, dims, **kw), fast.ORIGINAL["rope"](x, dims, **kw))
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 1), (4, 2), (3, 3)])
+@pytest.mark.parametrize("L", [1, 4])
+def test_attention_over_a_cache_view(rng, hq, hkv, L):
+    B, T, D = 2, 37, 64
+    q = randn(rng, B, hq, L, D)
+    kbuf, vbuf = randn(rng, B, hkv, 64, D), randn(rng, B, hkv, 64, D)
+    k, v = kbuf[:, :, :T], vbuf[:, :, :T]  # what a KV cache hands back: a view of its buffer
+    masks = [None, "causal", mx.array(rng.random((B, 1, L, T)) > 0.3),
+             randn(rng, L, T), mx.array(rng.random((T,)) > 0.5)]
+    for mask in masks:
+        got = mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5, mask=mask)
+        want = fast.ORIGINAL["scaled_dot_product_attention"](q, k, v, scale=D**-0.5, mask=mask)
+        close(got, want)
+
+
+def test_attention_row_with_nothing_to_attend_is_zero_not_nan(rng):
+    q, k, v = randn(rng, 1, 2, 1, 8), randn(rng, 1, 1, 4, 8), randn(rng, 1, 1, 4, 8)
+    out = np.array(mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask=mx.zeros((4,), mx.bool_)))
+    assert np.all(out == 0)
+
+
+def test_other_calls_go_to_mlx(rng, monkeypatch):
+    calls = []
+    for name in fast.NAMES:
+        orig = fast.ORIGINAL[name]
+        monkeypatch.setitem(fast.ORIGINAL, name, lambda *a, _o=orig, _n=name, **k: calls.append(_n) or _o(*a, **k))
+    x16 = randn(rng, 1, 2, 3, 8).astype(mx.float16)
+    mx.fast.rms_norm(x16, None, 1e-5)
+    mx.fast.rope(x16, 8, traditional=False, base=1e4, scale=1.0, offset=0)
+    q = randn(rng, 1, 2, fast.MAX_QUERY_ROWS + 1, 8)  # prefill: MLX's matmuls
+    mx.fast.scaled_dot_product_attention(q, q, q, scale=1.0, mask="causal")
+    assert calls == list(fast.NAMES)
+    calls.clear()
+    mx.fast.rms_norm(randn(rng, 2, 8), None, 1e-5)
+    assert calls == []
+
+
+def test_bad_arguments_raise_not_crash(rng):
+    ext = kernels.extension()
+    with pytest.raises(ValueError):
+        ext.rms_norm(randn(rng, 2, 8), randn(rng, 4), 1e-5)
+    with pytest.raises(ValueError):
+        ext.rope(randn(rng, 1, 2, 8), 7, traditional=False, base=1e4, scale=1.0, offset=0)
+    with pytest.raises(ValueError):
+        ext.attention(randn(rng, 1, 3, 1, 8), randn(rng, 1, 2, 4, 8), randn(rng, 1, 2, 4, 8), scale=1.0)
+    with pytest.raises(ValueError):
+        ext.attention(randn(rng, 1, 2, 1, 8), randn(rng, 1, 2, 4, 8), randn(rng, 1, 2, 4, 8), scale=1.0,
+                      mask=mx.ones((3, 4), mx.bool_))
