@@ -24,6 +24,8 @@ NB_MODULE(_ext, m) {
         "stream"_a = nb::none(), "Dequantize GGUF block rows (uint8 (..., row_bytes)) to float32 (..., k).");
   m.def("rms_norm", &gk::rms_norm, "x"_a, "weight"_a.none(), "eps"_a, nb::kw_only(), "stream"_a = nb::none(),
         "mx.fast.rms_norm as one CPU node (float32).");
+  m.def("logsumexp", &gk::logsumexp, "x"_a, nb::kw_only(), "keepdims"_a = false, "stream"_a = nb::none(),
+        "log(sum(exp(x))) over the last axis as one CPU node (float32), exp vectorized.");
   m.def("rope", &gk::rope, "x"_a, "dims"_a, nb::kw_only(), "traditional"_a, "base"_a.none(), "scale"_a, "offset"_a,
         "freqs"_a = nb::none(), "stream"_a = nb::none(), "mx.fast.rope as one CPU node (float32).");
   m.def("attention", &gk::attention, "q"_a, "k"_a, "v"_a, nb::kw_only(), "scale"_a, "mask"_a = nb::none(),

@@ -76,6 +76,8 @@ struct Impl {
                            int64_t n0, int64_t n1);
   // y[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w (w may be null), rows of D floats
   void (*rms_norm_rows)(const float* x, const float* w, float* y, int64_t rows, int64_t D, float eps);
+  // y[r] = log(sum(exp(x[r]))) over rows of N floats
+  void (*logsumexp_rows)(const float* x, float* y, int64_t rows, int64_t N);
   // rows r0..r1 of RoPE; cs holds dims floats
   void (*rope_rows)(const RopeArgs& a, int64_t r0, int64_t r1, float* cs);
   // softmax(scale q k^T + mask) v for query heads h0..h1 of batch row b (one KV head's group);

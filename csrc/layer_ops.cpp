@@ -93,6 +93,23 @@ void RMSNorm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arr
   });
 }
 
+void LogSumExp::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  enc.set_input_array(inputs[0]);
+  enc.set_output_array(outputs[0]);
+  auto out = alloc_output(outputs[0]);
+  enc.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]), out]() mutable {
+    const int64_t N = x.shape().back(), rows = N ? x.size() / N : 0;
+    const float* xp = row_major(x, tl_a);
+    const Impl* impl = active_impl();
+    const int64_t per = std::max<int64_t>(1, PARALLEL_MIN_WORK / std::max<int64_t>(N, 1));
+    parallel_chunks(rows > per ? n_threads() : 1, (rows + per - 1) / per, [&](int64_t c) {
+      const int64_t r0 = c * per;
+      impl->logsumexp_rows(xp + r0 * N, out.data<float>() + r0, std::min(per, rows - r0), N);
+    });
+  });
+}
+
 void RoPE::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& enc = mx::cpu::get_command_encoder(stream());
   for (auto& in : inputs) enc.set_input_array(in);
@@ -183,6 +200,17 @@ mx::array rms_norm(const mx::array& x_in, const std::optional<mx::array>& w, flo
     inputs.push_back(f32(*w, stream));
   }
   mx::array y(x_in.shape(), mx::float32, std::make_shared<RMSNorm>(stream, eps), std::move(inputs));
+  return dtype == mx::float32 ? y : mx::astype(y, dtype, stream);
+}
+
+mx::array logsumexp(const mx::array& x_in, bool keepdims, mx::StreamOrDevice s) {
+  auto stream = cpu_stream(s, "logsumexp");
+  check(x_in.ndim() >= 1 && x_in.shape().back() > 0, "logsumexp: x must have a non-empty last axis");
+  const auto dtype = x_in.dtype();
+  auto shape = x_in.shape();
+  shape.back() = 1;
+  mx::array y(shape, mx::float32, std::make_shared<LogSumExp>(stream), {f32(x_in, stream)});
+  if (!keepdims) y = mx::squeeze(y, -1, stream);
   return dtype == mx::float32 ? y : mx::astype(y, dtype, stream);
 }
 

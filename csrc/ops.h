@@ -45,6 +45,8 @@ const float* row_major(const mx::array& a, std::vector<float>& buf);
 // The transformer ops MLX composes from many nodes on the CPU, as one node each (float32).
 // y = x / sqrt(mean(x^2, -1) + eps) * w, w (D,) or none.
 mx::array rms_norm(const mx::array& x, const std::optional<mx::array>& w, float eps, mx::StreamOrDevice s = {});
+// log(sum(exp(x), -1)) over the last axis; keepdims keeps it as size 1.
+mx::array logsumexp(const mx::array& x, bool keepdims, mx::StreamOrDevice s = {});
 // mx.fast.rope's contract: x (B, ..., L, D), positions offset + l (offset an int, or an int array
 // of one value or one per B), angular frequencies base^(-2i/dims) or 1 / freqs.
 mx::array rope(const mx::array& x, int dims, bool traditional, std::optional<float> base, float scale,
@@ -126,6 +128,19 @@ class RMSNorm : public CPUPrimitive {
 
  private:
   float eps_;
+};
+
+class LogSumExp : public CPUPrimitive {
+ public:
+  using CPUPrimitive::CPUPrimitive;
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "GmlxLogSumExp"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    auto shape = inputs[0].shape();
+    shape.back() = 1;
+    return {shape};
+  }
 };
 
 class RoPE : public CPUPrimitive {

@@ -81,6 +81,17 @@ def test_attention_over_a_cache_view(rng, hq, hkv, L):
         close(got, want)
 
 
+def test_logsumexp_over_a_vocabulary(rng):
+    x = randn(rng, 3, 262_144) * 8  # logits over gemma3's vocabulary
+    for axis in (-1, 1, [1]):
+        for keepdims in (True, False):
+            close(mx.logsumexp(x, axis=axis, keepdims=keepdims),
+                  fast.ORIGINAL["logsumexp"](x, axis=axis, keepdims=keepdims), 1e-5)
+    edge = mx.array([[-np.inf, -np.inf], [np.inf, 1.0], [-100.0, -101.0], [1e30, 1.0]], mx.float32)
+    close(mx.logsumexp(edge, axis=-1), fast.ORIGINAL["logsumexp"](edge, axis=-1))
+    assert np.isnan(np.array(mx.logsumexp(mx.array([1.0, np.nan]), axis=-1)))
+
+
 def test_attention_row_with_nothing_to_attend_is_zero_not_nan(rng):
     q, k, v = randn(rng, 1, 2, 1, 8), randn(rng, 1, 1, 4, 8), randn(rng, 1, 1, 4, 8)
     out = np.array(mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask=mx.zeros((4,), mx.bool_)))
@@ -97,6 +108,7 @@ def test_other_calls_go_to_mlx(rng, monkeypatch):
     mx.fast.rope(x16, 8, traditional=False, base=1e4, scale=1.0, offset=0)
     q = randn(rng, 1, 2, fast.MAX_QUERY_ROWS + 1, 8)  # prefill: MLX's matmuls
     mx.fast.scaled_dot_product_attention(q, q, q, scale=1.0, mask="causal")
+    mx.logsumexp(randn(rng, 3, 4), axis=0)  # not the last axis
     assert calls == list(fast.NAMES)
     calls.clear()
     mx.fast.rms_norm(randn(rng, 2, 8), None, 1e-5)

@@ -65,7 +65,6 @@ def _kernels_line(k: dict[str, Any]) -> str:
 def _kernels() -> dict[str, Any]:
     """gmlx.kernels (the `gguf` weight mode): the ISA it runs on here, or why MLX's own kernels are used."""
     from gmlx import kernels
-
     from gmlx.kernels import fast
 
     reason = kernels.reason()
