@@ -74,10 +74,11 @@ class LiveServer:
     def client(self, **kw: object) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=60, **kw)
 
-    def wait_until(self, predicate, timeout: float = 30.0) -> None:
+    def wait_until(self, predicate, timeout: float = 30.0, state=None) -> None:
+        """Wait for predicate(); on timeout the failure shows state() (what is still pending)."""
         deadline = time.monotonic() + timeout
         while not predicate():
-            assert time.monotonic() < deadline, "condition not reached in time"
+            assert time.monotonic() < deadline, f"condition not reached in time{f': {state()}' if state else ''}"
             time.sleep(0.01)
 
 

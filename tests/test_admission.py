@@ -67,3 +67,33 @@ def test_timeout_and_close() -> None:
         assert closing.value.code == "shutting_down" and gate.waiting == 0 and gate.running == 1
 
     asyncio.run(run())
+
+
+def test_a_slot_granted_as_the_client_leaves_is_not_leaked() -> None:
+    """The client goes away just as its wait ends, and the wait returns its slot anyway (Python
+    3.11's wait_for can swallow a cancel that lands as its future completes): the handler gets
+    the slot, so it goes on to use and release it, rather than raising ClientGone with the slot
+    still counted as held (which left a slot lost for good)."""
+    from gmlx.server.http import ClientGone, unless_disconnected
+
+    class LeavingClient:  # a request whose client has already disconnected
+        async def receive(self) -> dict:
+            return {"type": "http.disconnect"}
+
+    async def run() -> None:
+        async def wait_swallowing_cancel() -> str:
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                pass
+            return "slot"
+
+        async def wait_honouring_cancel() -> str:
+            await asyncio.Event().wait()
+            return "slot"
+
+        assert await unless_disconnected(LeavingClient(), wait_swallowing_cancel()) == "slot"  # type: ignore[arg-type]
+        with pytest.raises(ClientGone):
+            await unless_disconnected(LeavingClient(), wait_honouring_cancel())  # type: ignore[arg-type]
+
+    asyncio.run(run())

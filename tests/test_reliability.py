@@ -47,7 +47,12 @@ def assert_settled(s: LiveServer) -> None:
     MLX memory back near idle."""
     st = s.state
     # Generous: on a loaded 2-core CI machine the engine may still be ending cancelled work.
-    s.wait_until(lambda: not (st.gate.running or st.gate.waiting or s.engine.in_flight or st.queued), timeout=120)
+    def pending() -> dict[str, int]:
+        counts = {"running": st.gate.running, "waiting": st.gate.waiting, "engine": s.engine.in_flight,
+                  "queued": len(st.queued)}
+        return {k: v for k, v in counts.items() if v}
+
+    s.wait_until(lambda: not pending(), timeout=120, state=pending)
     assert s.engine.alive
     with s.client() as c:
         m = c.get("/v1/metrics").json()["server"]

@@ -49,7 +49,9 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
         return task.result()
     task.cancel()
     try:
-        await task
+        # Work that finished despite the cancel (Python 3.11's wait_for can swallow one that
+        # lands as its future completes) has a result the caller must own: a slot granted at
+        # that moment is used, and freed, like any other rather than leaked.
+        return await task
     except asyncio.CancelledError:
-        pass
-    raise ClientGone
+        raise ClientGone from None
