@@ -38,7 +38,7 @@ def installed() -> bool:
 
 
 def install() -> bool:
-    """Route mx.fast's ops to gmlx.kernels where they apply; True when installed."""
+    """Route mx.fast's ops and mx.logsumexp to gmlx.kernels where they apply; True when installed."""
     if not enabled():
         return False
     for module, name in _TARGETS:
