@@ -57,13 +57,20 @@ mx::array rope(const mx::array& x, int dims, bool traditional, std::optional<flo
 mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
                     const std::optional<mx::array>& mask, bool causal, mx::StreamOrDevice s = {});
 
-class GGUFMatmul : public mx::Primitive {
+// CPU only; subclasses say how to compute and compare (output shape: the first input's by default).
+class CPUPrimitive : public mx::Primitive {
  public:
-  GGUFMatmul(mx::Stream stream, int type, int64_t N, int64_t K) : mx::Primitive(stream), type_(type), N_(N), K_(K) {}
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  using mx::Primitive::Primitive;
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("GGUFMatmul has no GPU implementation");
+    throw std::runtime_error(std::string(name()) + " has no GPU implementation");
   }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+};
+
+class GGUFMatmul : public CPUPrimitive {
+ public:
+  GGUFMatmul(mx::Stream stream, int type, int64_t N, int64_t K) : CPUPrimitive(stream), type_(type), N_(N), K_(K) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   const char* name() const override { return "GGUFMatmul"; }
   bool is_equivalent(const mx::Primitive& other) const override;
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
@@ -73,14 +80,11 @@ class GGUFMatmul : public mx::Primitive {
   int64_t N_, K_;
 };
 
-class GGUFMatmulGroup : public mx::Primitive {
+class GGUFMatmulGroup : public CPUPrimitive {
  public:
   GGUFMatmulGroup(mx::Stream stream, std::vector<int> types, std::vector<int64_t> ns, int64_t K)
-      : mx::Primitive(stream), types_(std::move(types)), ns_(std::move(ns)), K_(K) {}
+      : CPUPrimitive(stream), types_(std::move(types)), ns_(std::move(ns)), K_(K) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("GGUFMatmulGroup has no GPU implementation");
-  }
   const char* name() const override { return "GGUFMatmulGroup"; }
   bool is_equivalent(const mx::Primitive& other) const override;
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
@@ -91,13 +95,10 @@ class GGUFMatmulGroup : public mx::Primitive {
   int64_t K_;
 };
 
-class GGUFDequantRows : public mx::Primitive {
+class GGUFDequantRows : public CPUPrimitive {
  public:
-  GGUFDequantRows(mx::Stream stream, int type, int64_t K) : mx::Primitive(stream), type_(type), K_(K) {}
+  GGUFDequantRows(mx::Stream stream, int type, int64_t K) : CPUPrimitive(stream), type_(type), K_(K) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("GGUFDequantRows has no GPU implementation");
-  }
   const char* name() const override { return "GGUFDequantRows"; }
   bool is_equivalent(const mx::Primitive& other) const override;
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
@@ -105,16 +106,6 @@ class GGUFDequantRows : public mx::Primitive {
  private:
   int type_;
   int64_t K_;
-};
-
-// One float32 output, CPU only; subclasses say how to compute and compare.
-class CPUPrimitive : public mx::Primitive {
- public:
-  using mx::Primitive::Primitive;
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error(std::string(name()) + " has no GPU implementation");
-  }
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
 };
 
 class RMSNorm : public CPUPrimitive {
