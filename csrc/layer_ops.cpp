@@ -47,9 +47,13 @@ std::vector<int64_t> broadcast_strides(const mx::array& a, const mx::Shape& shap
   return st;
 }
 
-mx::array alloc_output(mx::array& out) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  return mx::array::unsafe_weak_copy(out);
+// fn(r0, n) for chunks of `per` rows out of `rows`, on every thread when there is more than one.
+template <class F>
+void row_chunks(int64_t rows, int64_t per, F&& fn) {
+  parallel_chunks(rows > per ? n_threads() : 1, (rows + per - 1) / per, [&](int64_t c) {
+    const int64_t r0 = c * per;
+    fn(r0, std::min(per, rows - r0));
+  });
 }
 
 }  // namespace
@@ -73,10 +77,8 @@ const float* row_major(const mx::array& a, std::vector<float>& buf) {
 }
 
 void RMSNorm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  auto& enc = mx::cpu::get_command_encoder(stream());
-  for (auto& in : inputs) enc.set_input_array(in);
-  enc.set_output_array(outputs[0]);
-  auto out = alloc_output(outputs[0]);
+  auto& enc = prepare(inputs, outputs);
+  auto out = mx::array::unsafe_weak_copy(outputs[0]);
   auto x = mx::array::unsafe_weak_copy(inputs[0]);
   std::optional<mx::array> w;
   if (inputs.size() > 1) w = mx::array::unsafe_weak_copy(inputs[1]);
@@ -86,35 +88,29 @@ void RMSNorm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arr
     const float* wp = w ? row_major(*w, tl_b) : nullptr;
     const Impl* impl = active_impl();
     const int64_t per = std::max<int64_t>(1, PARALLEL_MIN_WORK / std::max<int64_t>(D, 1));
-    parallel_chunks(rows > per ? n_threads() : 1, (rows + per - 1) / per, [&](int64_t c) {
-      const int64_t r0 = c * per, n = std::min(per, rows - r0);
+    row_chunks(rows, per, [&](int64_t r0, int64_t n) {
       impl->rms_norm_rows(xp + r0 * D, wp, out.data<float>() + r0 * D, n, D, eps);
     });
   });
 }
 
 void LogSumExp::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  auto& enc = mx::cpu::get_command_encoder(stream());
-  enc.set_input_array(inputs[0]);
-  enc.set_output_array(outputs[0]);
-  auto out = alloc_output(outputs[0]);
+  auto& enc = prepare(inputs, outputs);
+  auto out = mx::array::unsafe_weak_copy(outputs[0]);
   enc.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]), out]() mutable {
     const int64_t N = x.shape().back(), rows = N ? x.size() / N : 0;
     const float* xp = row_major(x, tl_a);
     const Impl* impl = active_impl();
     const int64_t per = std::max<int64_t>(1, PARALLEL_MIN_WORK / std::max<int64_t>(N, 1));
-    parallel_chunks(rows > per ? n_threads() : 1, (rows + per - 1) / per, [&](int64_t c) {
-      const int64_t r0 = c * per;
-      impl->logsumexp_rows(xp + r0 * N, out.data<float>() + r0, std::min(per, rows - r0), N);
+    row_chunks(rows, per, [&](int64_t r0, int64_t n) {
+      impl->logsumexp_rows(xp + r0 * N, out.data<float>() + r0, n, N);
     });
   });
 }
 
 void RoPE::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  auto& enc = mx::cpu::get_command_encoder(stream());
-  for (auto& in : inputs) enc.set_input_array(in);
-  enc.set_output_array(outputs[0]);
-  auto out = alloc_output(outputs[0]);
+  auto& enc = prepare(inputs, outputs);
+  auto out = mx::array::unsafe_weak_copy(outputs[0]);
   auto x = mx::array::unsafe_weak_copy(inputs[0]);
   size_t next = 1;
   std::optional<mx::array> freqs, offsets;
@@ -138,17 +134,13 @@ void RoPE::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>
     }
     const Impl* impl = active_impl();
     const int64_t per = std::max<int64_t>(L, PARALLEL_MIN_WORK / (8 * std::max<int64_t>(D, 1)));
-    parallel_chunks(rows > per ? n_threads() : 1, (rows + per - 1) / per, [&](int64_t c) {
-      impl->rope_rows(a, c * per, std::min(rows, (c + 1) * per), work_buffer(dims));
-    });
+    row_chunks(rows, per, [&](int64_t r0, int64_t n) { impl->rope_rows(a, r0, r0 + n, work_buffer(dims)); });
   });
 }
 
 void Attention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  auto& enc = mx::cpu::get_command_encoder(stream());
-  for (auto& in : inputs) enc.set_input_array(in);
-  enc.set_output_array(outputs[0]);
-  auto out = alloc_output(outputs[0]);
+  auto& enc = prepare(inputs, outputs);
+  auto out = mx::array::unsafe_weak_copy(outputs[0]);
   auto q = mx::array::unsafe_weak_copy(inputs[0]);
   auto k = mx::array::unsafe_weak_copy(inputs[1]);
   auto v = mx::array::unsafe_weak_copy(inputs[2]);

@@ -241,15 +241,22 @@ namespace mx = mlx::core;
 
 thread_local std::vector<float> tl_x;
 
+mx::cpu::CommandEncoder& CPUPrimitive::prepare(const std::vector<mx::array>& inputs,
+                                               std::vector<mx::array>& outputs) {
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (auto& in : inputs) encoder.set_input_array(in);
+  for (auto& out : outputs) {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    encoder.set_output_array(out);
+  }
+  return encoder;
+}
+
 void GGUFMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   const mx::array& x = inputs[0];
   const mx::array& w = inputs[1];
   mx::array& out = outputs[0];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  encoder.set_input_array(x);
-  encoder.set_input_array(w);
-  encoder.set_output_array(out);
+  auto& encoder = prepare(inputs, outputs);
   const int64_t M = x.size() / K_;
   encoder.dispatch([x = mx::array::unsafe_weak_copy(x), w = mx::array::unsafe_weak_copy(w),
                     out = mx::array::unsafe_weak_copy(out), type = type_, N = N_, K = K_, M]() mutable {
@@ -260,12 +267,9 @@ void GGUFMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::
 }
 
 void GGUFMatmulGroup::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (auto& in : inputs) encoder.set_input_array(in);
+  auto& encoder = prepare(inputs, outputs);
   std::vector<mx::array> ws, outs;
   for (size_t i = 0; i < outputs.size(); i++) {
-    outputs[i].set_data(mx::allocator::malloc(outputs[i].nbytes()));
-    encoder.set_output_array(outputs[i]);
     outs.push_back(mx::array::unsafe_weak_copy(outputs[i]));
     ws.push_back(mx::array::unsafe_weak_copy(inputs[i + 1]));
   }
@@ -311,10 +315,7 @@ std::vector<mx::Shape> GGUFMatmul::output_shapes(const std::vector<mx::array>& i
 void GGUFDequantRows::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   const mx::array& rows = inputs[0];
   mx::array& out = outputs[0];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  encoder.set_input_array(rows);
-  encoder.set_output_array(out);
+  auto& encoder = prepare(inputs, outputs);
   const int64_t row_bytes = rows.shape().back();
   const int64_t n_rows = row_bytes ? rows.size() / row_bytes : 0;
   encoder.dispatch([rows = mx::array::unsafe_weak_copy(rows), out = mx::array::unsafe_weak_copy(out),

@@ -2,6 +2,7 @@
 #pragma once
 
 #include "gguf_kernels.h"
+#include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 #include "mlx/utils.h"
@@ -65,6 +66,11 @@ class CPUPrimitive : public mx::Primitive {
     throw std::runtime_error(std::string(name()) + " has no GPU implementation");
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+
+ protected:
+  // The stream's encoder, with every input and output registered and the outputs allocated:
+  // eval_cpu then dispatches its work on it.
+  mx::cpu::CommandEncoder& prepare(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs);
 };
 
 class GGUFMatmul : public CPUPrimitive {
