@@ -10,6 +10,7 @@ import httpx
 import pytest
 from conftest import LiveServer
 from prometheus_client.parser import text_string_to_metric_families
+from tiny_models import write_model
 
 from gmlx.server import metrics
 from gmlx.server.metrics import snapshot
@@ -57,15 +58,18 @@ def test_a_failing_probe_nulls_its_section_only(live_server: LiveServer, monkeyp
         assert c.get("/v1/metrics", params={"format": "prometheus"}).status_code == 200
 
 
-def test_fields_follow_what_they_measure(tiny_models: dict[str, Path]) -> None:
+def test_fields_follow_what_they_measure(tmp_path: Path) -> None:
     """Two snapshots, idle and under load: every live figure moved."""
-    with LiveServer(tiny_models["llama"], decode_batch=1, queue_size=1, queue_timeout=0.3) as server:
+    # A context long enough that the first request is still decoding when the busy snapshot is
+    # taken (the tiny model decodes about 1,000 tokens a second here).
+    model = write_model(tmp_path / "long.gguf", "llama", context=2048)
+    with LiveServer(model, decode_batch=1, queue_size=1, queue_timeout=0.3) as server:
         idle = snapshot(server.state)["server"]
         busy: dict = {}
 
         async def load() -> None:
             async with httpx.AsyncClient(base_url=server.url, timeout=60) as ac:
-                body = {"prompt": "x", "max_tokens": 200, "temperature": 0}
+                body = {"prompt": "x", "max_tokens": 1500, "temperature": 0}
                 first = asyncio.create_task(ac.post("/v1/completions", json=body))
                 while server.engine.decoding < 1:
                     await asyncio.sleep(0.005)

@@ -226,10 +226,12 @@ def test_queue_full_and_retry_after(tiny_models: dict[str, Path]) -> None:
 
 
 def test_queue_timeout(tiny_models: dict[str, Path]) -> None:
-    with LiveServer(tiny_models["llama"], decode_batch=1, queue_timeout=0.2) as server:
+    # The first request must hold the slot well past the timeout: the tiny model decodes 200
+    # tokens in about 0.2 s here, so the queue waits a quarter of that.
+    with LiveServer(tiny_models["llama"], decode_batch=1, queue_timeout=0.05) as server:
         async def run() -> list[httpx.Response]:
             async with httpx.AsyncClient(base_url=server.url, timeout=60) as ac:
-                first = asyncio.create_task(ac.post("/v1/completions", json={"prompt": "x", "max_tokens": 200, "temperature": 0}))
+                first = asyncio.create_task(ac.post("/v1/completions", json={"prompt": "x", "max_tokens": 240, "temperature": 0}))
                 while server.state.gate.running < 1:
                     await asyncio.sleep(0.005)
                 second = await ac.post("/v1/completions", json={"prompt": "y", "max_tokens": 2})
