@@ -33,8 +33,8 @@ NB_MODULE(_ext, m) {
         "softmax(scale q k^T + mask) v as one CPU node (float32), q (B, Hq, L, D), k and v (B, Hkv, T, D).");
   m.def("isa", [] { return std::string(gk::active_impl()->name); }, "Instruction set the kernels use.");
   m.def("set_isa", &gk::set_isa, "want"_a, "Pick the ISA (generic, avx2, avx512; '' = best); returns the one chosen.");
-  m.def("set_int8_levels", &gk::set_int8_levels, "levels"_a,
-        "Decode path activations: 2 int8 codes each (default), 1 (as llama.cpp), 0 (float path only).");
+  m.def("set_act_bits", &gk::set_act_bits, "bits"_a,
+        "Decode path activations: 16-bit integer codes (default), 8 (as llama.cpp), 0 (float path only).");
   m.def("set_blas", &gk::set_blas, "on"_a, "Prefill through the process's optimized cblas_sgemm (default on).");
   m.def("blas", &gk::blas_name, "The library whose cblas_sgemm prefill uses ('' = own kernel).");
   m.def("block_size", &gk::block_size, "type"_a);

@@ -67,13 +67,13 @@ struct Impl {
   void (*matmul_rows)(const MatmulArgs& a, int64_t n0, int64_t n1, float* scratch);
   // out[r, :] = dequant(rows[r]) for r < n_rows
   void (*dequant_rows)(int type, const uint8_t* rows, int64_t n_rows, int64_t K, int64_t row_bytes, float* out);
-  // Decode path (few activation rows): x coded as `levels` (1 or 2) int8 codes per element with
-  // one scale per 32 (level 2 codes level 1's residual), then integer dot products.
-  // Buffers: xq levels*M*K, xd levels*M*K/32, xs M*K/32. int8_supported: this ISA has it for (type, M).
-  bool (*int8_supported)(int type, int64_t M);
-  void (*quantize_x)(const MatmulArgs& a, int levels, int8_t* xq, float* xd, float* xs);
-  void (*matmul_rows_int8)(const MatmulArgs& a, int levels, const int8_t* xq, const float* xd, const float* xs,
-                           int64_t n0, int64_t n1);
+  // Decode path (few activation rows): x coded as int16 per element with one scale per 32
+  // (|code| <= 2^(bits-1) - 1), then integer dot products. Buffers: xq M*K, xd and xs M*K/32.
+  // int_supported: this ISA has the path for (type, M).
+  bool (*int_supported)(int type, int64_t M);
+  void (*quantize_x)(const MatmulArgs& a, int bits, int16_t* xq, float* xd, float* xs);
+  void (*matmul_rows_int)(const MatmulArgs& a, const int16_t* xq, const float* xd, const float* xs,
+                          int64_t n0, int64_t n1);
   // y[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w (w may be null), rows of D floats
   void (*rms_norm_rows)(const float* x, const float* w, float* y, int64_t rows, int64_t D, float eps);
   // y[r] = log(sum(exp(x[r]))) over rows of N floats

@@ -289,22 +289,18 @@ void matmul_rows(const MatmulArgs& a, int64_t n0, int64_t n1, float* scratch) {
   }
 }
 
-// ---- decode: activations quantized to int8 per 32 (as llama.cpp's Q8_0), integer dot products ----
+// ---- decode: activations coded as integers per 32 (as llama.cpp's Q8_0), integer dot products ----
 //
-// For few activation rows the float path is bound by unpacking weights to float; here the
-// weight block is unpacked to int8 once and multiplied with each row's int8 block by
-// maddubs/madd (32 products in 2 instructions). The activation rounding this adds is at most
-// half a step of each 32-block's own max/127 (the bound tests/test_kernels.py checks).
+// For few activation rows the float path is bound by unpacking weights to float; here each
+// weight block is unpacked to int16 once and meets every row's int16 codes in madd (16
+// products a instruction), then one float multiply-add per block and row applies both scales.
+// Codes span 16 bits by default (rounding error 1/65534 of each 32-block's max: float-like
+// output) or 8 bits (llama.cpp's Q8_0 activations, for comparison); the cost is the same.
 
 #if defined(__AVX2__) && defined(__FMA__)
-#define GMLX_INT8_PATH 1
+#define GMLX_INT_PATH 1
 
-inline __m256 sum_u8_i8_float(__m256i u, __m256i y) {  // u unsigned (< 64), y signed
-  const __m256i dot = _mm256_maddubs_epi16(u, y);
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(dot, _mm256_set1_epi16(1)));
-}
-
-inline __m256i bytes_from_bits_32(const uint8_t* x) {
+inline __m256i bytes_from_bits_32(const uint8_t* x) {  // bit i of x -> byte i: 0xFF or 0
   uint32_t x32;
   memcpy(&x32, x, 4);
   const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0x0000000000000000);
@@ -333,235 +329,252 @@ inline float hmax8(__m256 m) {
   return _mm_cvtss_f32(m4);
 }
 
-// 32 floats (v[0..3]) -> 32 int8 codes at out, scale max|v|/127; v becomes the residual v - d*q.
-inline float quant_block(__m256 v[4], int8_t* out) {
+// One row of K floats -> int16 codes q (|q| <= qmax), a scale per 32 (d) and the sum of the
+// values the codes stand for per 32 (s: what a block's minimum multiplies).
+void quantize_row(const float* x, int64_t K, float qmax, int16_t* q, float* d, float* s) {
   const __m256 sign_bit = _mm256_set1_ps(-0.0f);
-  __m256 m = _mm256_andnot_ps(sign_bit, v[0]);
-  for (int i = 1; i < 4; i++) m = _mm256_max_ps(m, _mm256_andnot_ps(sign_bit, v[i]));
-  const float amax = hmax8(m);
-  const float d = amax / 127.f;
-  const __m256 mul = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f), dv = _mm256_set1_ps(d);
-  __m256i q[4];
-  for (int i = 0; i < 4; i++) {
-    const __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], mul), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    q[i] = _mm256_cvtps_epi32(r);
-    v[i] = _mm256_fnmadd_ps(r, dv, v[i]);
-  }
-  __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-  // packs interleave the 128-bit lanes: restore element order
-  p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-  _mm256_storeu_si256((__m256i*)out, p);
-  return d;
-}
-
-// x (K floats) -> LEVELS int8 codes per element (level 2 codes the residual of level 1):
-// q[l*stride_q + k], d[l*stride_d + b]; xs[b] = sum of the coded values of block b (floats).
-template <int LEVELS>
-void quantize_row_q8(const float* x, int64_t K, int8_t* q, int64_t stride_q, float* d, int64_t stride_d, float* xs) {
   for (int64_t b = 0; b < K / 32; b++) {
     __m256 v[4];
     for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(x + b * 32 + 8 * i);
-    for (int l = 0; l < LEVELS; l++) d[l * stride_d + b] = quant_block(v, q + l * stride_q + b * 32);
-    // what the codes represent: x minus the last residual
-    __m256 s = _mm256_setzero_ps();
-    for (int i = 0; i < 4; i++) s = _mm256_add_ps(s, _mm256_sub_ps(_mm256_loadu_ps(x + b * 32 + 8 * i), v[i]));
-    xs[b] = hsum8(s);
+    __m256 m = _mm256_andnot_ps(sign_bit, v[0]);
+    for (int i = 1; i < 4; i++) m = _mm256_max_ps(m, _mm256_andnot_ps(sign_bit, v[i]));
+    const float amax = hmax8(m), db = amax / qmax;
+    const __m256 mul = _mm256_set1_ps(amax > 0.f ? qmax / amax : 0.f);
+    __m256i c[4];
+    __m256 sum = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+      const __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], mul), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      c[i] = _mm256_cvtps_epi32(r);
+      sum = _mm256_add_ps(sum, r);
+    }
+    // packs interleave the 128-bit lanes: restore element order
+    const __m256i lo = _mm256_permute4x64_epi64(_mm256_packs_epi32(c[0], c[1]), 0xD8);
+    const __m256i hi = _mm256_permute4x64_epi64(_mm256_packs_epi32(c[2], c[3]), 0xD8);
+    _mm256_storeu_si256((__m256i*)(q + b * 32), lo);
+    _mm256_storeu_si256((__m256i*)(q + b * 32 + 16), hi);
+    d[b] = db;
+    s[b] = hsum8(sum) * db;
   }
 }
 
 constexpr int MMAX = 8;  // activation rows the integer path takes at once
 
 struct XQ {
-  const int8_t* q;   // LEVELS x M rows of K
-  const float* d;    // LEVELS x M rows of K/32
-  const float* s;    // M rows of K/32: sums of the coded activations per block
-  int64_t K, M;
+  const int16_t* q;  // M rows of K codes
+  const float* d;    // M rows of K/32 scales
+  const float* s;    // M rows of K/32 sums of the coded values
+  int64_t K;
 };
 
-// One weight row against M (<= MMAX) quantized activation rows; writes out[m] for each m.
+// Weights of 32 consecutive inputs as int16 (lo: the first 16, hi: the last 16), with the
+// float scale of their products and, for types with a minimum, what multiplies the block's
+// activation sum (0 otherwise).
+struct W32 {
+  __m256i lo, hi;
+  float d, m;
+};
+
+inline __m256i i16_lo(__m256i b) { return _mm256_cvtepi8_epi16(_mm256_castsi256_si128(b)); }
+inline __m256i i16_hi(__m256i b) { return _mm256_cvtepi8_epi16(_mm256_extracti128_si256(b, 1)); }
+
+// Weight types as chunks of NB 32-blocks: decode(row, c, out) fills out[0..NB) for chunk c.
+template <int TYPE> struct Blocks;
+
+template <> struct Blocks<Q8_0> {
+  static constexpr int NB = 1, TS = 34;
+  static void decode(const uint8_t* row, int64_t c, W32* o) {
+    const uint8_t* b = row + c * TS;
+    const __m256i q = _mm256_loadu_si256((const __m256i*)(b + 2));
+    *o = {i16_lo(q), i16_hi(q), f16_at(b), 0.f};
+  }
+};
+
+template <> struct Blocks<Q4_0> {
+  static constexpr int NB = 1, TS = 18;
+  static void decode(const uint8_t* row, int64_t c, W32* o) {
+    const uint8_t* b = row + c * TS;
+    const __m256i q = _mm256_sub_epi8(nibbles_32(b + 2), _mm256_set1_epi8(8));
+    *o = {i16_lo(q), i16_hi(q), f16_at(b), 0.f};
+  }
+};
+
+template <> struct Blocks<Q4_1> {
+  static constexpr int NB = 1, TS = 20;
+  static void decode(const uint8_t* row, int64_t c, W32* o) {
+    const uint8_t* b = row + c * TS;
+    const __m256i q = nibbles_32(b + 4);
+    *o = {i16_lo(q), i16_hi(q), f16_at(b), f16_at(b + 2)};
+  }
+};
+
+template <> struct Blocks<Q5_0> {
+  static constexpr int NB = 1, TS = 22;
+  static void decode(const uint8_t* row, int64_t c, W32* o) {
+    const uint8_t* b = row + c * TS;
+    // the fifth bit clear means code - 16: as int8, the nibble with 0xF0 set
+    const __m256i hi = _mm256_andnot_si256(bytes_from_bits_32(b + 2), _mm256_set1_epi8((char)0xF0));
+    const __m256i q = _mm256_or_si256(nibbles_32(b + 6), hi);
+    *o = {i16_lo(q), i16_hi(q), f16_at(b), 0.f};
+  }
+};
+
+template <> struct Blocks<Q5_1> {
+  static constexpr int NB = 1, TS = 24;
+  static void decode(const uint8_t* row, int64_t c, W32* o) {
+    const uint8_t* b = row + c * TS;
+    const __m256i hi = _mm256_and_si256(bytes_from_bits_32(b + 4), _mm256_set1_epi8(0x10));
+    const __m256i q = _mm256_or_si256(nibbles_32(b + 8), hi);
+    *o = {i16_lo(q), i16_hi(q), f16_at(b), f16_at(b + 2)};
+  }
+};
+
+// Q4_K and Q5_K: 8 sub-blocks of 32, each with a 6-bit scale and minimum; sub-blocks 2j and
+// 2j+1 are the low and high nibbles of the same 32 bytes.
+template <int TYPE> struct BlocksK {
+  static constexpr int NB = 8, TS = TYPE == Q4_K ? 144 : 176;
+  static void decode(const uint8_t* row, int64_t c, W32* o) {
+    const uint8_t* b = row + c * TS;
+    const float d = f16_at(b), dmin = f16_at(b + 2);
+    const uint8_t* qs = b + (TYPE == Q4_K ? 16 : 48);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256i qh = TYPE == Q5_K ? _mm256_loadu_si256((const __m256i*)(b + 16)) : _mm256_setzero_si256();
+    for (int j = 0; j < 4; j++) {
+      const __m256i raw = _mm256_loadu_si256((const __m256i*)(qs + 32 * j));
+      __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+      if constexpr (TYPE == Q5_K) {  // bit 2j of qh[l] tops sub-block 2j's code l, bit 2j+1 sub-block 2j+1's
+        const __m256i one = _mm256_set1_epi8(1);
+        lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(qh, one), 4));
+        hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 1), one), 4));
+        qh = _mm256_srli_epi16(qh, 2);
+      }
+      int sc, mn;
+      scale_min_k4(2 * j, b + 4, &sc, &mn);
+      o[2 * j] = {i16_lo(lo), i16_hi(lo), d * (float)sc, -dmin * (float)mn};
+      scale_min_k4(2 * j + 1, b + 4, &sc, &mn);
+      o[2 * j + 1] = {i16_lo(hi), i16_hi(hi), d * (float)sc, -dmin * (float)mn};
+    }
+  }
+};
+template <> struct Blocks<Q4_K> : BlocksK<Q4_K> {};
+template <> struct Blocks<Q5_K> : BlocksK<Q5_K> {};
+
+// Q6_K: codes of 6 bits less 32, an int8 scale per 16 (folded into the int16 weights: at most
+// 32 * 128, so products with 16-bit codes stay well inside int32).
+template <> struct Blocks<Q6_K> {
+  static constexpr int NB = 8, TS = 210;
+  static void decode(const uint8_t* row, int64_t c, W32* o) {
+    const uint8_t* b = row + c * TS;
+    const float d = f16_at(b + 208);
+    const int8_t* scales = (const int8_t*)(b + 192);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(0x30), off = _mm256_set1_epi8(32);
+    for (int h = 0; h < 2; h++) {
+      const uint8_t* ql = b + 64 * h;
+      const __m256i l0 = _mm256_loadu_si256((const __m256i*)ql);
+      const __m256i l1 = _mm256_loadu_si256((const __m256i*)(ql + 32));
+      const __m256i hb = _mm256_loadu_si256((const __m256i*)(b + 128 + 32 * h));
+      __m256i q[4];
+      q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m3));
+      q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m3));
+      q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(hb, m3));
+      q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                             _mm256_and_si256(_mm256_srli_epi16(hb, 2), m3));
+      const int8_t* sc = scales + 8 * h;
+      for (int g = 0; g < 4; g++) {
+        const __m256i v = _mm256_sub_epi8(q[g], off);
+        o[4 * h + g] = {_mm256_mullo_epi16(i16_lo(v), _mm256_set1_epi16(sc[2 * g])),
+                        _mm256_mullo_epi16(i16_hi(v), _mm256_set1_epi16(sc[2 * g + 1])), d, 0.f};
+      }
+    }
+  }
+};
+
+// One weight row against M (<= MMAX) coded activation rows; writes out[m] for each m.
 // MC > 0: the row count is the compile-time MC (accumulators stay in registers); else M.
-//
-// Each product is added into one of U * LEVELS accumulators per row rather than one: a single
-// chain would wait out the FMA's latency at every block, and for one or two rows (decode) that
-// latency, not memory, bounded the LM head.
-template <int TYPE, int LEVELS, int MC>
+// Blocks are spread over U accumulators per row: a single chain would wait out the FMA's
+// latency at every block, and for one or two rows (decode) that latency bounds the LM head.
+template <int TYPE, int MC>
 inline void row_dot(const uint8_t* w, const XQ& x, int M_, float* out) {
+  using B = Blocks<TYPE>;
   constexpr int U = MC == 1 ? 4 : MC == 2 ? 2 : 1;
   constexpr int MR = MC > 0 ? MC : MMAX;
   const int M = MC > 0 ? MC : M_;
-  const int64_t LQ = x.M * x.K, LD = x.M * (x.K / 32);  // level strides
   const int64_t K = x.K, nb32 = K / 32;
-  __m256 acc[U][LEVELS][MR];
+  __m256 acc[U][MR];
   float mins[MR];
   for (int m = 0; m < M; m++) {
     mins[m] = 0.f;
-    for (int u = 0; u < U; u++)
-      for (int l = 0; l < LEVELS; l++) acc[u][l][m] = _mm256_setzero_ps();
+    for (int u = 0; u < U; u++) acc[u][m] = _mm256_setzero_ps();
   }
-  if constexpr (TYPE == Q8_0 || TYPE == Q4_0 || TYPE == Q5_0) {
-    constexpr int TS = TYPE == Q8_0 ? 34 : TYPE == Q4_0 ? 18 : 22;
-    auto block = [&](int64_t b, __m256 (&a)[LEVELS][MR]) {
-      const uint8_t* blk = w + b * TS;
-      const float dw = f16_at(blk);
-      __m256i q;
-      if constexpr (TYPE == Q8_0) {
-        q = _mm256_loadu_si256((const __m256i*)(blk + 2));
-      } else if constexpr (TYPE == Q4_0) {
-        q = _mm256_sub_epi8(nibbles_32(blk + 2), _mm256_set1_epi8(8));
-      } else {
-        const __m256i hi = _mm256_andnot_si256(bytes_from_bits_32(blk + 2), _mm256_set1_epi8((char)0xF0));
-        q = _mm256_or_si256(nibbles_32(blk + 6), hi);
-      }
-      const __m256i aq = _mm256_sign_epi8(q, q);
+  W32 wb[B::NB];
+  for (int64_t c = 0; c < nb32 / B::NB; c++) {
+    B::decode(w, c, wb);
+    for (int i = 0; i < B::NB; i++) {
+      const int64_t b = c * B::NB + i;
       for (int m = 0; m < M; m++) {
-        for (int l = 0; l < LEVELS; l++) {
-          const __m256i y = _mm256_loadu_si256((const __m256i*)(x.q + l * LQ + m * K + b * 32));
-          const __m256i dot = _mm256_maddubs_epi16(aq, _mm256_sign_epi8(y, q));
-          const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(dot, _mm256_set1_epi16(1)));
-          a[l][m] = _mm256_fmadd_ps(_mm256_set1_ps(dw * x.d[l * LD + m * nb32 + b]), p, a[l][m]);
-        }
-      }
-    };
-    int64_t b = 0;
-    for (; b + U <= nb32; b += U)
-      for (int u = 0; u < U; u++) block(b + u, acc[u]);
-    for (; b < nb32; b++) block(b, acc[0]);
-  } else if constexpr (TYPE == Q4_K) {
-    for (int64_t sb = 0; sb < K / 256; sb++) {
-      const uint8_t* blk = w + sb * 144;
-      const float d = f16_at(blk), dmin = f16_at(blk + 2);
-      int sc[8], mn[8];
-      for (int j = 0; j < 8; j++) scale_min_k4(j, blk + 4, &sc[j], &mn[j]);
-      const uint8_t* qs = blk + 16;
-      for (int j = 0; j < 4; j++) {
-        const __m256i raw = _mm256_loadu_si256((const __m256i*)(qs + 32 * j));
-        const __m256i lo = _mm256_and_si256(raw, _mm256_set1_epi8(0x0F));
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(0x0F));
-        const int64_t b0 = sb * 8 + 2 * j;
-        const float d0 = d * (float)sc[2 * j], d1 = d * (float)sc[2 * j + 1];
-        for (int m = 0; m < M; m++) {
-          for (int l = 0; l < LEVELS; l++) {
-            const int8_t* xq = x.q + l * LQ + m * K + b0 * 32;
-            const float* xd = x.d + l * LD + m * nb32 + b0;
-            const __m256 p0 = sum_u8_i8_float(lo, _mm256_loadu_si256((const __m256i*)xq));
-            const __m256 p1 = sum_u8_i8_float(hi, _mm256_loadu_si256((const __m256i*)(xq + 32)));
-            __m256& a0 = acc[(2 * j) % U][l][m];
-            __m256& a1 = acc[(2 * j + 1) % U][l][m];
-            a0 = _mm256_fmadd_ps(_mm256_set1_ps(d0 * xd[0]), p0, a0);
-            a1 = _mm256_fmadd_ps(_mm256_set1_ps(d1 * xd[1]), p1, a1);
-          }
-          const float* xs = x.s + m * nb32 + b0;
-          mins[m] += dmin * ((float)mn[2 * j] * xs[0] + (float)mn[2 * j + 1] * xs[1]);
-        }
-      }
-    }
-  } else if constexpr (TYPE == Q6_K) {
-    for (int64_t sb = 0; sb < K / 256; sb++) {
-      const uint8_t* blk = w + sb * 210;
-      const float d = f16_at(blk + 208);
-      const int8_t* scales = (const int8_t*)(blk + 192);
-      for (int h = 0; h < 2; h++) {
-        const uint8_t* ql = blk + 64 * h;
-        const uint8_t* qh = blk + 128 + 32 * h;
-        const int8_t* sc = scales + 8 * h;
-        const __m256i l0 = _mm256_loadu_si256((const __m256i*)ql);
-        const __m256i l1 = _mm256_loadu_si256((const __m256i*)(ql + 32));
-        const __m256i hb = _mm256_loadu_si256((const __m256i*)qh);
-        const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(0x30), off = _mm256_set1_epi8(32);
-        __m256i q[4];
-        q[0] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m3)), off);
-        q[1] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m3)), off);
-        q[2] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(hb, m3)), off);
-        q[3] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), _mm256_and_si256(_mm256_srli_epi16(hb, 2), m3)), off);
-        __m256i s16[4];  // the two 16-wide scales of each 32 sub-block, as int16 lanes (low half, high half)
-        for (int g = 0; g < 4; g++)
-          s16[g] = _mm256_setr_m128i(_mm_set1_epi16(sc[2 * g]), _mm_set1_epi16(sc[2 * g + 1]));
-        const int64_t b0 = sb * 8 + 4 * h;
-        __m256i aq[4];
-        for (int g = 0; g < 4; g++) aq[g] = _mm256_sign_epi8(q[g], q[g]);
-        for (int m = 0; m < M; m++) {
-          for (int l = 0; l < LEVELS; l++) {
-            const int8_t* xq = x.q + l * LQ + m * K + b0 * 32;
-            const float* xd = x.d + l * LD + m * nb32 + b0;
-            for (int g = 0; g < 4; g++) {
-              const __m256i y = _mm256_loadu_si256((const __m256i*)(xq + 32 * g));
-              const __m256i dot = _mm256_maddubs_epi16(aq[g], _mm256_sign_epi8(y, q[g]));
-              const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(dot, s16[g]));
-              __m256& a = acc[g % U][l][m];
-              a = _mm256_fmadd_ps(_mm256_set1_ps(d * xd[g]), p, a);
-            }
-          }
-        }
+        const int16_t* xq = x.q + m * K + b * 32;
+        const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(wb[i].lo, _mm256_loadu_si256((const __m256i*)xq)),
+                                           _mm256_madd_epi16(wb[i].hi, _mm256_loadu_si256((const __m256i*)(xq + 16))));
+        __m256& a = acc[b % U][m];
+        a = _mm256_fmadd_ps(_mm256_set1_ps(wb[i].d * x.d[m * nb32 + b]), _mm256_cvtepi32_ps(p), a);
+        if constexpr (TYPE == Q4_1 || TYPE == Q5_1 || TYPE == Q4_K || TYPE == Q5_K) mins[m] += wb[i].m * x.s[m * nb32 + b];
       }
     }
   }
   for (int m = 0; m < M; m++) {
-    __m256 total = acc[0][0][m];
-    for (int u = 0; u < U; u++)
-      for (int l = 0; l < LEVELS; l++)
-        if (u || l) total = _mm256_add_ps(total, acc[u][l][m]);
-    out[m] = hsum8(total) - mins[m];
+    __m256 total = acc[0][m];
+    for (int u = 1; u < U; u++) total = _mm256_add_ps(total, acc[u][m]);
+    out[m] = hsum8(total) + mins[m];
   }
 }
 
-template <int TYPE, int LEVELS, int MC>
-void rows_q8_m(const MatmulArgs& a, const XQ& x, int64_t n0, int64_t n1) {
+template <int TYPE, int MC>
+void rows_int_m(const MatmulArgs& a, const XQ& x, int64_t n0, int64_t n1) {
   float out[MMAX];
   const int M = (int)a.M;
   for (int64_t n = n0; n < n1; n++) {
-    row_dot<TYPE, LEVELS, MC>(a.w + n * a.row_bytes, x, M, out);
+    row_dot<TYPE, MC>(a.w + n * a.row_bytes, x, M, out);
     for (int m = 0; m < M; m++) a.y[m * a.N + n] = out[m];
   }
 }
 
-template <int TYPE, int LEVELS>
-void rows_q8(const MatmulArgs& a, const XQ& x, int64_t n0, int64_t n1) {
+template <int TYPE>
+void rows_int(const MatmulArgs& a, const XQ& x, int64_t n0, int64_t n1) {
   switch (a.M) {
-    case 1: rows_q8_m<TYPE, LEVELS, 1>(a, x, n0, n1); break;
-    case 2: rows_q8_m<TYPE, LEVELS, 2>(a, x, n0, n1); break;
-    case 3: rows_q8_m<TYPE, LEVELS, 3>(a, x, n0, n1); break;
-    case 4: rows_q8_m<TYPE, LEVELS, 4>(a, x, n0, n1); break;
-    case 8: rows_q8_m<TYPE, LEVELS, 8>(a, x, n0, n1); break;
-    default: rows_q8_m<TYPE, LEVELS, 0>(a, x, n0, n1); break;
+    case 1: rows_int_m<TYPE, 1>(a, x, n0, n1); break;
+    case 2: rows_int_m<TYPE, 2>(a, x, n0, n1); break;
+    case 3: rows_int_m<TYPE, 3>(a, x, n0, n1); break;
+    case 4: rows_int_m<TYPE, 4>(a, x, n0, n1); break;
+    case 8: rows_int_m<TYPE, 8>(a, x, n0, n1); break;
+    default: rows_int_m<TYPE, 0>(a, x, n0, n1); break;
   }
 }
 
-bool int8_supported(int type, int64_t M) {
-  return M >= 1 && M <= MMAX && (type == Q8_0 || type == Q4_0 || type == Q5_0 || type == Q4_K || type == Q6_K);
+bool int_supported(int type, int64_t M) { return M >= 1 && M <= MMAX && block_size(type) > 0; }
+
+void quantize_x(const MatmulArgs& a, int bits, int16_t* xq, float* xd, float* xs) {
+  const int64_t nb = a.K / 32;
+  const float qmax = (float)((1 << (bits - 1)) - 1);
+  for (int64_t m = 0; m < a.M; m++) quantize_row(a.x + m * a.K, a.K, qmax, xq + m * a.K, xd + m * nb, xs + m * nb);
 }
 
-void quantize_x(const MatmulArgs& a, int levels, int8_t* xq, float* xd, float* xs) {
-  const int64_t nb = a.K / 32, LQ = a.M * a.K, LD = a.M * nb;
-  for (int64_t m = 0; m < a.M; m++) {
-    if (levels == 2)
-      quantize_row_q8<2>(a.x + m * a.K, a.K, xq + m * a.K, LQ, xd + m * nb, LD, xs + m * nb);
-    else
-      quantize_row_q8<1>(a.x + m * a.K, a.K, xq + m * a.K, LQ, xd + m * nb, LD, xs + m * nb);
-  }
-}
-
-template <int LEVELS>
-void dispatch_q8(const MatmulArgs& a, const XQ& x, int64_t n0, int64_t n1) {
+void matmul_rows_int(const MatmulArgs& a, const int16_t* xq, const float* xd, const float* xs, int64_t n0, int64_t n1) {
+  const XQ x{xq, xd, xs, a.K};
   switch (a.type) {
-    case Q8_0: rows_q8<Q8_0, LEVELS>(a, x, n0, n1); break;
-    case Q4_0: rows_q8<Q4_0, LEVELS>(a, x, n0, n1); break;
-    case Q5_0: rows_q8<Q5_0, LEVELS>(a, x, n0, n1); break;
-    case Q4_K: rows_q8<Q4_K, LEVELS>(a, x, n0, n1); break;
-    case Q6_K: rows_q8<Q6_K, LEVELS>(a, x, n0, n1); break;
+    case Q8_0: rows_int<Q8_0>(a, x, n0, n1); break;
+    case Q4_0: rows_int<Q4_0>(a, x, n0, n1); break;
+    case Q4_1: rows_int<Q4_1>(a, x, n0, n1); break;
+    case Q5_0: rows_int<Q5_0>(a, x, n0, n1); break;
+    case Q5_1: rows_int<Q5_1>(a, x, n0, n1); break;
+    case Q4_K: rows_int<Q4_K>(a, x, n0, n1); break;
+    case Q5_K: rows_int<Q5_K>(a, x, n0, n1); break;
+    case Q6_K: rows_int<Q6_K>(a, x, n0, n1); break;
     default: break;
   }
 }
-
-void matmul_rows_int8(const MatmulArgs& a, int levels, const int8_t* xq, const float* xd, const float* xs,
-                      int64_t n0, int64_t n1) {
-  const XQ x{xq, xd, xs, a.K, a.M};
-  if (levels == 2) dispatch_q8<2>(a, x, n0, n1);
-  else dispatch_q8<1>(a, x, n0, n1);
-}
 #else
-bool int8_supported(int, int64_t) { return false; }
-void quantize_x(const MatmulArgs&, int, int8_t*, float*, float*) {}
-void matmul_rows_int8(const MatmulArgs&, int, const int8_t*, const float*, const float*, int64_t, int64_t) {}
+bool int_supported(int, int64_t) { return false; }
+void quantize_x(const MatmulArgs&, int, int16_t*, float*, float*) {}
+void matmul_rows_int(const MatmulArgs&, const int16_t*, const float*, const float*, int64_t, int64_t) {}
 #endif
 
 void dequant_rows(int type, const uint8_t* rows, int64_t n_rows, int64_t K, int64_t row_bytes, float* out) {
@@ -578,8 +591,8 @@ void attend(const AttentionArgs& a, int64_t b, int64_t h0, int64_t h1, float* sc
 
 #define GMLX_STR2(x) #x
 #define GMLX_STR(x) GMLX_STR2(x)
-const Impl impl = {GMLX_STR(GMLX_ISA), matmul_rows,   dequant_rows, int8_supported, quantize_x,
-                   matmul_rows_int8,  rms_norm_rows, logsumexp_rows, rope_rows, attend};
+const Impl impl = {GMLX_STR(GMLX_ISA), matmul_rows,   dequant_rows,   int_supported, quantize_x,
+                   matmul_rows_int,   rms_norm_rows, logsumexp_rows, rope_rows,     attend};
 
 }  // namespace GMLX_ISA
 }  // namespace gmlx_kernels

@@ -75,16 +75,16 @@ const Impl* choose_impl(std::string want) {
 
 thread_local std::vector<float> tl_scratch;
 
-// int8 activation codes per element on the decode path: 2 (default, error ~1/32000 of each
-// 32-block's max), 1 (llama.cpp's Q8_0 activations: ~1/254), 0 (float path only).
-std::atomic<int> g_levels{-1};
-int int8_levels() {
-  int v = g_levels.load(std::memory_order_relaxed);
+// Bits of the decode path's integer activation codes: 16 (default, rounding ~1/65534 of each
+// 32-block's max), 8 (llama.cpp's Q8_0 activations: ~1/254), 0 (float path only).
+std::atomic<int> g_bits{-1};
+int act_bits() {
+  int v = g_bits.load(std::memory_order_relaxed);
   if (v < 0) {
-    const char* s = std::getenv("GMLX_KERNELS_INT8_LEVELS");
-    v = s ? std::atoi(s) : 2;
-    if (v < 0 || v > 2) v = 2;
-    g_levels.store(v);
+    const char* s = std::getenv("GMLX_KERNELS_ACT_BITS");
+    v = s ? std::atoi(s) : 16;
+    if (v != 0 && v != 8) v = 16;
+    g_bits.store(v);
   }
   return v;
 }
@@ -94,7 +94,7 @@ float* scratch(size_t n) {
   return tl_scratch.data();
 }
 
-thread_local std::vector<int8_t> tl_xq;
+thread_local std::vector<int16_t> tl_xq;
 thread_local std::vector<float> tl_xd;
 thread_local std::vector<float> tl_xs;
 
@@ -161,19 +161,18 @@ void run_float(const MatmulArgs& a) {
 void run_matmuls(const MatmulArgs* parts, int n_parts) {
   const Impl* impl = active_impl();
   const MatmulArgs& a = parts[0];
-  const int levels = int8_levels();
-  // two codes per activation cost twice the integer work per row: past 4 rows the float path wins
-  bool int8 = levels > 0 && (levels == 1 || a.M <= 4);
-  for (int i = 0; i < n_parts; i++) int8 = int8 && impl->int8_supported(parts[i].type, a.M);
-  if (!int8) {
+  const int bits = act_bits();
+  bool integer = bits > 0;
+  for (int i = 0; i < n_parts; i++) integer = integer && impl->int_supported(parts[i].type, a.M);
+  if (!integer) {
     for (int i = 0; i < n_parts; i++) run_float(parts[i]);
     return;
   }
   const size_t nq = (size_t)(a.M * a.K), nb = nq / 32;
-  if (tl_xq.size() < 2 * nq) tl_xq.resize(2 * nq);
-  if (tl_xd.size() < 2 * nb) { tl_xd.resize(2 * nb); tl_xs.resize(nb); }
-  impl->quantize_x(a, levels, tl_xq.data(), tl_xd.data(), tl_xs.data());
-  const int8_t* xq = tl_xq.data();
+  if (tl_xq.size() < nq) tl_xq.resize(nq);
+  if (tl_xd.size() < nb) { tl_xd.resize(nb); tl_xs.resize(nb); }
+  impl->quantize_x(a, bits, tl_xq.data(), tl_xd.data(), tl_xs.data());
+  const int16_t* xq = tl_xq.data();
   const float* xd = tl_xd.data();
   const float* xs = tl_xs.data();
   int64_t rows = 0;
@@ -187,7 +186,7 @@ void run_matmuls(const MatmulArgs* parts, int n_parts) {
     for (int64_t n0 = 0; n0 < parts[i].N; n0 += chunk) chunks.push_back({i, n0, std::min(n0 + chunk, parts[i].N)});
   parallel_chunks(nt, (int64_t)chunks.size(), [&](int64_t c) {
     const Chunk& ch = chunks[c];
-    impl->matmul_rows_int8(parts[ch.part], levels, xq, xd, xs, ch.n0, ch.n1);
+    impl->matmul_rows_int(parts[ch.part], xq, xd, xs, ch.n0, ch.n1);
   });
 }
 
@@ -226,9 +225,9 @@ std::string blas_name() {
   return "";
 }
 
-void set_int8_levels(int levels) {
-  if (levels < 0 || levels > 2) throw std::invalid_argument("int8 levels must be 0, 1 or 2");
-  g_levels.store(levels);
+void set_act_bits(int bits) {
+  if (bits != 0 && bits != 8 && bits != 16) throw std::invalid_argument("activation bits must be 16, 8 or 0");
+  g_bits.store(bits);
 }
 
 std::string set_isa(const std::string& want) {

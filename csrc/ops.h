@@ -19,9 +19,9 @@ namespace mx = mlx::core;
 const Impl* active_impl();
 // Use the widest ISA at most `want` that this processor has ("" = the widest); returns its name.
 std::string set_isa(const std::string& want);
-// Decode path (<= 8 activation rows, AVX2): int8 codes per activation: 2 (default, near float),
-// 1 (llama.cpp's Q8_0 activations, fastest), 0 (the float path always).
-void set_int8_levels(int levels);
+// Decode path (<= 8 activation rows, AVX2): bits of each activation's integer code: 16 (default,
+// near float), 8 (llama.cpp's Q8_0 activations), 0 (the float path always).
+void set_act_bits(int bits);
 // Prefill (>= 64 rows) through the process's optimized BLAS (OpenBLAS preloaded by gmlx), if any.
 // set_blas(false) forces the own float kernel; returns "" when no such BLAS is used.
 std::string set_blas(bool on);

@@ -3,13 +3,13 @@
 Reference: gguf.quants.dequantize (gguf's own numpy code) in float64, times float64
 activations. Bounds, per output y[m, n]:
 - float path (any batch; the only path of the generic ISA, and of every ISA for more than
-  4 activation rows; from 64 rows through OpenBLAS's sgemm on dequantized panels where gmlx
+  8 activation rows; from 64 rows through OpenBLAS's sgemm on dequantized panels where gmlx
   preloaded it): |y - ref| <= BOUND * sum_k |x_k| |w_k| (float32 products summed in
   float32; measured max about 1e-7 for K up to 4096);
-- int8 decode path (AVX2/AVX-512, at most 8 activation rows, types INT8_TYPES): each
-  activation is coded as int8 per 32-block. With one code (llama.cpp's Q8_0 activations)
-  add R = sum over blocks b of (max_b |x| / 127 / 2) * sum_{k in b} |w_k|; with two codes
-  (the default: the second codes the first one's residual) add R / 254.
+- integer decode path (AVX2/AVX-512, at most INT_MAX_ROWS activation rows): each activation
+  is coded as an integer of `bits` bits with one scale per 32-block (8: llama.cpp's Q8_0
+  activations; 16: the default). Add sum over blocks b of (max_b |x| / (2^(bits-1) - 1) / 2)
+  * sum_{k in b} |w_k|.
 Dequantized rows must equal gguf's float32 values exactly.
 """
 
@@ -34,8 +34,7 @@ def _needs_kernels(request):
 
 BOUND = 1e-6
 QUANTIZABLE = {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0}  # gguf.quants.quantize implements these
-INT8_TYPES = {T.Q8_0, T.Q4_0, T.Q5_0, T.Q4_K, T.Q6_K}  # the decode path quantizes activations for these
-INT8_MAX_ROWS = 8
+INT_MAX_ROWS = 8
 
 
 def _isas() -> list[str]:
@@ -69,18 +68,18 @@ def isa(request):
     ext.set_isa("")
 
 
-@pytest.fixture(params=[2, 1, 0], ids=["int8x2", "int8", "float"])
-def int8(request):
+@pytest.fixture(params=[16, 8, 0], ids=["int16", "int8", "float"])
+def act_bits(request):
     ext = gk.extension()
-    ext.set_int8_levels(request.param)
+    ext.set_act_bits(request.param)
     yield request.param
-    ext.set_int8_levels(2)
+    ext.set_act_bits(16)
 
 
-def activation_rounding_bound(x: np.ndarray, wd: np.ndarray) -> np.ndarray:
-    """(m, n): sum over 32-blocks of half an int8 step of x's block times sum |w| in that block."""
+def activation_rounding_bound(x: np.ndarray, wd: np.ndarray, bits: int) -> np.ndarray:
+    """(m, n): sum over 32-blocks of half an integer code's step of x's block times sum |w| in that block."""
     m, k = x.shape
-    step = np.abs(x.astype(np.float64)).reshape(m, k // 32, 32).max(-1) / 127
+    step = np.abs(x.astype(np.float64)).reshape(m, k // 32, 32).max(-1) / (2 ** (bits - 1) - 1)
     wabs = np.abs(wd).reshape(wd.shape[0], k // 32, 32).sum(-1)
     return 0.5 * step @ wabs.T
 
@@ -103,7 +102,7 @@ def blas(request):
 
 
 @pytest.mark.parametrize("t", gk.TYPES, ids=lambda t: t.name)
-def test_matmul_matches_float64_reference(t, isa, int8, blas):
+def test_matmul_matches_float64_reference(t, isa, act_bits, blas):
     rng = np.random.default_rng(int(t))
     for n, k, m in SHAPES:
         w = random_weights(t, n, k, rng)
@@ -114,8 +113,8 @@ def test_matmul_matches_float64_reference(t, isa, int8, blas):
         y = np.array(gk.matmul(mx.array(x), mx.array(w), t, n, k))
         assert y.shape == (m, n) and y.dtype == np.float32
         bound = BOUND * (np.abs(x).astype(np.float64) @ np.abs(wd).T)
-        if int8 and isa != "generic" and t in INT8_TYPES and m <= INT8_MAX_ROWS:
-            bound = bound + activation_rounding_bound(x, wd) / (254 if int8 == 2 else 1)
+        if act_bits and isa != "generic" and m <= INT_MAX_ROWS:
+            bound = bound + activation_rounding_bound(x, wd, act_bits)
         worst = np.max(np.abs(y - ref) - bound)
         assert worst <= 0, f"{t.name} {isa} N={n} K={k} M={m}: error over bound by {worst}"
 
@@ -176,7 +175,7 @@ def test_modules_behave_like_linear_and_embedding():
     ref.weight, ref.bias = mx.array(wd), mx.array(bias)
     x = mx.array(rng.standard_normal((3, k)).astype(np.float32))
     expected = np.array(ref(x))
-    tol = 1e-4 * np.abs(expected).max()  # the int8x2 decode path: well under 1e-4 of the output scale
+    tol = 1e-4 * np.abs(expected).max()  # the integer decode path: well under 1e-4 of the output scale
     np.testing.assert_allclose(np.array(lin(x)), expected, rtol=0, atol=tol)
     assert lin.trainable_parameters() == {}
 
@@ -186,7 +185,7 @@ def test_modules_behave_like_linear_and_embedding():
     np.testing.assert_allclose(np.array(emb.as_linear(x)), np.array(x) @ wd.T, rtol=0, atol=tol)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 80], ids=["decode", "int8x2", "prefill"])
+@pytest.mark.parametrize("rows", [1, 3, 80], ids=["decode", "decode3", "prefill"])
 def test_grouped_linears_give_each_members_own_product(rows):
     """q, k and v as one group (mixed types, a bias), called as mlx_lm's attention calls them,
     in another order, and with a different input per member: each gets its own x @ W.T."""
@@ -235,7 +234,7 @@ def test_tiny_model_gguf_mode_matches_float(tmp_path, qtype):
 
     path = write_model(tmp_path / f"{qtype.name}.gguf", "llama", qtype=qtype)
     blocks, floats = _logits(path, "gguf"), _logits(path, "float")
-    # 6 prompt rows take the int8x2 decode path; random-weight models amplify its ~1e-5 error
+    # 6 prompt rows take the integer decode path; random-weight models amplify its ~1e-5 error
     assert np.abs(blocks - floats).max() <= 5e-4 * np.abs(floats).max()
     assert (blocks.argmax(-1) == floats.argmax(-1)).all()
 

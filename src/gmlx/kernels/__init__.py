@@ -12,13 +12,13 @@ file's tensor bytes; mlx_lm's model code calls them like nn.Linear / nn.Embeddin
 Linears that take one input (q, k, v; gate, up) form a LinearGroup: one graph node for
 all of them. gmlx.kernels.fast does the same for MLX's norms, RoPE and attention.
 
-Paths (csrc/kernels_impl.cpp): up to 4 activation rows (decode), each activation is
-coded as two int8 codes per 32-block (the second codes the first's residual: error
-about 1/32000 of the block's max) and the weights' blocks meet them in integer dot
-products (AVX2 maddubs); more rows (prefill) dequantize 16 weight rows at a time to
-float and run a register-blocked FMA micro-kernel. Knobs, for tests and benchmarks:
-GMLX_KERNELS_THREADS (default: all cores), GMLX_KERNELS_ISA (generic, avx2, avx512),
-GMLX_KERNELS_INT8_LEVELS (2; 1 = llama.cpp's one code, up to 8 rows; 0 = float path
+Paths (csrc/kernels_impl.cpp): up to 8 activation rows (decode), each activation is
+coded as a 16-bit integer with one scale per 32-block (error about 1/65000 of the block's
+max) and each weight block, unpacked once to int16, meets every row in integer dot products
+(AVX2 madd); more rows (prefill) dequantize 16 weight rows at a time to float and run a
+register-blocked FMA micro-kernel, or OpenBLAS's sgemm on dequantized panels. Knobs, for
+tests and benchmarks: GMLX_KERNELS_THREADS (default: all cores), GMLX_KERNELS_ISA (generic,
+avx2, avx512), GMLX_KERNELS_ACT_BITS (16; 8 = llama.cpp's Q8_0 activations; 0 = float path
 only), GMLX_KERNELS_EXT (load the extension from another build).
 """
 
