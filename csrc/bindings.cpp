@@ -20,6 +20,9 @@ NB_MODULE(_ext, m) {
         "y = x @ dequant(w).T for GGUF block weights w (uint8, (n, row_bytes)); x (..., k).");
   m.def("gguf_matmul_group", &gk::gguf_matmul_group, "x"_a, "ws"_a, "types"_a, "ns"_a, "k"_a, nb::kw_only(),
         "stream"_a = nb::none(), "[x @ dequant(w).T for w in ws] as one node: x is coded once for them all.");
+  m.def("gguf_gated_mlp", &gk::gguf_gated_mlp, "x"_a, "gate"_a, "up"_a, "down"_a, "types"_a, "n"_a, "k"_a,
+        "act"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "dequant(down) @ (act(x @ dequant(gate).T) * (x @ dequant(up).T)) as one node; act 0 silu, 1 gelu_approx.");
   m.def("gguf_dequant_rows", &gk::gguf_dequant_rows, "rows"_a, "type"_a, "k"_a, nb::kw_only(),
         "stream"_a = nb::none(), "Dequantize GGUF block rows (uint8 (..., row_bytes)) to float32 (..., k).");
   m.def("rms_norm", &gk::rms_norm, "x"_a, "weight"_a.none(), "eps"_a, nb::kw_only(), "stream"_a = nb::none(),

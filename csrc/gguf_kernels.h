@@ -60,6 +60,9 @@ struct AttentionArgs {
   float scale;
 };
 
+// Activations of a gated MLP: silu(g) * u (llama, qwen, mistral), gelu_approx(g) * u (gemma).
+enum GatedAct : int { GATED_SILU = 0, GATED_GELU_APPROX = 1 };
+
 // One ISA's entry points. scratch holds ROW_TILE * K floats.
 struct Impl {
   const char* name;
@@ -76,6 +79,8 @@ struct Impl {
                           int64_t n0, int64_t n1);
   // y[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w (w may be null), rows of D floats
   void (*rms_norm_rows)(const float* x, const float* w, float* y, int64_t rows, int64_t D, float eps);
+  // h[i] = act(g[i]) * u[i] for i < n; act GATED_SILU or GATED_GELU_APPROX (h may be g)
+  void (*gated_act)(const float* g, const float* u, float* h, int64_t n, int act);
   // y[r] = log(sum(exp(x[r]))) over rows of N floats
   void (*logsumexp_rows)(const float* x, float* y, int64_t rows, int64_t N);
   // rows r0..r1 of RoPE; cs holds dims floats

@@ -584,6 +584,7 @@ void dequant_rows(int type, const uint8_t* rows, int64_t n_rows, int64_t K, int6
 }  // namespace
 
 // layers_impl.cpp, the same ISA
+void gated_act(const float* g, const float* u, float* h, int64_t n, int act);
 void rms_norm_rows(const float* x, const float* w, float* y, int64_t rows, int64_t D, float eps);
 void logsumexp_rows(const float* x, float* y, int64_t rows, int64_t N);
 void rope_rows(const RopeArgs& a, int64_t r0, int64_t r1, float* cs);
@@ -592,7 +593,7 @@ void attend(const AttentionArgs& a, int64_t b, int64_t h0, int64_t h1, float* sc
 #define GMLX_STR2(x) #x
 #define GMLX_STR(x) GMLX_STR2(x)
 const Impl impl = {GMLX_STR(GMLX_ISA), matmul_rows,   dequant_rows,   int_supported, quantize_x,
-                   matmul_rows_int,   rms_norm_rows, logsumexp_rows, rope_rows,     attend};
+                   matmul_rows_int,   rms_norm_rows, gated_act,      logsumexp_rows, rope_rows, attend};
 
 }  // namespace GMLX_ISA
 }  // namespace gmlx_kernels

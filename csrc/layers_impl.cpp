@@ -91,6 +91,33 @@ void logsumexp_rows(const float* x, float* y, int64_t rows, int64_t N) {
   }
 }
 
+void gated_act(const float* g, const float* u, float* h, int64_t n, int act) {
+  // gelu_approx: 0.5 x (1 + tanh(c (x + 0.044715 x^3))), tanh(z) = 1 - 2 / (e^2z + 1)
+  const float c = 0.7978845608028654f, k3 = 0.044715f;
+  int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 one = _mm256_set1_ps(1.f), two = _mm256_set1_ps(2.f), half = _mm256_set1_ps(0.5f);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(g + i);
+    __m256 a;
+    if (act == GATED_SILU) {
+      a = _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+    } else {
+      const __m256 x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+      const __m256 z = _mm256_mul_ps(_mm256_set1_ps(2.f * c), _mm256_fmadd_ps(_mm256_set1_ps(k3), x3, x));
+      const __m256 t = _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(exp8(z), one)));
+      a = _mm256_mul_ps(_mm256_mul_ps(half, x), _mm256_add_ps(one, t));
+    }
+    _mm256_storeu_ps(h + i, _mm256_mul_ps(a, _mm256_loadu_ps(u + i)));
+  }
+#endif
+  for (; i < n; i++) {
+    const float x = g[i];
+    const float a = act == GATED_SILU ? x / (1.f + expf(-x)) : 0.5f * x * (1.f + tanhf(c * (x + k3 * x * x * x)));
+    h[i] = a * u[i];
+  }
+}
+
 void rms_norm_rows(const float* x, const float* w, float* y, int64_t rows, int64_t D, float eps) {
   for (int64_t r = 0; r < rows; r++) {
     const float* xr = x + r * D;

@@ -311,6 +311,38 @@ std::vector<mx::Shape> GGUFMatmul::output_shapes(const std::vector<mx::array>& i
   return {shape};
 }
 
+thread_local std::vector<float> tl_gu;
+
+void GGUFGatedMLP::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& encoder = prepare(inputs, outputs);
+  const int64_t M = inputs[0].size() / K_;
+  encoder.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]), g = mx::array::unsafe_weak_copy(inputs[1]),
+                    u = mx::array::unsafe_weak_copy(inputs[2]), d = mx::array::unsafe_weak_copy(inputs[3]),
+                    out = mx::array::unsafe_weak_copy(outputs[0]), types = types_, N = N_, K = K_, act = act_,
+                    M]() mutable {
+    if (M == 0) return;
+    if (tl_gu.size() < (size_t)(2 * M * N)) tl_gu.resize((size_t)(2 * M * N));
+    float* gp = tl_gu.data();
+    float* up = gp + M * N;
+    const float* xp = row_major(x, tl_x);
+    const MatmulArgs gate_up[2] = {{types[0], g.data<uint8_t>(), (int64_t)(g.size() / N), xp, gp, M, N, K},
+                                   {types[1], u.data<uint8_t>(), (int64_t)(u.size() / N), xp, up, M, N, K}};
+    run_matmuls(gate_up, 2);
+    active_impl()->gated_act(gp, up, gp, M * N, act);
+    const MatmulArgs down{types[2], d.data<uint8_t>(), (int64_t)(d.size() / K), gp, out.data<float>(), M, K, N};
+    run_matmuls(&down, 1);
+  });
+}
+
+bool GGUFGatedMLP::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const GGUFGatedMLP&>(other);
+  return types_ == o.types_ && N_ == o.N_ && K_ == o.K_ && act_ == o.act_;
+}
+
+std::vector<mx::Shape> GGUFGatedMLP::output_shapes(const std::vector<mx::array>& inputs) {
+  return {inputs[0].shape()};
+}
+
 void GGUFDequantRows::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   const mx::array& rows = inputs[0];
   mx::array& out = outputs[0];
@@ -351,13 +383,18 @@ static int64_t row_bytes_for(int type, int64_t K) {
   return K / block_size(type) * type_size(type);
 }
 
-mx::array gguf_matmul(const mx::array& x_in, const mx::array& w, int type, int64_t N, int64_t K, mx::StreamOrDevice s) {
+// w must be a GGUF tensor's bytes: uint8 (rows, K / block_size * type_size).
+static void check_weight(const char* op, const mx::array& w, int type, int64_t rows, int64_t K) {
   const int64_t rb = row_bytes_for(type, K);
-  if (w.dtype() != mx::uint8 || w.ndim() != 2 || w.shape(0) != N || w.shape(1) != rb) {
+  if (w.dtype() != mx::uint8 || w.ndim() != 2 || w.shape(0) != rows || w.shape(1) != rb) {
     std::ostringstream msg;
-    msg << "gguf_matmul: weight must be uint8 of shape (" << N << ", " << rb << ")";
+    msg << op << ": weight must be uint8 of shape (" << rows << ", " << rb << ")";
     throw std::invalid_argument(msg.str());
   }
+}
+
+mx::array gguf_matmul(const mx::array& x_in, const mx::array& w, int type, int64_t N, int64_t K, mx::StreamOrDevice s) {
+  check_weight("gguf_matmul", w, type, N, K);
   if (x_in.ndim() < 1 || x_in.shape().back() != K) {
     std::ostringstream msg;
     msg << "gguf_matmul: last dimension of x must be " << K;
@@ -385,14 +422,7 @@ std::vector<mx::array> gguf_matmul_group(const mx::array& x_in, const std::vecto
     msg << "gguf_matmul_group: last dimension of x must be " << K;
     throw std::invalid_argument(msg.str());
   }
-  for (size_t i = 0; i < ws.size(); i++) {
-    const int64_t rb = row_bytes_for(types[i], K);
-    if (ws[i].dtype() != mx::uint8 || ws[i].ndim() != 2 || ws[i].shape(0) != ns[i] || ws[i].shape(1) != rb) {
-      std::ostringstream msg;
-      msg << "gguf_matmul_group: weight " << i << " must be uint8 of shape (" << ns[i] << ", " << rb << ")";
-      throw std::invalid_argument(msg.str());
-    }
-  }
+  for (size_t i = 0; i < ws.size(); i++) check_weight("gguf_matmul_group", ws[i], types[i], ns[i], K);
   const auto dtype = x_in.dtype();
   std::vector<mx::array> inputs{x_in.dtype() == mx::float32 ? x_in : mx::astype(x_in, mx::float32, stream)};
   std::vector<mx::Shape> shapes;
@@ -407,6 +437,27 @@ std::vector<mx::array> gguf_matmul_group(const mx::array& x_in, const std::vecto
   if (dtype != mx::float32)
     for (auto& y : ys) y = mx::astype(y, dtype, stream);
   return ys;
+}
+
+mx::array gguf_gated_mlp(const mx::array& x_in, const mx::array& gate, const mx::array& up, const mx::array& down,
+                         const std::vector<int>& types, int64_t N, int64_t K, int act, mx::StreamOrDevice s) {
+  if (types.size() != 3) throw std::invalid_argument("gguf_gated_mlp: three types (gate, up, down)");
+  if (act != GATED_SILU && act != GATED_GELU_APPROX) throw std::invalid_argument("gguf_gated_mlp: unknown activation");
+  check_weight("gguf_gated_mlp", gate, types[0], N, K);
+  check_weight("gguf_gated_mlp", up, types[1], N, K);
+  check_weight("gguf_gated_mlp", down, types[2], K, N);
+  if (x_in.ndim() < 1 || x_in.shape().back() != K) {
+    std::ostringstream msg;
+    msg << "gguf_gated_mlp: last dimension of x must be " << K;
+    throw std::invalid_argument(msg.str());
+  }
+  auto stream = mx::to_stream(s, mx::Device::cpu);
+  if (stream.device != mx::Device::cpu) throw std::invalid_argument("gguf_gated_mlp runs on the CPU only");
+  const auto dtype = x_in.dtype();
+  mx::array x = dtype == mx::float32 ? x_in : mx::astype(x_in, mx::float32, stream);
+  mx::array y(x.shape(), mx::float32, std::make_shared<GGUFGatedMLP>(stream, types, N, K, act),
+              {x, row_contiguous(gate, stream), row_contiguous(up, stream), row_contiguous(down, stream)});
+  return dtype == mx::float32 ? y : mx::astype(y, dtype, stream);
 }
 
 mx::array gguf_dequant_rows(const mx::array& rows, int type, int64_t K, mx::StreamOrDevice s) {

@@ -37,6 +37,11 @@ std::vector<mx::array> gguf_matmul_group(const mx::array& x, const std::vector<m
                                          const std::vector<int>& types, const std::vector<int64_t>& ns, int64_t K,
                                          mx::StreamOrDevice s = {});
 
+// A gated MLP as one node: down(act(x @ gate.T) * (x @ up.T)); types[0..2] of gate, up and
+// down; gate and up (N, K), down (K, N); act a GatedAct.
+mx::array gguf_gated_mlp(const mx::array& x, const mx::array& gate, const mx::array& up, const mx::array& down,
+                         const std::vector<int>& types, int64_t N, int64_t K, int act, mx::StreamOrDevice s = {});
+
 // rows uint8 (..., row_bytes) -> float32 (..., K): dequantize whole rows (embedding lookup).
 mx::array gguf_dequant_rows(const mx::array& rows, int type, int64_t K, mx::StreamOrDevice s = {});
 
@@ -99,6 +104,21 @@ class GGUFMatmulGroup : public CPUPrimitive {
   std::vector<int> types_;
   std::vector<int64_t> ns_;
   int64_t K_;
+};
+
+class GGUFGatedMLP : public CPUPrimitive {
+ public:
+  GGUFGatedMLP(mx::Stream stream, std::vector<int> types, int64_t N, int64_t K, int act)
+      : CPUPrimitive(stream), types_(std::move(types)), N_(N), K_(K), act_(act) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "GGUFGatedMLP"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+
+ private:
+  std::vector<int> types_;
+  int64_t N_, K_;
+  int act_;
 };
 
 class GGUFDequantRows : public CPUPrimitive {

@@ -214,6 +214,68 @@ def test_grouped_linears_give_each_members_own_product(rows):
     np.testing.assert_allclose(np.array(q), alone(0, x), rtol=0, atol=1e-5)
 
 
+def _mlp(rng, k: int, n: int, types=(T.Q5_0, T.Q4_K, T.Q6_K)):
+    import mlx.nn as nn
+
+    ws = [random_weights(types[0], n, k, rng), random_weights(types[1], n, k, rng), random_weights(types[2], k, n, rng)]
+    module = nn.Module()
+    module.gate_proj, module.up_proj, module.down_proj = (
+        gk.GGUFLinear(mx.array(w), t, kk) for w, t, kk in zip(ws, types, (k, k, n)))
+    floats = [dequantize(w, t).reshape(w.shape[0], -1) for w, t in zip(ws, types)]
+    return module, floats
+
+
+@pytest.mark.parametrize("act", list(gk.ACTIVATIONS))
+@pytest.mark.parametrize("rows", [1, 3, 80], ids=["decode", "decode3", "prefill"])
+def test_gated_mlp_is_one_node_computing_down_of_act_gate_times_up(act, rows):
+    import mlx.nn as nn
+
+    rng = np.random.default_rng(11)
+    k, n = 256, 512
+    module, (g, u, d) = _mlp(rng, k, n)
+    fused = gk.GatedMLP(module.gate_proj, module.up_proj, module.down_proj, act)
+    # inputs wide enough that the activation's tails (silu -> 0 and x, tanh -> -1 and 1) matter
+    x = rng.standard_normal((rows, k)).astype(np.float32) * 4
+    h = getattr(nn, act)(mx.array(x @ g.T)) * mx.array(x @ u.T)
+    expected = np.array(h) @ d.T
+    got = np.array(fused(mx.array(x)))
+    assert got.shape == (rows, k)
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-4 * np.abs(expected).max())
+    assert dict(fused.parameters()).keys() == dict(module.parameters()).keys()
+
+
+def test_fuse_mlps_takes_the_activation_the_module_computes_and_leaves_others_alone():
+    import mlx.nn as nn
+
+    class SiluMLP(nn.Module):
+        def __call__(self, x):
+            return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    class GeluMLP(SiluMLP):
+        def __call__(self, x):
+            return self.down_proj(nn.gelu_approx(self.gate_proj(x)) * self.up_proj(x))
+
+    class ReluMLP(SiluMLP):
+        def __call__(self, x):
+            return self.down_proj(nn.relu(self.gate_proj(x)) * self.up_proj(x))
+
+    rng = np.random.default_rng(12)
+    model = nn.Module()
+    model.layers = []
+    for cls in (SiluMLP, GeluMLP, ReluMLP):
+        proto, _ = _mlp(rng, 256, 256)
+        mlp = cls()
+        mlp.gate_proj, mlp.up_proj, mlp.down_proj = proto.gate_proj, proto.up_proj, proto.down_proj
+        model.layers.append(mlp)
+    x = mx.array(rng.standard_normal((2, 256)).astype(np.float32))
+    before = [np.array(m(x)) for m in model.layers]
+    assert gk.fuse_mlps(model) == 2
+    assert [type(m).__name__ for m in model.layers] == ["GatedMLP", "GatedMLP", "ReluMLP"]
+    assert [m.act for m in model.layers[:2]] == ["silu", "gelu_approx"]
+    for m, b in zip(model.layers, before):
+        np.testing.assert_allclose(np.array(m(x)), b, rtol=0, atol=1e-4 * np.abs(b).max())
+
+
 # ---- whole models in `gguf` mode ----
 
 MODEL_TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
@@ -237,6 +299,21 @@ def test_tiny_model_gguf_mode_matches_float(tmp_path, qtype):
     # 6 prompt rows take the integer decode path; random-weight models amplify its ~1e-5 error
     assert np.abs(blocks - floats).max() <= 5e-4 * np.abs(floats).max()
     assert (blocks.argmax(-1) == floats.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
+def test_every_architectures_mlps_run_fused_in_gguf_mode(tmp_path, arch):
+    from tiny_models import write_model
+
+    from gmlx.models.loader import load
+
+    path = write_model(tmp_path / f"{arch}.gguf", arch, qtype=T.Q8_0)
+    m = load(path, "gguf")
+    acts = {mod.act for _, mod in m.model.named_modules() if isinstance(mod, gk.GatedMLP)}
+    assert len([1 for _, mod in m.model.named_modules() if isinstance(mod, gk.GatedMLP)]) == len(m.model.layers)
+    assert acts == {"gelu_approx" if arch == "gemma3" else "silu"}
+    blocks, floats = _logits(path, "gguf"), _logits(path, "float")
+    assert np.abs(blocks - floats).max() <= 5e-4 * np.abs(floats).max()
 
 
 @pytest.mark.parametrize("tied", [True, False])

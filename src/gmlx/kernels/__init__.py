@@ -10,7 +10,9 @@ GGUFLinear and GGUFEmbedding hold the tensor's bytes as one uint8 MLX array
 (N rows of K / block_size * type_size bytes), so resident memory equals the
 file's tensor bytes; mlx_lm's model code calls them like nn.Linear / nn.Embedding.
 Linears that take one input (q, k, v; gate, up) form a LinearGroup: one graph node for
-all of them. gmlx.kernels.fast does the same for MLX's norms, RoPE and attention.
+all of them; and an MLP down(act(gate(x)) * up(x)) becomes one GatedMLP node (fuse_mlps,
+with a vectorized activation where MLX's CPU backend calls a scalar tanh). gmlx.kernels.fast
+does the same for MLX's norms, RoPE and attention.
 
 Paths (csrc/kernels_impl.cpp): up to 8 activation rows (decode), each activation is
 coded as a 16-bit integer with one scale per 32-block (error about 1/65000 of the block's
@@ -32,6 +34,7 @@ from types import ModuleType
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_unflatten
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as T
 
@@ -174,6 +177,54 @@ def group_linears(model: nn.Module) -> int:
                 LinearGroup(members)  # type: ignore[arg-type]
                 formed += 1
     return formed
+
+
+# Gated MLP activations, as the extension numbers them (GatedAct in csrc/gguf_kernels.h).
+ACTIVATIONS = {"silu": 0, "gelu_approx": 1}
+_MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
+
+
+class GatedMLP(nn.Module):
+    """mlx_lm's MLP, down(act(gate(x)) * up(x)), over bias-free GGUFLinears as one graph node:
+    the same three linears under the same names, so parameters and resident bytes do not change."""
+
+    def __init__(self, gate_proj: GGUFLinear, up_proj: GGUFLinear, down_proj: GGUFLinear, act: str):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+        self.act = act
+
+    def __call__(self, x: mx.array) -> mx.array:
+        g, u, d = self.gate_proj, self.up_proj, self.down_proj
+        return _load().gguf_gated_mlp(x, g.weight, u.weight, d.weight, [g.ggml_type, u.ggml_type, d.ggml_type],
+                                      g.out_features, g.in_features, ACTIVATIONS[self.act], stream=mx.cpu)
+
+
+def fuse_mlps(model: nn.Module) -> int:
+    """Swap each module that holds just bias-free GGUFLinears gate_proj, up_proj and down_proj for
+    a GatedMLP, with the activation of ACTIVATIONS that reproduces the module's own output on a
+    probe input (one that matches none keeps its own code); returns how many were swapped."""
+    swaps = []
+    x = {}
+    for path, module in model.named_modules():
+        if set(module.keys()) != set(_MLP_LINEARS):
+            continue
+        g, u, d = (module[n] for n in _MLP_LINEARS)
+        if not all(isinstance(m, GGUFLinear) and "bias" not in m for m in (g, u, d)):
+            continue
+        k, n = g.in_features, g.out_features
+        if (u.in_features, u.out_features, d.in_features, d.out_features) != (k, n, n, k):
+            continue
+        if k not in x:
+            x[k] = mx.random.normal((2, k), key=mx.random.key(k))
+        ref = module(x[k])
+        tol = 1e-3 * mx.abs(ref).max()
+        for act in ACTIVATIONS:
+            fused = GatedMLP(g, u, d, act)
+            if mx.allclose(fused(x[k]), ref, rtol=0, atol=tol).item():
+                swaps.append((path, fused))
+                break
+    model.update_modules(tree_unflatten(swaps))
+    return len(swaps)
 
 
 class GGUFEmbedding(nn.Module):

@@ -117,6 +117,10 @@ def _build(
     except ValueError as e:
         raise GGUFError(f"{h.architecture}: tensors do not match the model ({e})") from None
     arch.finish(model, h, arrays)
+    if blocks:
+        from gmlx.kernels import fuse_mlps
+
+        fuse_mlps(model)  # after the weights: it checks each fused MLP against the module's own output
     return model
 
 

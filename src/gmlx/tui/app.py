@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 from textual.app import App, ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical
+from textual.css.query import NoMatches
 from textual.screen import ModalScreen
 from textual.widgets import DataTable, Footer, Label, Sparkline, Static
 
@@ -116,7 +117,10 @@ class TopApp(App[None]):
         while True:
             if not self.paused:
                 await p.poll()
-                self.draw(i)
+                try:
+                    self.draw(i)
+                except NoMatches:  # the app closed while this poll was in flight: its widgets are gone
+                    return
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(wake.wait(), p.delay)
             wake.clear()
