@@ -501,23 +501,48 @@ inline void row_dot(const uint8_t* w, const XQ& x, int M_, float* out) {
   const int64_t K = x.K, nb32 = K / 32;
   __m256 acc[U][MR];
   float mins[MR];
-  for (int m = 0; m < M; m++) {
+#pragma GCC unroll 8
+  for (int m = 0; m < M; m++) {  // unrolled: a loop here becomes a memset through memory
     mins[m] = 0.f;
     for (int u = 0; u < U; u++) acc[u][m] = _mm256_setzero_ps();
   }
-  W32 wb[B::NB];
-  for (int64_t c = 0; c < nb32 / B::NB; c++) {
-    B::decode(w, c, wb);
-    for (int i = 0; i < B::NB; i++) {
-      const int64_t b = c * B::NB + i;
-      for (int m = 0; m < M; m++) {
-        const int16_t* xq = x.q + m * K + b * 32;
-        const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(wb[i].lo, _mm256_loadu_si256((const __m256i*)xq)),
-                                           _mm256_madd_epi16(wb[i].hi, _mm256_loadu_si256((const __m256i*)(xq + 16))));
-        __m256& a = acc[b % U][m];
-        a = _mm256_fmadd_ps(_mm256_set1_ps(wb[i].d * x.d[m * nb32 + b]), _mm256_cvtepi32_ps(p), a);
-        if constexpr (TYPE == Q4_1 || TYPE == Q5_1 || TYPE == Q4_K || TYPE == Q5_K) mins[m] += wb[i].m * x.s[m * nb32 + b];
-      }
+  // block<u>(b): 32-block b (decoded in wb[b % NW]) into accumulator set u, a compile-time index
+  // so the sets stay in registers
+  constexpr int NW = B::NB > U ? B::NB : U;
+  W32 wb[NW];
+  auto block = [&]<int u>(int64_t b) {
+    const W32& wv = wb[b % NW];
+    for (int m = 0; m < M; m++) {
+      const int16_t* xq = x.q + m * K + b * 32;
+      const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(wv.lo, _mm256_loadu_si256((const __m256i*)xq)),
+                                         _mm256_madd_epi16(wv.hi, _mm256_loadu_si256((const __m256i*)(xq + 16))));
+      acc[u][m] = _mm256_fmadd_ps(_mm256_set1_ps(wv.d * x.d[m * nb32 + b]), _mm256_cvtepi32_ps(p), acc[u][m]);
+      if constexpr (TYPE == Q4_1 || TYPE == Q5_1 || TYPE == Q4_K || TYPE == Q5_K) mins[m] += wv.m * x.s[m * nb32 + b];
+    }
+  };
+  auto blocks_u = [&](int64_t b) {  // blocks b .. b + U - 1, one per accumulator set
+    block.template operator()<0>(b);
+    if constexpr (U > 1) block.template operator()<1>(b + 1);
+    if constexpr (U > 2) {
+      block.template operator()<2>(b + 2);
+      block.template operator()<3>(b + 3);
+    }
+  };
+  if constexpr (B::NB == 1) {
+    int64_t b = 0;
+    for (; b + U <= nb32; b += U) {
+      for (int u = 0; u < U; u++) B::decode(w, b + u, wb + u);
+      blocks_u(b);
+    }
+    for (; b < nb32; b++) {
+      B::decode(w, b, wb + b % NW);
+      block.template operator()<0>(b);
+    }
+  } else {
+    static_assert(B::NB % U == 0);
+    for (int64_t c = 0; c < nb32 / B::NB; c++) {
+      B::decode(w, c, wb);
+      for (int i = 0; i < B::NB; i += U) blocks_u(c * B::NB + i);
     }
   }
   for (int m = 0; m < M; m++) {
