@@ -517,7 +517,7 @@ inline void row_dot(const uint8_t* w, const XQ& x, int M_, float* out) {
       const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(wv.lo, _mm256_loadu_si256((const __m256i*)xq)),
                                          _mm256_madd_epi16(wv.hi, _mm256_loadu_si256((const __m256i*)(xq + 16))));
       acc[u][m] = _mm256_fmadd_ps(_mm256_set1_ps(wv.d * x.d[m * nb32 + b]), _mm256_cvtepi32_ps(p), acc[u][m]);
-      if constexpr (TYPE == Q4_1 || TYPE == Q5_1 || TYPE == Q4_K || TYPE == Q5_K) mins[m] += wv.m * x.s[m * nb32 + b];
+      if constexpr (TYPE == Q4_1 || TYPE == Q5_1) mins[m] += wv.m * x.s[m * nb32 + b];
     }
   };
   auto blocks_u = [&](int64_t b) {  // blocks b .. b + U - 1, one per accumulator set
@@ -543,6 +543,10 @@ inline void row_dot(const uint8_t* w, const XQ& x, int M_, float* out) {
     for (int64_t c = 0; c < nb32 / B::NB; c++) {
       B::decode(w, c, wb);
       for (int i = 0; i < B::NB; i += U) blocks_u(c * B::NB + i);
+      if constexpr (TYPE == Q4_K || TYPE == Q5_K) {  // the 8 minima against the 8 activation sums, in the lanes
+        const __m256 mv = _mm256_setr_ps(wb[0].m, wb[1].m, wb[2].m, wb[3].m, wb[4].m, wb[5].m, wb[6].m, wb[7].m);
+        for (int m = 0; m < M; m++) acc[0][m] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(x.s + m * nb32 + c * 8), acc[0][m]);
+      }
     }
   }
   for (int m = 0; m < M; m++) {
