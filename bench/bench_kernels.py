@@ -4,7 +4,8 @@
 
 Measures, on one model file and the same cores:
 - decode tok/s at batch 1, 4 and 8 (aggregate): gmlx modes step the mlx_lm model directly
-  (B streams, one token each per step, greedy), after a 16-token prompt; llama.cpp runs
+  (B streams, one token each per step, greedy, each step's graph built while the previous
+  one computes), after a 16-token prompt; llama.cpp runs
   `llama-server -np 8` with B concurrent requests and the sum of each stream's own
   generation rate (its `timings.predicted_per_second`).
 - prefill tok/s at 512 tokens: gmlx as mlx_lm prefills (511 tokens evaluating only the KV
@@ -56,6 +57,8 @@ def _worker(model: str, mode: str) -> None:
         return model_(y, cache=cache)[:, -1].argmax(-1)[:, None]
 
     def decode(b: int, steps: int) -> float:
+        # as mlx_lm's generate_step and the engine run: the next step's graph is built while
+        # the current one computes
         cache = make_prompt_cache(model_)
         y = step(mx.array(rng.integers(1000, 20000, (b, PROMPT))), cache)
         for _ in range(2):
@@ -63,8 +66,11 @@ def _worker(model: str, mode: str) -> None:
             mx.eval(y)
         t = time.perf_counter()
         for _ in range(steps):
-            y = step(y, cache)
+            nxt = step(y, cache)
+            mx.async_eval(nxt)
             mx.eval(y)
+            y = nxt
+        mx.eval(y)
         return b * steps / (time.perf_counter() - t)
 
     def prefill() -> float:  # as mlx_lm prefills: the prompt fills the cache, logits of the last token only
