@@ -393,15 +393,21 @@ static void check_weight(const char* op, const mx::array& w, int type, int64_t r
   }
 }
 
-mx::array gguf_matmul(const mx::array& x_in, const mx::array& w, int type, int64_t N, int64_t K, mx::StreamOrDevice s) {
-  check_weight("gguf_matmul", w, type, N, K);
-  if (x_in.ndim() < 1 || x_in.shape().back() != K) {
+// The CPU stream an op over x (..., K) runs on; throws unless x's last dimension is K and s is the CPU.
+static mx::Stream cpu_op_stream(const char* op, const mx::array& x, int64_t K, mx::StreamOrDevice s) {
+  if (x.ndim() < 1 || x.shape().back() != K) {
     std::ostringstream msg;
-    msg << "gguf_matmul: last dimension of x must be " << K;
+    msg << op << ": last dimension of x must be " << K;
     throw std::invalid_argument(msg.str());
   }
   auto stream = mx::to_stream(s, mx::Device::cpu);
-  if (stream.device != mx::Device::cpu) throw std::invalid_argument("gguf_matmul runs on the CPU only");
+  if (stream.device != mx::Device::cpu) throw std::invalid_argument(std::string(op) + " runs on the CPU only");
+  return stream;
+}
+
+mx::array gguf_matmul(const mx::array& x_in, const mx::array& w, int type, int64_t N, int64_t K, mx::StreamOrDevice s) {
+  check_weight("gguf_matmul", w, type, N, K);
+  const auto stream = cpu_op_stream("gguf_matmul", x_in, K, s);
   const auto dtype = x_in.dtype();
   mx::array x = x_in.dtype() == mx::float32 ? x_in : mx::astype(x_in, mx::float32, stream);
   auto shape = x.shape();
@@ -415,13 +421,7 @@ std::vector<mx::array> gguf_matmul_group(const mx::array& x_in, const std::vecto
                                          mx::StreamOrDevice s) {
   if (ws.empty() || ws.size() != types.size() || ws.size() != ns.size())
     throw std::invalid_argument("gguf_matmul_group: one type and one row count per weight");
-  auto stream = mx::to_stream(s, mx::Device::cpu);
-  if (stream.device != mx::Device::cpu) throw std::invalid_argument("gguf_matmul_group runs on the CPU only");
-  if (x_in.ndim() < 1 || x_in.shape().back() != K) {
-    std::ostringstream msg;
-    msg << "gguf_matmul_group: last dimension of x must be " << K;
-    throw std::invalid_argument(msg.str());
-  }
+  const auto stream = cpu_op_stream("gguf_matmul_group", x_in, K, s);
   for (size_t i = 0; i < ws.size(); i++) check_weight("gguf_matmul_group", ws[i], types[i], ns[i], K);
   const auto dtype = x_in.dtype();
   std::vector<mx::array> inputs{x_in.dtype() == mx::float32 ? x_in : mx::astype(x_in, mx::float32, stream)};
@@ -446,13 +446,7 @@ mx::array gguf_gated_mlp(const mx::array& x_in, const mx::array& gate, const mx:
   check_weight("gguf_gated_mlp", gate, types[0], N, K);
   check_weight("gguf_gated_mlp", up, types[1], N, K);
   check_weight("gguf_gated_mlp", down, types[2], K, N);
-  if (x_in.ndim() < 1 || x_in.shape().back() != K) {
-    std::ostringstream msg;
-    msg << "gguf_gated_mlp: last dimension of x must be " << K;
-    throw std::invalid_argument(msg.str());
-  }
-  auto stream = mx::to_stream(s, mx::Device::cpu);
-  if (stream.device != mx::Device::cpu) throw std::invalid_argument("gguf_gated_mlp runs on the CPU only");
+  const auto stream = cpu_op_stream("gguf_gated_mlp", x_in, K, s);
   const auto dtype = x_in.dtype();
   mx::array x = dtype == mx::float32 ? x_in : mx::astype(x_in, mx::float32, stream);
   mx::array y(x.shape(), mx::float32, std::make_shared<GGUFGatedMLP>(stream, types, N, K, act),
