@@ -1,6 +1,7 @@
 """The `gguf` weight mode (gmlx.kernels) against float32 + OpenBLAS and llama.cpp, in one run.
 
     python -m bench.bench_kernels [--model M.gguf] [--steps 32] [--rounds 3] [--modes gguf,float] [--no-llama]
+    python -m bench.bench_kernels --matmuls [--isas avx2,avx512] [--rounds 5]
 
 Measures, on one model file and the same cores:
 - decode tok/s at batch 1, 4 and 8 (aggregate): gmlx modes step the mlx_lm model directly
@@ -13,9 +14,16 @@ Measures, on one model file and the same cores:
 - for the gguf mode, a profile of one batch-1 decode step: the linear layers' matmuls,
   the LM head, and the rest (attention, norms, graph overhead).
 
-Each gmlx mode runs in its own process, all engines stay loaded, and the rounds interleave
+A mode may name the kernels' ISA, `gguf:avx2` (GMLX_KERNELS_ISA for that process), to set
+ISAs side by side: `--modes gguf:avx2,gguf:avx512 --no-llama`; each later mode is then
+also given as a ratio to the first. Each gmlx mode runs in its own process, all engines stay loaded, and the rounds interleave
 them (each figure: the best of the rounds), so a shared machine's load falls on all alike.
 Writes bench/results/kernels-<model>.json.
+
+--matmuls instead times each distinct matmul of the model (GGML type, N x K, and the tied LM
+head) alone at batch 1, 4 and 8, one ISA against another in the same process (rounds
+interleave them; best of rounds): ms per matmul and Gweights/s per kernel thread
+(GMLX_KERNELS_THREADS, else every core), and the ratio of each ISA to the first.
 """
 
 from __future__ import annotations
@@ -47,8 +55,10 @@ def _worker(model: str, mode: str) -> None:
     from gmlx.models.loader import load
 
     t0 = time.perf_counter()
-    m = load(model, mode)  # type: ignore[arg-type]
-    print(json.dumps({"mode": m.mode, "load_s": round(time.perf_counter() - t0, 2),
+    m = load(model, mode.split(":")[0])  # type: ignore[arg-type]
+    import gmlx.kernels as gk
+
+    print(json.dumps({"mode": m.mode, "isa": gk.isa(), "load_s": round(time.perf_counter() - t0, 2),
                       "resident_bytes": m.report.resident_bytes, "weights": m.report.describe()}), flush=True)
     model_ = m.model
     rng = np.random.default_rng(0)
@@ -144,6 +154,55 @@ def _profile(model, steps: int) -> dict:
             "effective_gb_s": round(weight_bytes / ((lin + head) / 1e3) / 1e9, 1) if lin + head else None}
 
 
+def _matmuls(model: str, isas: list[str], rounds: int) -> dict:
+    import mlx.core as mx
+
+    import gmlx.kernels as gk
+    from gmlx.models.loader import load
+
+    ext = gk.extension()
+    m = load(model, "gguf")
+    shapes: dict = {}  # (type, N, K) -> weight, the first module of each
+    for _, mod in m.model.named_modules():
+        if isinstance(mod, gk.GGUFLinear):
+            shapes.setdefault((mod.ggml_type, mod.out_features, mod.in_features), mod.weight)
+        elif isinstance(mod, gk.GGUFEmbedding):
+            shapes.setdefault((mod.ggml_type, mod.num_embeddings, mod.dims), mod.weight)
+    threads = int(os.environ.get("GMLX_KERNELS_THREADS", 0)) or os.cpu_count() or 1
+    best: dict = {}
+    for _ in range(rounds):
+        for (t, n, k), w in shapes.items():
+            calls = max(1, min(32, int(4e7 // (n * k))))  # one graph of several calls: ~40 M weights
+            for b in BATCHES:
+                x = mx.random.normal((b, k))
+                mx.eval(x)
+                for isa in isas:
+                    if ext.set_isa(isa) != isa:
+                        raise SystemExit(f"ISA {isa} is not available here")
+                    mx.eval(gk.matmul(x, w, t, n, k))
+                    t0 = time.perf_counter()
+                    mx.eval([gk.matmul(x, w, t, n, k) for _ in range(calls)])
+                    ms = (time.perf_counter() - t0) / calls * 1e3
+                    key = (t, n, k, b, isa)
+                    best[key] = min(best.get(key, ms), ms)
+    ext.set_isa("")
+    rows = []
+    for (t, n, k), _ in shapes.items():
+        for b in BATCHES:
+            row = {"type": gk.T(t).name, "n": n, "k": k, "batch": b}
+            for isa in isas:
+                ms = best[(t, n, k, b, isa)]
+                row[isa] = {"ms": round(ms, 4), "gw_s_per_thread": round(n * k / (ms / 1e3) / 1e9 / threads, 2)}
+            for isa in isas[1:]:
+                row[f"{isa}_vs_{isas[0]}"] = round(best[(t, n, k, b, isas[0])] / best[(t, n, k, b, isa)], 2)
+            rows.append(row)
+            print(f"{row['type']:5} {n:6}x{k:<5} b{b}  " + "  ".join(
+                f"{isa} {row[isa]['ms']:8.3f} ms {row[isa]['gw_s_per_thread']:6.2f} Gw/s/thr" for isa in isas)
+                + "".join(f"  x{row[f'{isa}_vs_{isas[0]}']}" for isa in isas[1:]), flush=True)
+    return {"model": Path(model).name, "threads": threads, "rounds": rounds, "isas": isas, "matmuls": rows,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
 class _Llama:
     """llama-server -np 8 on the model; decode(b) and prefill() measure through /completion."""
 
@@ -205,9 +264,12 @@ class _Llama:
 
 class _Gmlx:
     def __init__(self, model: Path, mode: str):
+        env = dict(os.environ)
+        if ":" in mode:
+            env["GMLX_KERNELS_ISA"] = mode.split(":")[1]
         self.proc = subprocess.Popen([sys.executable, "-m", "bench.bench_kernels", "--worker", mode,
                                       "--model", str(model)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True)
+                                     text=True, env=env)
         self.info = self._read()
 
     def _read(self) -> dict:
@@ -239,12 +301,21 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--modes", default="gguf,float")
     ap.add_argument("--no-llama", action="store_true")
+    ap.add_argument("--matmuls", action="store_true", help="time each matmul of the model per ISA instead")
+    ap.add_argument("--isas", default="avx2,avx512", help="with --matmuls: ISAs to compare, the first the base")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
 
     from gmlx.default_model import resolve_model
 
     model = Path(resolve_model(args.model))
+    if args.matmuls:
+        out = _matmuls(str(model), args.isas.split(","), args.rounds)
+        RESULTS.mkdir(exist_ok=True)
+        path = RESULTS / f"kernels-matmuls-{model.stem}.json"
+        path.write_text(json.dumps(out, indent=2) + "\n")
+        print(f"wrote {path}", file=sys.stderr)
+        return
     if args.worker:
         _worker(str(model), args.worker)
         return
@@ -292,9 +363,16 @@ def main() -> None:
             ratios[f"gguf_vs_{peer}"] = {
                 **{f"decode_b{b}": round(g["decode_tok_s"][str(b)] / ref["decode_tok_s"][str(b)], 2) for b in BATCHES},
                 "prefill_512": round(g["prefill_512_tok_s"] / ref["prefill_512_tok_s"], 2)}
+    modes = list(result["gmlx"])
+    for mode in modes[1:]:
+        g, ref = result["gmlx"][mode], result["gmlx"][modes[0]]
+        ratios[f"{mode}_vs_{modes[0]}"] = {
+            **{f"decode_b{b}": round(g["decode_tok_s"][str(b)] / ref["decode_tok_s"][str(b)], 2) for b in BATCHES},
+            "prefill_512": round(g["prefill_512_tok_s"] / ref["prefill_512_tok_s"], 2)}
     result["ratios"] = ratios
     RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"kernels-{model.stem}.json"
+    # an ISA comparison keeps its own file beside the modes' comparison
+    path = RESULTS / f"kernels{'-isa' if ':' in args.modes else ''}-{model.stem}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(ratios, indent=2))
     print(f"wrote {path}", file=sys.stderr)

@@ -366,12 +366,15 @@ struct XQ {
   int64_t K;
 };
 
-// Weights of 32 consecutive inputs as int16 (lo: the first 16, hi: the last 16), with the
-// float scale of their products and, for types with a minimum, what multiplies the block's
-// activation sum (0 otherwise).
+// Weights of 32 consecutive inputs as int8 codes q, with the float scale of their products
+// and, for types with a minimum, what multiplies the block's activation sum (0 otherwise).
+// Q6_K's codes are also multiplied by an int8 scale per 16 (s0: the first 16, s1: the last;
+// the AVX-512 path reads a super-block's 16 at once), once widened to int16 (at most 32 * 128,
+// so products with 16-bit codes stay inside int32).
 struct W32 {
-  __m256i lo, hi;
+  __m256i q;
   float d, m;
+  int s0, s1;
 };
 
 inline __m256i i16_lo(__m256i b) { return _mm256_cvtepi8_epi16(_mm256_castsi256_si128(b)); }
@@ -385,7 +388,7 @@ template <> struct Blocks<Q8_0> {
   static void decode(const uint8_t* row, int64_t c, W32* o) {
     const uint8_t* b = row + c * TS;
     const __m256i q = _mm256_loadu_si256((const __m256i*)(b + 2));
-    *o = {i16_lo(q), i16_hi(q), f16_at(b), 0.f};
+    *o = {q, f16_at(b), 0.f, 1, 1};
   }
 };
 
@@ -394,7 +397,7 @@ template <> struct Blocks<Q4_0> {
   static void decode(const uint8_t* row, int64_t c, W32* o) {
     const uint8_t* b = row + c * TS;
     const __m256i q = _mm256_sub_epi8(nibbles_32(b + 2), _mm256_set1_epi8(8));
-    *o = {i16_lo(q), i16_hi(q), f16_at(b), 0.f};
+    *o = {q, f16_at(b), 0.f, 1, 1};
   }
 };
 
@@ -403,7 +406,7 @@ template <> struct Blocks<Q4_1> {
   static void decode(const uint8_t* row, int64_t c, W32* o) {
     const uint8_t* b = row + c * TS;
     const __m256i q = nibbles_32(b + 4);
-    *o = {i16_lo(q), i16_hi(q), f16_at(b), f16_at(b + 2)};
+    *o = {q, f16_at(b), f16_at(b + 2), 1, 1};
   }
 };
 
@@ -411,10 +414,17 @@ template <> struct Blocks<Q5_0> {
   static constexpr int NB = 1, TS = 22;
   static void decode(const uint8_t* row, int64_t c, W32* o) {
     const uint8_t* b = row + c * TS;
-    // the fifth bit clear means code - 16: as int8, the nibble with 0xF0 set
+    // the fifth bit clear means code - 16
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    uint32_t qh;
+    memcpy(&qh, b + 2, 4);
+    const __m256i nib = nibbles_32(b + 6);
+    const __m256i q = _mm256_mask_sub_epi8(nib, (__mmask32)~qh, nib, _mm256_set1_epi8(16));
+#else  // as int8, the nibble with 0xF0 set
     const __m256i hi = _mm256_andnot_si256(bytes_from_bits_32(b + 2), _mm256_set1_epi8((char)0xF0));
     const __m256i q = _mm256_or_si256(nibbles_32(b + 6), hi);
-    *o = {i16_lo(q), i16_hi(q), f16_at(b), 0.f};
+#endif
+    *o = {q, f16_at(b), 0.f, 1, 1};
   }
 };
 
@@ -422,9 +432,16 @@ template <> struct Blocks<Q5_1> {
   static constexpr int NB = 1, TS = 24;
   static void decode(const uint8_t* row, int64_t c, W32* o) {
     const uint8_t* b = row + c * TS;
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    uint32_t qh;
+    memcpy(&qh, b + 4, 4);
+    const __m256i nib = nibbles_32(b + 8);
+    const __m256i q = _mm256_mask_add_epi8(nib, (__mmask32)qh, nib, _mm256_set1_epi8(16));
+#else
     const __m256i hi = _mm256_and_si256(bytes_from_bits_32(b + 4), _mm256_set1_epi8(0x10));
     const __m256i q = _mm256_or_si256(nibbles_32(b + 8), hi);
-    *o = {i16_lo(q), i16_hi(q), f16_at(b), f16_at(b + 2)};
+#endif
+    *o = {q, f16_at(b), f16_at(b + 2), 1, 1};
   }
 };
 
@@ -449,17 +466,16 @@ template <int TYPE> struct BlocksK {
       }
       int sc, mn;
       scale_min_k4(2 * j, b + 4, &sc, &mn);
-      o[2 * j] = {i16_lo(lo), i16_hi(lo), d * (float)sc, -dmin * (float)mn};
+      o[2 * j] = {lo, d * (float)sc, -dmin * (float)mn, 1, 1};
       scale_min_k4(2 * j + 1, b + 4, &sc, &mn);
-      o[2 * j + 1] = {i16_lo(hi), i16_hi(hi), d * (float)sc, -dmin * (float)mn};
+      o[2 * j + 1] = {hi, d * (float)sc, -dmin * (float)mn, 1, 1};
     }
   }
 };
 template <> struct Blocks<Q4_K> : BlocksK<Q4_K> {};
 template <> struct Blocks<Q5_K> : BlocksK<Q5_K> {};
 
-// Q6_K: codes of 6 bits less 32, an int8 scale per 16 (folded into the int16 weights: at most
-// 32 * 128, so products with 16-bit codes stay well inside int32).
+// Q6_K: codes of 6 bits less 32, an int8 scale per 16 (folded in when widened).
 template <> struct Blocks<Q6_K> {
   static constexpr int NB = 8, TS = 210;
   static void decode(const uint8_t* row, int64_t c, W32* o) {
@@ -479,19 +495,150 @@ template <> struct Blocks<Q6_K> {
       q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
                              _mm256_and_si256(_mm256_srli_epi16(hb, 2), m3));
       const int8_t* sc = scales + 8 * h;
-      for (int g = 0; g < 4; g++) {
-        const __m256i v = _mm256_sub_epi8(q[g], off);
-        o[4 * h + g] = {_mm256_mullo_epi16(i16_lo(v), _mm256_set1_epi16(sc[2 * g])),
-                        _mm256_mullo_epi16(i16_hi(v), _mm256_set1_epi16(sc[2 * g + 1])), d, 0.f};
-      }
+      for (int g = 0; g < 4; g++) o[4 * h + g] = {_mm256_sub_epi8(q[g], off), d, 0.f, sc[2 * g], sc[2 * g + 1]};
     }
   }
 };
+
+constexpr bool has_min(int type) { return type == Q4_1 || type == Q5_1 || type == Q4_K || type == Q5_K; }
 
 // One weight row against M (<= MMAX) coded activation rows; writes out[m] for each m.
 // MC > 0: the row count is the compile-time MC (accumulators stay in registers); else M.
 // Blocks are spread over U accumulators per row: a single chain would wait out the FMA's
 // latency at every block, and for one or two rows (decode) that latency bounds the LM head.
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+// AVX-512: a 32-block's int16 weights fill one register and meet a row's codes in one madd.
+// Scales differ per block and row, so each block's int32 sums become float there (no integer
+// accumulation across blocks); the scales of G blocks are multiplied for each row at once, so
+// per block and row it is madd, convert and an FMA whose scale is a broadcast from memory.
+inline uint16_t u16_at(const uint8_t* p) {
+  uint16_t h;
+  memcpy(&h, p, 2);
+  return h;
+}
+
+template <int C>  // the C (4 or 8) halves at p, p + stride, ...; lanes past C are 0
+inline __m256 f16x(const uint8_t* p, int64_t stride) {
+  __m128i h = _mm_cvtsi32_si128(u16_at(p));
+  h = _mm_insert_epi16(h, u16_at(p + stride), 1);
+  h = _mm_insert_epi16(h, u16_at(p + 2 * stride), 2);
+  h = _mm_insert_epi16(h, u16_at(p + 3 * stride), 3);
+  if constexpr (C == 4) return _mm256_cvtph_ps(h);
+  h = _mm_insert_epi16(h, u16_at(p + 4 * stride), 4);
+  h = _mm_insert_epi16(h, u16_at(p + 5 * stride), 5);
+  h = _mm_insert_epi16(h, u16_at(p + 6 * stride), 6);
+  h = _mm_insert_epi16(h, u16_at(p + 7 * stride), 7);
+  return _mm256_cvtph_ps(h);
+}
+
+// The float scales (d) and minimum multipliers (m) of the C 32-blocks from block b0 (C = 8: a
+// super-block of the K types), in the lanes: built from the raw bytes, not block by block.
+template <int TYPE, int C>
+inline void scales(const uint8_t* w, int64_t b0, __m256* d, __m256* m) {
+  using B = Blocks<TYPE>;
+  if constexpr (B::NB == 1) {  // d, then m for the _1 types, are the block's first halves
+    const uint8_t* b = w + b0 * B::TS;
+    *d = f16x<C>(b, B::TS);
+    if constexpr (has_min(TYPE)) *m = f16x<C>(b + 2, B::TS);
+  } else if constexpr (TYPE == Q6_K) {
+    *d = _mm256_set1_ps(f16_at(w + b0 / 8 * B::TS + 208));
+  } else {  // the 12 bytes of 6-bit scales and minima (scale_min_k4), 4 lanes per 32-bit word
+    const uint8_t* b = w + b0 / 8 * B::TS;
+    uint32_t u[3];
+    memcpy(u, b + 4, 12);
+    const uint32_t lo6 = 0x3f3f3f3f, lo4 = 0x0f0f0f0f, lo2 = 0x03030303;
+    const uint64_t sc = (u[0] & lo6) | (uint64_t)((u[2] & lo4) | ((u[0] >> 6) & lo2) << 4) << 32;
+    const uint64_t mn = (u[1] & lo6) | (uint64_t)(((u[2] >> 4) & lo4) | ((u[1] >> 6) & lo2) << 4) << 32;
+    const auto f8 = [](uint64_t v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)v))); };
+    *d = _mm256_mul_ps(_mm256_set1_ps(f16_at(b)), f8(sc));
+    *m = _mm256_mul_ps(_mm256_set1_ps(-f16_at(b + 2)), f8(mn));
+  }
+}
+
+template <int TYPE, int MC>
+inline void row_dot(const uint8_t* w, const XQ& x, int M_, float* out) {
+  using B = Blocks<TYPE>;
+  constexpr int G = 8;  // blocks per chunk: one vector of G scales per row
+  static_assert(B::NB == 1 || B::NB == G);
+  constexpr int U = MC == 1 ? 4 : MC == 2 ? 2 : 1;
+  constexpr int MR = MC > 0 ? MC : MMAX;
+  const int M = MC > 0 ? MC : M_;
+  const int64_t K = x.K, nb32 = K / 32;
+  __m512 acc[U][MR];
+  __m256 mins[MR];
+#pragma GCC unroll 8
+  for (int m = 0; m < M; m++) {  // unrolled: a loop here becomes a memset through memory
+    mins[m] = _mm256_setzero_ps();
+    for (int u = 0; u < U; u++) acc[u][m] = _mm512_setzero_ps();
+  }
+  W32 wb[G];
+  alignas(32) float sc[MR][G];
+  // blocks b0 .. b0 + C - 1 (C = G, or G / 2 at a ragged end of one-block types)
+  auto chunk = [&]<int C>(int64_t b0) {
+    constexpr __mmask8 lanes = (1 << C) - 1;
+    if constexpr (B::NB == 1) {
+      for (int i = 0; i < C; i++) B::decode(w, b0 + i, wb + i);
+    } else {
+      B::decode(w, b0 / G, wb);
+    }
+    __m256 wd, wm;
+    scales<TYPE, C>(w, b0, &wd, &wm);
+    for (int m = 0; m < M; m++)
+      _mm256_store_ps(sc[m], _mm256_mul_ps(wd, _mm256_maskz_loadu_ps(lanes, x.d + m * nb32 + b0)));
+    asm("" : "+m"(sc));  // keep sc in memory: each use below is then a broadcast load, not a shuffle
+    if constexpr (has_min(TYPE)) {  // the C minima against the C activation sums, in the lanes
+      for (int m = 0; m < M; m++)
+        mins[m] = _mm256_fmadd_ps(wm, _mm256_maskz_loadu_ps(lanes, x.s + m * nb32 + b0), mins[m]);
+    }
+    __m512i s16;  // Q6_K: the super-block's 16 int8 scales as int16, lane j scales codes 16j..16j+15
+    if constexpr (TYPE == Q6_K)
+      s16 = _mm512_cvtepi8_epi16(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(w + b0 / 8 * B::TS + 192))));
+#pragma GCC unroll 8
+    for (int i = 0; i < C; i++) {
+      __m512i wv = _mm512_cvtepi8_epi16(wb[i].q);
+      if constexpr (TYPE == Q6_K)
+        wv = _mm512_mullo_epi16(wv, _mm512_permutexvar_epi16(
+                                        _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * i)), _mm256_set1_epi16((short)(2 * i + 1)), 1), s16));
+      for (int m = 0; m < M; m++) {
+        const __m512i p = _mm512_madd_epi16(wv, _mm512_loadu_si512(x.q + m * K + (b0 + i) * 32));
+        acc[i % U][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(sc[m][i]), acc[i % U][m]);
+      }
+    }
+  };
+  int64_t b = 0;
+  for (; b + G <= nb32; b += G) chunk.template operator()<G>(b);
+  if constexpr (B::NB == 1) {
+    if (b + G / 2 <= nb32) {
+      chunk.template operator()<G / 2>(b);
+      b += G / 2;
+    }
+  }
+  float tail[MR] = {};
+  for (; b < nb32; b++) {  // the last nb32 % 4 blocks of one-block types
+    B::decode(w, b, wb);
+    const __m512i wv = _mm512_cvtepi8_epi16(wb[0].q);
+    for (int m = 0; m < M; m++) {
+      const __m512i p = _mm512_madd_epi16(wv, _mm512_loadu_si512(x.q + m * K + b * 32));
+      acc[0][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(wb[0].d * x.d[m * nb32 + b]), acc[0][m]);
+      if constexpr (has_min(TYPE)) tail[m] += wb[0].m * x.s[m * nb32 + b];
+    }
+  }
+  for (int m = 0; m < M; m++) {
+    __m512 total = acc[0][m];
+    for (int u = 1; u < U; u++) total = _mm512_add_ps(total, acc[u][m]);
+    out[m] = _mm512_reduce_add_ps(total) + (has_min(TYPE) ? hsum8(mins[m]) + tail[m] : 0.f);
+  }
+}
+#else
+inline void widen(const W32& v, bool scaled, __m256i* lo, __m256i* hi) {
+  *lo = i16_lo(v.q);
+  *hi = i16_hi(v.q);
+  if (scaled) {
+    *lo = _mm256_mullo_epi16(*lo, _mm256_set1_epi16((short)v.s0));
+    *hi = _mm256_mullo_epi16(*hi, _mm256_set1_epi16((short)v.s1));
+  }
+}
+
 template <int TYPE, int MC>
 inline void row_dot(const uint8_t* w, const XQ& x, int M_, float* out) {
   using B = Blocks<TYPE>;
@@ -512,10 +659,12 @@ inline void row_dot(const uint8_t* w, const XQ& x, int M_, float* out) {
   W32 wb[NW];
   auto block = [&]<int u>(int64_t b) {
     const W32& wv = wb[b % NW];
+    __m256i lo, hi;
+    widen(wv, TYPE == Q6_K, &lo, &hi);
     for (int m = 0; m < M; m++) {
       const int16_t* xq = x.q + m * K + b * 32;
-      const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(wv.lo, _mm256_loadu_si256((const __m256i*)xq)),
-                                         _mm256_madd_epi16(wv.hi, _mm256_loadu_si256((const __m256i*)(xq + 16))));
+      const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i*)xq)),
+                                         _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i*)(xq + 16))));
       acc[u][m] = _mm256_fmadd_ps(_mm256_set1_ps(wv.d * x.d[m * nb32 + b]), _mm256_cvtepi32_ps(p), acc[u][m]);
       if constexpr (TYPE == Q4_1 || TYPE == Q5_1) mins[m] += wv.m * x.s[m * nb32 + b];
     }
@@ -555,12 +704,20 @@ inline void row_dot(const uint8_t* w, const XQ& x, int M_, float* out) {
     out[m] = hsum8(total) + mins[m];
   }
 }
+#endif
+
+// Bytes ahead of the row in work that its weights are prefetched: the hardware prefetcher alone
+// leaves a single thread's stream (the LM head at batch 1) well below the core's bandwidth.
+// Past the tensor's end a prefetch is dropped, never a fault.
+constexpr int64_t PREFETCH_AHEAD = 8192;
 
 template <int TYPE, int MC>
 void rows_int_m(const MatmulArgs& a, const XQ& x, int64_t n0, int64_t n1) {
   float out[MMAX];
   const int M = (int)a.M;
   for (int64_t n = n0; n < n1; n++) {
+    const uint8_t* ahead = a.w + n * a.row_bytes + PREFETCH_AHEAD;
+    for (int64_t off = 0; off < a.row_bytes; off += 64) _mm_prefetch((const char*)ahead + off, _MM_HINT_T0);
     row_dot<TYPE, MC>(a.w + n * a.row_bytes, x, M, out);
     for (int m = 0; m < M; m++) a.y[m * a.N + n] = out[m];
   }
