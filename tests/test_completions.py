@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,11 +30,39 @@ def test_model_arguments_complete_gguf_paths(tmp_path: Path, monkeypatch: pytest
     assert complete_gguf("models/") == ["models/c.gguf"]
 
 
+def _bash(line: str) -> dict[str, str]:
+    return {"_GMLX_COMPLETE": "complete_bash", "COMP_WORDS": line, "COMP_CWORD": str(len(line.split()) - 1)}
+
+
+def _zsh(line: str) -> dict[str, str]:
+    return {"_GMLX_COMPLETE": "complete_zsh", "_TYPER_COMPLETE_ARGS": line}
+
+
+def _fish(line: str) -> dict[str, str]:
+    return {"_GMLX_COMPLETE": "complete_fish", "_TYPER_COMPLETE_FISH_ACTION": "get-args", "_TYPER_COMPLETE_ARGS": line}
+
+
+def _candidates(shell: str, out: str) -> list[str]:
+    """What the shell offers from the callback's answer: bash and fish read one per line; zsh evals
+    `_arguments '*: :(("a" "b"))'`, and `_files` (every file) when gmlx offers nothing."""
+    if shell == "zsh":
+        assert out.startswith("_arguments "), out
+        return re.findall(r'"((?:[^"]|"")*)"', out)
+    return out.split()
+
+
+SHELLS = {"bash": _bash, "zsh": _zsh, "fish": _fish}
+
+
+@pytest.mark.parametrize("shell", SHELLS)
 @pytest.mark.parametrize("command", ["inspect", "serve", "plan"])
-def test_the_shell_callback_lists_gguf_files(tmp_path: Path, command: str) -> None:
-    """What bash runs on <TAB>: `gmlx` itself, with the words typed so far in the environment."""
+def test_the_shell_callback_lists_gguf_files(tmp_path: Path, command: str, shell: str) -> None:
+    """What each shell's script runs on <TAB>: `gmlx` itself, with the words typed so far in the environment."""
     for name in ("m.gguf", "notes.md"):
         (tmp_path / name).touch()
-    env = {**os.environ, "_GMLX_COMPLETE": "complete_bash", "COMP_WORDS": f"gmlx {command} {tmp_path}/", "COMP_CWORD": "2"}
+    env = {**os.environ, **SHELLS[shell](f"gmlx {command} {tmp_path}/")}
     out = subprocess.run([sys.executable, "-m", "gmlx"], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.split() == [f"{tmp_path}/m.gguf"]
+    assert _candidates(shell, out) == [f"{tmp_path}/m.gguf"]
+    if shell == "fish":  # the script's --condition: exit 0 makes fish offer these instead of every file
+        env["_TYPER_COMPLETE_FISH_ACTION"] = "is-args"
+        assert subprocess.run([sys.executable, "-m", "gmlx"], env=env, capture_output=True).returncode == 0

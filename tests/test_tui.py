@@ -1,11 +1,15 @@
 """`gmlx top`: the Textual app driven by its pilot against real HTTP servers that answer recorded
-snapshots, `--once` on a fixed snapshot, and one run against a live gmlx server."""
+snapshots, `--once` on a fixed snapshot, and one run against a real `gmlx serve` process."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -15,6 +19,7 @@ import httpx
 import pytest
 from rich.text import Text
 from textual.pilot import Pilot
+from tiny_models import write_model
 from textual.widgets import DataTable, Static
 from typer.testing import CliRunner
 
@@ -111,6 +116,11 @@ def ids(app: TopApp) -> list[str]:
     return [str(table.get_row_at(i)[0]) for i in range(table.row_count)]
 
 
+def dimmed(line: Text) -> bool:
+    """The whole line is drawn dim: what a stale section looks like."""
+    return any(s.start == 0 and s.end >= len(line) and "dim" in str(s.style) for s in line.spans)
+
+
 def band_style(app: TopApp) -> str:
     line = shown(app, "band")
     return next(str(span.style) for span in line.spans if "reverse" in str(span.style))
@@ -124,6 +134,7 @@ async def test_band_and_rows_follow_the_snapshot(fake: FakeServer) -> None:
         assert "GREEN" in shown(app, "band").plain and "green" in band_style(app)
         assert "GPU telemetry unavailable" in shown(app, "gpu").plain
         assert "model tiny" in shown(app, "server").plain and "ready yes" in shown(app, "server").plain
+        assert "up 1 h 02 m" in shown(app, "server").plain  # uptime_s 3725
         assert states(app) == []
         capacity = app.query_one("#capacity", DataTable)
         assert [capacity.get_row_at(i) for i in range(capacity.row_count)] == [["1", "32,768"], ["2", "32,768"], ["4", "16,384"]]
@@ -138,7 +149,9 @@ async def test_band_and_rows_follow_the_snapshot(fake: FakeServer) -> None:
         assert "GPU0 NVIDIA H200" in shown(app, "gpu").plain
         slots = shown(app, "slots").plain
         assert "slots 3 / 4" in slots and "queue 1 / 16" in slots and "rejections 2 (last: queue_full)" in slots
-        assert "ready no (queue)" in shown(app, "server").plain
+        assert "ready no (queue)" in shown(app, "server").plain and "up 3 m 12 s" in shown(app, "server").plain
+        band = shown(app, "band").plain  # used of the governor's limit, and the budget it is taken from
+        assert "used 17.8 GiB (84 %) of 21.2 GiB  budget 23.5 GiB" in band and not dimmed(shown(app, "band"))
 
         fake.use("idle_green")
         await until(pilot, lambda: states(app) == [])
@@ -212,6 +225,43 @@ async def test_down_and_401_are_drawn_and_recovered_from() -> None:
 
 
 @pytest.mark.anyio
+async def test_stale_requests_are_cleared_and_marked() -> None:
+    """Down, or refusing the key: the last requests are not shown as if live, the rest is dimmed and
+    the screen says how old it is."""
+    server = FakeServer("busy_yellow")
+    app = TopApp([server.url], interval=0.5)
+    try:
+        async with app.run_test(size=(160, 45)) as pilot:
+            await until(pilot, lambda: len(states(app)) == 4)
+            requests = app.query_one("#requests", DataTable)
+            assert requests.border_title == "requests (4, sorted by queue)"
+            assert "last seen" not in shown(app, "server").plain
+
+            server.stop()
+            await pilot.press("r")
+            await until(pilot, lambda: app.poller.status is Status.DOWN)
+            assert states(app) == [] and str(requests.border_title).startswith("requests (cleared: down, last seen ")
+            note = shown(app, "server").plain
+            assert "last seen " in note and " ago" in note
+            assert "YELLOW" in shown(app, "band").plain  # the last band is still there, dimmed
+            assert all(dimmed(shown(app, name)) for name in ("band", "gpu", "slots", "rates"))
+            assert str(app.query_one("#decode-label").content).startswith("decode  now -  peak ")
+            await pilot.press("p")  # no polls while paused, and still the note counts on
+            note = shown(app, "server").plain
+            await until(pilot, lambda: shown(app, "server").plain != note, timeout=3)
+            await pilot.press("p")
+
+            server.key = "sekrit"
+            server.start()
+            await pilot.press("r")
+            await until(pilot, lambda: app.poller.status is Status.AUTH)
+            assert states(app) == [] and str(requests.border_title).startswith("requests (cleared: key needed, last seen ")
+            assert "last seen " in shown(app, "server").plain
+    finally:
+        server.stop()
+
+
+@pytest.mark.anyio
 async def test_poller_survives_odd_answers(fake: FakeServer) -> None:
     """Null sections, wrong types and unknown fields draw dashes; nothing raises."""
     from gmlx.tui.render import plain_text
@@ -261,25 +311,61 @@ def test_once_fails_when_a_server_is_unreachable(fake: FakeServer) -> None:
     assert "ConnectError" in result.output and "fleet" in result.output
 
 
-def test_live_server_rows_move_from_queued_to_decode(tiny_models: dict[str, Path]) -> None:
-    from conftest import LiveServer
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
-    with LiveServer(tiny_models["llama"], decode_batch=1) as server:
-        seen: list[list[str]] = []
 
-        async def watch() -> None:
-            app = TopApp([server.url], interval=0.05)
-            async with app.run_test(size=(160, 45)) as pilot, httpx.AsyncClient(base_url=server.url, timeout=60) as http:
-                body = {"prompt": "x", "max_tokens": 200, "temperature": 0}
-                sent = [asyncio.create_task(http.post("/v1/completions", json=body)) for _ in range(2)]
-                while not all(t.done() for t in sent):
-                    await pilot.pause(0.02)
-                    seen.append(states(app))
-                assert all(t.result().status_code == 200 for t in sent)
+@pytest.fixture
+def gmlx_serve(tmp_path: Path) -> Iterator[str]:
+    """A real `gmlx serve` process on a tiny model with one decode slot, so a second request queues.
+    Its context is long enough for requests that take a noticeable time to decode."""
+    model = write_model(tmp_path / "tiny.gguf", "llama", context=2048)
+    url, log = f"http://127.0.0.1:{(port := free_port())}", tmp_path / "serve.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "gmlx", "serve", str(model), "--port", str(port),
+                                 "--decode-batch", "1", "--log-level", "warning"], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, f"gmlx serve exited {proc.returncode}: {log.read_text()}"
+            assert time.monotonic() < deadline, f"gmlx serve was not ready in time: {log.read_text()}"
+            try:
+                if httpx.get(f"{url}/health?ready=1", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
-        asyncio.run(watch())
-    assert ["queued", "decode"] in seen  # one waits for the single slot while the other decodes
-    assert any(rows == ["decode"] for rows in seen)  # then the waiting one decodes
+
+def test_real_server_rows_move_from_queued_to_decode(gmlx_serve: str) -> None:
+    seen: dict[str, list[str]] = {}  # request id -> the states it was drawn in, in order
+
+    async def watch() -> None:
+        app = TopApp([gmlx_serve], interval=0.05)
+        async with app.run_test(size=(160, 45)) as pilot, httpx.AsyncClient(base_url=gmlx_serve, timeout=60) as http:
+            body = {"prompt": "x", "max_tokens": 600, "temperature": 0}
+            sent = [asyncio.create_task(http.post("/v1/completions", json=body)) for _ in range(2)]
+            while not all(t.done() for t in sent):
+                await pilot.pause(0.02)
+                for rid, state in zip(ids(app), states(app)):
+                    if seen.setdefault(rid, [state])[-1] != state:
+                        seen[rid].append(state)
+            assert all(t.result().status_code == 200 for t in sent)
+
+    asyncio.run(watch())
+    assert len(seen) == 2, seen
+    assert any("queued" not in s and "decode" in s for s in seen.values()), seen  # one takes the single slot
+    assert any("queued" in s and "decode" in s[s.index("queued"):] for s in seen.values()), seen  # the other waits, then decodes
 
 
 # Snapshot tests of the whole screen (pytest-textual-snapshot; the SVGs are in

@@ -157,8 +157,9 @@ SCHEMAS: dict[str, dict] = {
     },
     "Metrics": {"type": "object", "required": ["server"], "properties": {"server": {"type": "object"}}},
     "System": {
-        "type": "object", "required": ["version", "state", "device", "compute_type", "model", "gpu", "activity", "models"],
+        "type": "object", "required": ["version", "state", "uptime_s", "device", "compute_type", "model", "gpu", "activity", "models"],
         "properties": {"version": {"type": "string"}, "state": {"enum": ["loading", "ready", "draining"]},
+                       "uptime_s": {"type": "number", "minimum": 0},
                        "gpu": {"type": ["array", "null"]},
                        "activity": {"type": "object", "required": ["active", "waiting"],
                                     "properties": {"active": {"type": "integer"}, "waiting": {"type": "integer"}}}},

@@ -32,7 +32,9 @@ HELP = """\
 The band is the memory governor's: [green]green[/], [yellow]yellow[/] (one admission at a time),
 [dark_orange]orange[/] (admission held), [red]red[/] (streams stopped). The bar shows active memory (█),
 cache (▓) and the rest the governor counts (▒) against its limit, with a tick where each band starts.
-A server that needs a key: pass --api-key KEY or set GMLX_API_KEY.
+A server that needs a key: pass --api-key KEY or set GMLX_API_KEY. While a server is down or
+refuses the key its request rows are cleared, the rest is dimmed and the top line says when it
+last answered.
 
 escape closes this help."""
 
@@ -107,6 +109,13 @@ class TopApp(App[None]):
         self.draw()
         for i in range(len(self.pollers)):
             self.dashboard.run_worker(self._poll_loop(i), group="poll")  # stops with the screen
+        self.set_interval(1.0, self._age)
+
+    def _age(self) -> None:
+        """Between the backed-off retries of a server that is down, keep its "last seen" counting."""
+        if render.stale(self.poller):
+            with contextlib.suppress(NoMatches):
+                self.draw(self.selected)
 
     async def on_unmount(self) -> None:
         for p in self.pollers:
@@ -144,8 +153,8 @@ class TopApp(App[None]):
         q("#rates", Static).update(render.rates_line(p))
         for name, label, data, show in self.SPARKS(p):
             q(f"#{name}", Sparkline).data = list(data)
-            q(f"#{name}-label", Label).update(
-                f"{label}  now {show(data[-1] if data else None)}  peak {show(max(data) if data else None)}")
+            now = data[-1] if data and not render.stale(p) else None
+            q(f"#{name}-label", Label).update(f"{label}  now {show(now)}  peak {show(max(data) if data else None)}")
         capacity = q("#capacity", DataTable)
         capacity.clear()
         capacity.add_rows(render.capacity_rows(p))
@@ -153,7 +162,7 @@ class TopApp(App[None]):
         requests.clear()
         for _, cells in render.request_rows(p, self.sort):
             requests.add_row(*cells)
-        requests.border_title = f"requests ({len(requests.rows)}, sorted by {self.sort})"
+        requests.border_title = render.requests_title(p, self.sort, requests.row_count)
 
     def action_pause(self) -> None:
         self.paused = not self.paused

@@ -4,6 +4,7 @@ and by `gmlx top --once`, so the two always agree."""
 from __future__ import annotations
 
 import io
+import time
 from typing import Any
 
 from rich.console import Console, Group, RenderableType
@@ -29,17 +30,43 @@ def band_of(p: Poller) -> str | None:
     return b if isinstance(b, str) else None
 
 
+def stale(p: Poller) -> bool:
+    """A server that is down or refuses the key: what is still shown of it is from an earlier poll."""
+    return p.status in (Status.DOWN, Status.AUTH)
+
+
+def last_seen(p: Poller) -> str | None:
+    """How long ago the last metrics came, while they are stale; None when fresh or there were none."""
+    if not stale(p) or p.polled_at is None:
+        return None
+    return f"last seen {f.duration(time.monotonic() - p.polled_at)} ago"
+
+
+def _aged(p: Poller, line: Text) -> Text:
+    if stale(p):
+        line.stylize("dim")
+    return line
+
+
 def server_line(p: Poller, paused: bool = False, live: bool = True) -> Text:
     sys = p.system
     line = Text.assemble((p.url, "bold"), "  ", _status(p))
+    seen = last_seen(p)
+    if seen:
+        line.append(f"  {seen}", "bold yellow")
     if paused:
         line.append("  PAUSED", "bold magenta")
+    facts = Text()
     for label, value in (("model", sys.get("model")), ("version", sys.get("version")), ("state", sys.get("state")),
+                         ("up", f.duration(sys.get("uptime_s"))),
                          ("device", sys.get("device")), ("compute", sys.get("compute_type"))):
-        line.append(f"  {label} ", "dim").append(f.text(value))
+        facts.append(f"  {label} ", "dim").append(f.text(value))
     ready = p.ready.get("ready")
     if ready is not None:
-        line.append("  ready ", "dim").append("yes" if ready else f"no ({f.text(p.ready.get('reason'))})")
+        facts.append("  ready ", "dim").append("yes" if ready else f"no ({f.text(p.ready.get('reason'))})")
+    if p.status is Status.DOWN:  # /system and /health are not fetched either: these are their last answers
+        facts.stylize("dim")
+    line.append_text(facts)
     if p.error:
         retry = f" (retry in {f.duration(p.delay)})" if live and p.status is Status.DOWN else ""
         line.append(f"\n{p.error}{retry}", "red")
@@ -59,9 +86,10 @@ def band_line(p: Poller) -> Text:
     active, cache = f.num(mem.get("active_bytes")), f.num(mem.get("cache_bytes"))
     used = f.num(gov.get("used_bytes"))
     line.append("  ").append_text(_bar(limit, used, active, cache, f.dict_of(gov.get("thresholds")), band))
-    line.append(f"  used {f.size(used)} ({f.percent(gov.get('fraction'))}) of {f.size(limit)}", "")
+    line.append(f"  used {f.size(used)} ({f.percent(gov.get('fraction'))}) of {f.size(limit)}")
+    line.append(f"  budget {f.size(mem.get('budget_bytes'))}")
     line.append(f"  active {f.size(active)}  cache {f.size(cache)}  headroom {f.size(mem.get('headroom_bytes'))}")
-    return line
+    return _aged(p, line)
 
 
 def _bar(limit: float | None, used: float | None, active: float | None, cache: float | None,
@@ -101,7 +129,10 @@ def gpu_line(p: Poller) -> Text:
         line.append(f"util {f.DASH if util is None else f'{util:.0f} %'}  ")
         line.append(f"mem {f.size(g.get('memory_used_bytes'))} / {f.size(g.get('memory_total_bytes'))}  ")
         line.append(f"{f.DASH if temp is None else f'{temp:.0f} °C'}  {f.DASH if power is None else f'{power:.0f} W'}   ")
-    return line.rstrip() or line
+    line.rstrip()
+    if p.status is Status.DOWN:  # /system is not fetched either: this is its last answer
+        line.stylize("dim")
+    return line
 
 
 def slots_line(p: Poller) -> Text:
@@ -114,17 +145,18 @@ def slots_line(p: Poller) -> Text:
     line.append("   rejections ", "dim").append(f.text(queue.get("rejections")), "bold red" if f.num(queue.get("rejections")) else "")
     if queue.get("last_reject_reason"):
         line.append(f" (last: {f.text(queue['last_reject_reason'])})", "dim")
-    return line
+    return _aged(p, line)
 
 
 def rates_line(p: Poller) -> Text:
     rates = section(p, "rates")
-    return Text.assemble(("decode now ", "dim"), f.rate(rates.get("decode_tok_s")),
+    line = Text.assemble(("decode now ", "dim"), f.rate(rates.get("decode_tok_s")),
                          ("  streams ", "dim"), f.text(rates.get("decode_streams")),
                          ("   recent requests: prefill ", "dim"), f.rate(rates.get("prefill_tok_s_recent")),
                          ("  decode ", "dim"), f.rate(rates.get("decode_tok_s_recent")),
                          ("   lifetime decode ", "dim"), f.rate(rates.get("decode_tok_s_lifetime")),
                          *_prompt_cache(section(p, "prompt_cache")))
+    return _aged(p, line)
 
 
 def _prompt_cache(pc: dict) -> tuple[tuple[str, str] | str, ...]:
@@ -142,7 +174,10 @@ def capacity_rows(p: Poller) -> list[tuple[str, str]]:
 
 
 def request_rows(p: Poller, sort: str = "queue") -> list[tuple[str, tuple[RenderableType, ...]]]:
-    """(id, cells) per request, ordered by `sort` (one of SORTS)."""
+    """(id, cells) per request, ordered by `sort` (one of SORTS); none while stale, since those
+    requests may have finished or died with the server."""
+    if stale(p):
+        return []
     rows = [r for r in f.list_of(p.metrics.get("requests")) if isinstance(r, dict)]
     key = {
         "queue": lambda r: r.get("state") != "queued",
@@ -163,15 +198,24 @@ def _cells(r: dict) -> tuple[RenderableType, ...]:
             f.duration(r.get("elapsed_s")), f.duration(r.get("ttft_s")), f.rate(r.get("decode_tok_s")), tier, accept)
 
 
+def requests_title(p: Poller, sort: str, shown: int) -> str:
+    if stale(p):
+        return f"requests (cleared: {p.status.value}" + (f", {seen})" if (seen := last_seen(p)) else ")")
+    return f"requests ({shown}, sorted by {sort})"
+
+
 FLEET_COLUMNS = ("server", "status", "model", "band", "slots", "queue", "decode", "requests")
 
 
 def fleet_row(p: Poller) -> tuple[RenderableType, ...]:
     conc, band = section(p, "concurrency"), band_of(p)
-    return (p.url, _status(p), f.text(p.system.get("model")), Text(f.text(band), BAND_STYLE.get(band, "dim")),
-            f"{f.text(conc.get('in_flight'))} / {f.text(conc.get('decode_batch'))}",
-            f"{f.text(conc.get('waiting'))} / {f.text(conc.get('queue_cap'))}",
-            f.rate(section(p, "rates").get("decode_tok_s")), f.text(len(f.list_of(p.metrics.get("requests")))))
+    old = stale(p)
+    cell = lambda s, style="": Text(s, "dim" if old else style)
+    return (p.url, _status(p), cell(f.text(p.system.get("model"))), cell(f.text(band), BAND_STYLE.get(band, "dim")),
+            cell(f"{f.text(conc.get('in_flight'))} / {f.text(conc.get('decode_batch'))}"),
+            cell(f"{f.text(conc.get('waiting'))} / {f.text(conc.get('queue_cap'))}"),
+            cell(f.rate(section(p, "rates").get("decode_tok_s"))),
+            f.DASH if old else f.text(len(f.list_of(p.metrics.get("requests")))))
 
 
 def snapshot(p: Poller) -> Group:
