@@ -22,10 +22,11 @@ test-fast: venv
 system:
 	@if [ "$$(uname)" = Linux ]; then \
 	  pkgs=""; \
+	  $(PYTHON) -c 'import ensurepip, venv' 2>/dev/null || pkgs="$$pkgs python3 python3-venv"; \
 	  ldconfig -p | grep -q 'libopenblas.so.0' || pkgs="$$pkgs libopenblas0-pthread"; \
 	  command -v c++ >/dev/null || pkgs="$$pkgs g++"; \
 	  $(PYTHON) -c 'import os, sysconfig; raise SystemExit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
-	    || pkgs="$$pkgs python3-dev"; \
+	    2>/dev/null || pkgs="$$pkgs python3-dev"; \
 	  if [ -n "$$pkgs" ]; then \
 	    if command -v apt-get >/dev/null; then \
 	      $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq $$pkgs; \

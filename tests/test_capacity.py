@@ -19,9 +19,11 @@ from gmlx.capacity.memory import (
     KVFormat,
     LayerKind,
     kv_bytes,
+    kv_bytes_per_token,
     kv_layer_kinds,
     layer_bytes_per_token,
     stream_bytes,
+    warmup_per_token,
 )
 from gmlx.capacity.plan import LiveState, plan
 from gmlx.capacity.table import CapacityTable, build_table, capacity_table, depth_grid
@@ -109,6 +111,32 @@ def test_quantized_kv_format() -> None:
         KVFormat(bits=5)
 
 
+def test_warmup_per_token_figures() -> None:
+    assert kv_bytes_per_token(LLAMA) == LLAMA_TOKEN and kv_bytes_per_token(GEMMA3) == 3072 + 15360
+    # Dense: 32 prompt tokens sit in one 256-token step, so the measured bytes are over 256 slots.
+    exact = warmup_per_token(LLAMA, 32, 256 * LLAMA_TOKEN)
+    assert exact == {"kv_bytes_per_token_predicted": LLAMA_TOKEN, "kv_bytes_per_token_measured": LLAMA_TOKEN}
+    assert warmup_per_token(LLAMA, 32, 256 * LLAMA_TOKEN * 11 // 10)["kv_bytes_per_token_measured"] == \
+        pytest.approx(1.1 * LLAMA_TOKEN)
+    # gemma3 right after 32 prompt tokens: global layers hold 256 slots, sliding ones exactly 32.
+    held = 3072 * 256 + 15360 * 32
+    assert warmup_per_token(GEMMA3, 32, held)["kv_bytes_per_token_measured"] == 3072 + 15360
+    assert warmup_per_token(GEMMA3, 32, 2 * held)["kv_bytes_per_token_measured"] == 2 * (3072 + 15360)
+
+
+def test_kv_quant_plans_with_the_window_in_use() -> None:
+    """The kvarn tail is judged against the window served: a max_kv_size below the GGUF's window
+    can make it cover everything, one above it cannot stretch the window."""
+    from gmlx.capacity.kv_quant import DROPPED, KVQuantSettings, plan_kv_quant
+
+    kvarn = KVQuantSettings(bits=8, scheme="kvarn", tail_tokens=1024)
+    assert plan_kv_quant(kvarn, LLAMA).verdict != DROPPED
+    capped = plan_kv_quant(kvarn, LLAMA, context_length=1024)
+    assert capped.verdict == DROPPED and "whole 1024-token context" in capped.reason
+    small = dataclasses.replace(LLAMA, context_length=512)
+    assert "whole 512-token context" in plan_kv_quant(kvarn, small, context_length=10**6).reason
+
+
 def test_capacity_imports_no_mlx() -> None:
     import subprocess
 
@@ -128,6 +156,18 @@ def test_budget_reserve_and_kv() -> None:
     assert small.reserve_bytes == 512 * MiB  # 10% would be 205 MiB: the floor wins
     assert small.kv_bytes == 256 * MiB
     assert MemoryBudget(total_bytes=GiB, weight_bytes=GiB, prefill_bytes=0).kv_bytes == 0  # never negative
+
+
+def test_drained_and_free_now_leave_the_prompt_cache_bound() -> None:
+    b = MemoryBudget(total_bytes=16 * GiB, weight_bytes=4 * GiB, prefill_bytes=1 * GiB, prompt_cache_bytes=2 * GiB)
+    assert b.drained_bytes == 16 * GiB - 4 * GiB - b.reserve_bytes - 2 * GiB
+    # A request fits once drained exactly when its stream fits the KV budget (both leave the bound out).
+    assert b.drained_bytes - b.prefill_bytes == b.kv_bytes
+    # Idle, with the weights and 512 MiB of cached prompts resident: the cache's unused bound stays off too.
+    assert b.free_now_bytes(4 * GiB + 512 * MiB, 512 * MiB) == b.drained_bytes
+    # Entries past the bound (before an eviction) do not count as room.
+    assert b.free_now_bytes(4 * GiB + 3 * GiB, 3 * GiB) == b.drained_bytes - GiB
+    assert b.free_now_bytes(10 * GiB, 0) == b.drained_bytes - 6 * GiB  # 6 GiB of running streams
 
 
 def test_prefill_working_bytes() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import httpx
@@ -21,12 +22,14 @@ FIELDS = ["width", "depth", "ok", "max_context_at_width", "max_width_at_depth", 
 MiB = 2**20
 
 
-def offline_table(path: Path, memory: int, decode_batch: int = 4):
+def offline_table(path: Path, memory: int, decode_batch: int = 4, context_length: int | None = None,
+                  prompt_cache_bytes: int | None = None):
     h = read_header(path)
     return capacity_table(h.geometry, weight_bytes=resident_bytes(h, "float"), decode_batch=decode_batch,
                           prefill_step=512, kv=KVFormat(float_bytes=4), memory=memory,
-                          reserve_fraction=0.10, reserve_floor=512 * MiB, context_length=h.geometry.context_length,
-                          prompt_cache_bytes=default_prompt_cache_bytes(memory))
+                          reserve_fraction=0.10, reserve_floor=512 * MiB, context_length=context_length,
+                          prompt_cache_bytes=default_prompt_cache_bytes(memory) if prompt_cache_bytes is None
+                          else prompt_cache_bytes)
 
 
 @pytest.fixture
@@ -72,6 +75,46 @@ def test_plan_under_overcommit(small_memory_model: tuple[Path, int]) -> None:
     assert r["ok"] is None and r["admit_now"] is True and r["reason"] == "ok"
 
 
+def test_overcommit_from_the_environment(small_memory_model: tuple[Path, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """GMLX_OVERCOMMIT=1 in the server's environment, as an operator sets it, not a settings kwarg."""
+    import gmlx.server.settings as settings
+
+    path, memory = small_memory_model
+    for name in os.environ:
+        if name.startswith("GMLX_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("GMLX_OVERCOMMIT", "1")
+    # LiveServer resolves against an empty environment; this one reads the real one, as `gmlx serve` does.
+    real = settings.resolve_settings
+    monkeypatch.setattr(settings, "resolve_settings", lambda flags, env=None, config=None: real(flags))
+    with LiveServer(path, memory=memory, governor=False) as server, server.client() as c:
+        assert server.settings.sources["overcommit"] == "env GMLX_OVERCOMMIT"
+        r = c.get(PLAN, params={"width": 4, "depth": 4000}).json()
+    # Without overcommit this plan fails on memory (test_plan_fields_and_memory_answer).
+    assert r["ok"] is None and r["admit_now"] is True and r["reason"] == "ok"
+    assert r["max_context_at_width"] == offline_table(path, memory).max_context_at_width(4) < 4000
+
+
+def test_max_kv_size_caps_the_window(tmp_path: Path) -> None:
+    from tiny_models import write_model
+
+    path, memory, cap = write_model(tmp_path / "long.gguf", "llama", context=4096), 8 * 2**30, 300
+    expected = offline_table(path, memory, context_length=cap)
+    with LiveServer(path, memory=memory, max_kv_size=cap, governor=False) as server, server.client() as c:
+        model = c.get("/v1/models").json()["data"][0]
+        served = server.state.table()
+        too_deep = c.get(PLAN, params={"width": 1, "depth": cap + 1}).json()
+        long = {"messages": [{"role": "user", "content": "word " * 400}]}
+        est = c.post("/v1/estimate", json=long).json()
+        r = c.post("/v1/chat/completions", json=long)
+    assert model["context_length"] == cap and model["max_context_at_width_1"] == cap
+    assert served.context_length == cap and served.to_json() == expected.to_json()
+    assert max(served.widths().values()) == cap and max(served.depths()) == cap
+    assert too_deep["ok"] is False and too_deep["reason"] == f"depth {cap + 1} exceeds max context {cap} at width 1"
+    assert est["context_limit"] == cap and est["prompt_tokens"] > cap and est["context_ok"] is False
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
 @pytest.mark.parametrize("query", [{}, {"width": 2}, {"width": "x", "depth": 5}, {"width": 0, "depth": 5},
                                    {"width": 2, "depth": -1}])
 def test_plan_rejects_bad_queries(live_server: LiveServer, query: dict) -> None:
@@ -113,6 +156,9 @@ def test_plan_governor_bands(live_server: LiveServer) -> None:
         assert r["reason"] == "1 free slot(s) of 4, need 2" and r["band"] == "yellow"
         live_server.state.band = "orange"
         assert c.get(PLAN, params={"width": 1, "depth": 64}).json()["reason"] == "governor orange"
+        live_server.state.band = "red"
+        red = c.get(PLAN, params={"width": 1, "depth": 64}).json()
+        assert red["reason"] == "governor red" and red["admit_now"] is False and red["ok"] is True
 
 
 def test_estimate_and_dry_run_agree(live_server: LiveServer) -> None:
@@ -142,3 +188,19 @@ def test_estimate_edge_cases(live_server: LiveServer) -> None:
         assert c.post("/v1/chat/completions", json={"messages": 1, "dry_run": True}).status_code == 400
         assert c.post("/v1/estimate", json={"messages": [{"role": "user", "content": "x"}],
                                             "model": "other"}).status_code == 404
+
+
+def test_fits_drained_leaves_the_prompt_cache_bound(tiny_models: dict[str, Path]) -> None:
+    """The estimate and the capacity table count the same memory: a prompt cache bound that leaves
+    less than one stream makes the estimate say no, as the table does."""
+    path, memory = tiny_models["llama"], 8 * 2**30
+    without = offline_table(path, memory, prompt_cache_bytes=0)
+    bound = without.budget.kv_bytes - without.stream_bytes(256) + 1  # one byte short of a 256-token stream
+    body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 100}
+    with LiveServer(path, memory=memory, prompt_cache_bytes=bound, governor=False) as server, server.client() as c:
+        est = c.post("/v1/estimate", json=body).json()
+        table = server.state.table()
+    depth = est["prompt_tokens"] + 100
+    assert table.budget.prompt_cache_bytes == bound and table.max_width_at_depth(depth) == 0
+    assert est["need_bytes"] <= without.budget.drained_bytes  # it would fit, were the bound not kept
+    assert est["fits_drained"] is False and est["fits_now"] is False

@@ -109,6 +109,21 @@ def test_plan_table(tiny_models: dict[str, Path]) -> None:
     assert "capacity: 8 streams of 256 tokens" in r.stdout and "max context" in r.stdout and "max width" in r.stdout
 
 
+def test_plan_with_max_kv_size(tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    llama = tiny_models["llama"]  # trained window: 256
+    out = invoke_json("plan", llama, "--table", "--memory", "8GiB", "--max-kv-size", 100)
+    assert out["table"]["context_length"] == 100 and set(out["table"]["widths"].values()) == {100}
+    assert out["table"]["depths"] == {"100": 8}
+    assert out["assumptions"]["context_length"] == {"value": 100, "from": "--max-kv-size, below the GGUF's 256"}
+    p = invoke_json("plan", llama, "--width", 1, "--depth", 101, "--memory", "8GiB", "--max-kv-size", 100, code=1)
+    assert p["plan"]["reason"] == "depth 101 exceeds max context 100 at width 1"
+    monkeypatch.setenv("GMLX_MAX_KV_SIZE", "4096")  # above the trained window: no effect
+    a = invoke_json("plan", llama, "--width", 1, "--depth", 256, "--memory", "8GiB")["assumptions"]
+    assert a["context_length"] == {"value": 256, "from": "the GGUF header (env GMLX_MAX_KV_SIZE 4096 is not smaller)"}
+    est = invoke_json("estimate", llama, "--prompt", "word " * 60, "--max-kv-size", 50, code=1)["estimate"]
+    assert est["context_limit"] == 50 and est["prompt_tokens"] >= 50 and est["context_ok"] is False
+
+
 @pytest.mark.parametrize("args", [["--width", 0, "--depth", 5], ["--width", 2, "--depth", -1],
                                   ["--width", "x", "--depth", 5]])
 def test_plan_bad_numbers_are_usage_errors(tiny_models: dict[str, Path], args: list) -> None:
@@ -142,7 +157,17 @@ def test_plan_url_matches_offline(small_memory_model: tuple[Path, int]) -> None:
             assert out["assumptions"] == {"source": "server", "url": server.url}
         r = invoke("plan", "--url", server.url, "--width", 1, "--depth", 512)
         assert r.exit_code == 0 and f"figures from the server at {server.url}" in r.stdout
-        assert "does not expose its capacity table" in one_line_error(invoke("plan", "--url", server.url, "--table"))
+        held = server.state.table().to_json()
+        served = invoke_json("plan", "--url", server.url, "--table")
+        shown = invoke("plan", "--url", server.url, "--table")
+    assert served == {"table": held, "assumptions": {"source": "server", "url": server.url}}
+    # The same budget offline builds the same table.
+    built = invoke_json("plan", path, "--table", "--memory", memory, "--weights", "float", "--decode-batch", 4)
+    assert built["table"] == held
+    assert shown.exit_code == 0, shown.output
+    assert held["headline"] in shown.stdout and f"figures from the server at {server.url}" in shown.stdout
+    for width, context in held["widths"].items():
+        assert any(line.split() == [width, str(context)] for line in shown.stdout.splitlines()), (width, context)
 
 
 def test_estimate_offline_matches_server(tiny_models: dict[str, Path], tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import BatchGenerator
 
-from gmlx.capacity.memory import KVFormat, stream_bytes
+from gmlx.capacity.memory import KVFormat, stream_bytes, warmup_per_token
 from gmlx.models.loader import LoadedModel, load
 
 
@@ -75,10 +75,16 @@ def test_kv_prediction_matches_mlx(tiny_long: dict[str, LoadedModel], arch: str,
     assert abs(measured - predicted) <= 0.05 * predicted, (measured, predicted)
 
 
+@pytest.fixture(scope="module")
+def default_loaded(default_model: Path) -> LoadedModel:
+    return load(default_model, "float")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(("width", "depth"), [(1, 256), (8, 256), (1, 2048)])
-def test_kv_prediction_matches_mlx_on_default_model(default_model: Path, width: int, depth: int) -> None:
-    measured, predicted = measure(load(default_model, "float"), width, depth)
+@pytest.mark.parametrize("width", [1, 4, 8])
+@pytest.mark.parametrize("depth", [256, 2048])
+def test_kv_prediction_matches_mlx_on_default_model(default_loaded: LoadedModel, width: int, depth: int) -> None:
+    measured, predicted = measure(default_loaded, width, depth)
     assert abs(measured - predicted) <= 0.05 * predicted, (measured, predicted)
 
 
@@ -92,5 +98,11 @@ def test_warm_up_measures_what_is_predicted(tiny_long: dict[str, LoadedModel], a
     m = tiny_long[arch]
     with quiet():
         measured = warm_up(m)
-    predicted = kv_bytes_after_prefill(m.geometry, measured.tokens, KVFormat(float_bytes=measured.kv_dtype_bytes))
+    kv = KVFormat(float_bytes=measured.kv_dtype_bytes)
+    predicted = kv_bytes_after_prefill(m.geometry, measured.tokens, kv)
     assert abs(measured.kv_bytes - predicted) <= 0.01 * predicted, (measured.kv_bytes, predicted)
+    # Per token: 2 layers (gemma3 tiny: 6) x 2 KV heads x (64 + 64) x float32, all below the window.
+    per_token = warmup_per_token(m.geometry, measured.tokens, measured.kv_bytes, kv)
+    assert per_token["kv_bytes_per_token_predicted"] == m.geometry.n_layers * 2 * 128 * 4
+    assert per_token["kv_bytes_per_token_measured"] == pytest.approx(per_token["kv_bytes_per_token_predicted"],
+                                                                     rel=0.01)

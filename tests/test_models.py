@@ -10,9 +10,13 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 from tiny_models import ARCHES, write_model
+from typer.testing import CliRunner
 
+from gmlx.cli.common import EXIT_BAD_MODEL
+from gmlx.cli.main import app
 from gmlx.gguf.header import GGUFError, read_header
-from gmlx.models.loader import load
+from gmlx.models import SUPPORTED
+from gmlx.models.loader import ARCHITECTURES, load
 
 EXACT = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K]
 REQUANTIZED = [Q.Q6_K, Q.Q3_K, Q.Q2_K]
@@ -89,6 +93,13 @@ def test_unknown_architecture_is_a_clear_error(tmp_path: Path) -> None:
     w.close()
     with pytest.raises(GGUFError, match="unsupported architecture 'mamba'"):
         load(tmp_path / "m.gguf")
+    r = CliRunner().invoke(app, ["inspect", str(tmp_path / "m.gguf")])  # header-only commands refuse it too
+    assert r.exit_code == EXIT_BAD_MODEL and r.stderr.strip().splitlines() == [
+        "error: unsupported architecture 'mamba' (supported: gemma3, llama, qwen2, qwen3)"]
+
+
+def test_supported_names_are_the_loaders() -> None:
+    assert sorted(ARCHITECTURES) == list(SUPPORTED)
 
 
 def test_missing_tensor_is_a_clear_error(tiny_models: dict[str, Path], tmp_path: Path) -> None:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import os
+import re
 import threading
 from pathlib import Path
 
@@ -158,8 +161,8 @@ def test_health_and_loading(tiny_models: dict[str, Path]) -> None:
             assert c.get("/health").json()["status"] == "healthy"
             r = c.get("/health", params={"ready": 1})
             assert r.status_code == 503 and r.json()["reason"] == "loading" and int(r.headers["Retry-After"]) > 0
-            r = c.post(CHAT, json=chat_body())
-            assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading"
+            for r in (c.post(CHAT, json=chat_body()), c.get("/v1/models")):
+                assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading"
             gate.set()
             server.wait_until(server.engine.ready.is_set)
             r = c.get("/health", params={"ready": 1})
@@ -168,6 +171,75 @@ def test_health_and_loading(tiny_models: dict[str, Path]) -> None:
         gate.set()
         server.__exit__()
     assert load  # the loader the server used is the real one
+
+
+def test_ready_reasons_follow_the_gate(tmp_path: Path) -> None:
+    """decode_batch 1: idle is ready; one stream running is `busy`; one more waiting is `queue`; each
+    503 carries Retry-After, and readiness comes back once the clients leave."""
+    model = write_model(tmp_path / "long.gguf", "llama", context=4096)
+    with LiveServer(model, decode_batch=1, queue_size=2) as server:
+        gate = server.state.gate
+
+        async def run() -> list[tuple[int, str | None, str | None]]:
+            seen = []
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as ac:
+                async def ready() -> None:
+                    r = await ac.get("/health", params={"ready": 1})
+                    seen.append((r.status_code, r.json().get("reason"), r.headers.get("Retry-After")))
+                    assert r.json()["pid"] == os.getpid() and r.json()["status"] == "healthy"
+
+                body = {"prompt": "x", "max_tokens": 3000, "temperature": 0, "stream": True}
+                await ready()
+                async with ac.stream("POST", "/v1/completions", json=body):
+                    while gate.running < 1:
+                        await asyncio.sleep(0.005)
+                    await ready()
+                    queued = asyncio.create_task(ac.post("/v1/completions", json={**body, "stream": False}))
+                    while gate.waiting < 1:
+                        await asyncio.sleep(0.005)
+                    await ready()
+                    queued.cancel()
+                while gate.running or gate.waiting:
+                    await asyncio.sleep(0.01)
+                await ready()
+            return seen
+
+        seen = asyncio.run(run())
+    assert [(status, reason) for status, reason, _ in seen] == [(200, None), (503, "busy"), (503, "queue"), (200, None)]
+    assert all(int(retry) in range(1, 61) for status, _, retry in seen if status == 503)
+
+
+def test_every_request_ends_in_one_log_line(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Finished, left mid-stream by its client, left while queued, or turned away: each request's id
+    gets exactly one line with its counts and how it ended."""
+    caplog.set_level(logging.INFO, logger="gmlx.server")
+    model = write_model(tmp_path / "long.gguf", "llama", context=4096)
+    with LiveServer(model, decode_batch=1, queue_size=1) as server:
+        gate = server.state.gate
+        done = server.client().post("/v1/completions", json={"prompt": "x", "max_tokens": 5, "temperature": 0})
+
+        async def run() -> int:
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as ac:
+                body = {"prompt": "x", "max_tokens": 3000, "temperature": 0, "stream": True}
+                async with ac.stream("POST", "/v1/completions", json=body):
+                    while gate.running < 1:
+                        await asyncio.sleep(0.005)
+                    queued = asyncio.create_task(ac.post("/v1/completions", json=body))
+                    while gate.waiting < 1:
+                        await asyncio.sleep(0.005)
+                    turned_away = await ac.post("/v1/completions", json=body)
+                    queued.cancel()
+                while gate.running or gate.waiting or server.engine.in_flight:
+                    await asyncio.sleep(0.01)
+                return turned_away.status_code
+
+        assert done.status_code == 200 and asyncio.run(run()) == 503
+    lines = [r.getMessage() for r in caplog.records if r.name == "gmlx.server" and " finish=" in r.getMessage()]
+    ends = {m.group(1): m.group(2) for line in lines if (m := re.match(r"(\S+) prompt=\d+ generated=\d+ .*finish=(\S+)", line))}
+    assert len(ends) == len(lines) == 4, lines
+    assert sorted(ends.values()) == ["client_gone", "client_gone", "length", "rejected:queue_full"], lines
+    finished = next(line for line in lines if "finish=length" in line)
+    assert re.search(r"generated=5 ttft=[\d.]+s decode=[\d.]+ tok/s", finished), finished
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
@@ -222,7 +294,7 @@ def test_queue_full_and_retry_after(tiny_models: dict[str, Path]) -> None:
     assert len(rejected) == 3 and sum(r.status_code == 200 for r in responses) == 3
     for r in rejected:
         assert r.json()["error"]["code"] == "queue_full"
-        assert int(r.headers["Retry-After"]) in range(1, 61)
+        assert r.headers["Retry-After"] == "5"  # no request has finished: no drain rate to go on yet
 
 
 def test_queue_timeout(tiny_models: dict[str, Path]) -> None:
@@ -234,15 +306,17 @@ def test_queue_timeout(tiny_models: dict[str, Path]) -> None:
                 first = asyncio.create_task(ac.post("/v1/completions", json={"prompt": "x", "max_tokens": 240, "temperature": 0}))
                 while server.state.gate.running < 1:
                     await asyncio.sleep(0.005)
-                second = await ac.post("/v1/completions", json={"prompt": "y", "max_tokens": 2})
-                return [await first, second]
+                queued = await asyncio.gather(*(ac.post("/v1/completions", json={"prompt": w, "max_tokens": 2})
+                                                for w in ("y", "z")))
+                return [await first, *queued]
 
-        first, second = asyncio.run(run())
+        first, *queued = asyncio.run(run())
         queue = server.client().get("/v1/metrics").json()["server"]["queue"]
-    assert queue["timeouts"] == 1 and queue["last_reject_reason"] == "queue_timeout"
+    assert queue["timeouts"] == 2 and queue["last_reject_reason"] == "queue_timeout"
     assert first.status_code == 200 and first.json()["choices"][0]["finish_reason"] == "length"
-    assert second.status_code == 503 and second.json()["error"]["code"] == "queue_timeout"
-    assert int(second.headers["Retry-After"]) >= 1
+    for r in queued:
+        assert r.status_code == 503 and r.json()["error"]["code"] == "queue_timeout"
+        assert r.headers["Retry-After"] == "10"  # nothing has finished yet: the spec's default
 
 
 def test_queued_client_that_disconnects_frees_its_place(tiny_models: dict[str, Path]) -> None:

@@ -164,3 +164,41 @@ def test_describe_shows_every_field_with_source():
     assert ("log_level", "debug", "env GMLX_LOG_LEVEL") in rows
     assert ("log_input_text", "false", "default") in rows
     assert all(isinstance(v, str) for row in rows for v in row)
+
+
+def test_max_kv_size_flag_env_config(tmp_path):
+    assert resolve().max_kv_size is None
+    cfg = toml(tmp_path, "max-kv-size = 8192\n")
+    assert (resolve(config=cfg).max_kv_size, resolve(config=cfg).sources["max_kv_size"]) == (8192, f"config {cfg}")
+    s = resolve(env={"GMLX_MAX_KV_SIZE": "4096"}, config=cfg)
+    assert (s.max_kv_size, s.sources["max_kv_size"]) == (4096, "env GMLX_MAX_KV_SIZE")
+    assert resolve({"max_kv_size": 2048}, env={"GMLX_MAX_KV_SIZE": "4096"}).max_kv_size == 2048
+    with pytest.raises(SettingsError, match=r"^max_kv_size: '0' from env GMLX_MAX_KV_SIZE must be >= 1$"):
+        resolve(env={"GMLX_MAX_KV_SIZE": "0"})
+
+
+def test_models_dir(tmp_path, monkeypatch):
+    s = resolve(env={"GMLX_MODELS_DIR": str(tmp_path)})
+    assert (s.models_dir, s.sources["models_dir"]) == (str(tmp_path), "env GMLX_MODELS_DIR")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert resolve({"models_dir": "~"}).models_dir == str(tmp_path)
+    assert resolve({"models_dir": ""}, env={"GMLX_MODELS_DIR": str(tmp_path)}).models_dir is None  # empty flag: none
+    (tmp_path / "file.gguf").write_bytes(b"")
+    for missing in (tmp_path / "nope", tmp_path / "file.gguf"):
+        with pytest.raises(SettingsError, match=rf"^models_dir: '{missing}' from flag is not a directory$"):
+            resolve({"models_dir": str(missing)})
+
+
+def test_serve_flags_reach_print_config(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from gmlx.cli.main import app
+
+    r = CliRunner().invoke(app, ["serve", "--max-kv-size", "4096", "--models-dir", str(tmp_path), "--print-config",
+                                 "--json"], env={k: "" for k in ("GMLX_MAX_KV_SIZE", "GMLX_MODELS_DIR", "GMLX_CONFIG")})
+    assert r.exit_code == 0, r.output
+    shown = json.loads(r.stdout)
+    assert shown["max_kv_size"] == {"value": "4096", "source": "flag"}
+    assert shown["models_dir"] == {"value": str(tmp_path), "source": "flag"}

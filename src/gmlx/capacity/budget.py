@@ -30,9 +30,19 @@ class MemoryBudget:
         return max(self.reserve_floor_bytes, int(self.reserve_fraction * self.total_bytes))
 
     @property
+    def drained_bytes(self) -> int:
+        """What one request may use once running requests finish: one prefill and its stream.
+        The prompt cache may still hold up to its bound then, so it stays off, as in kv_bytes."""
+        return self.total_bytes - self.weight_bytes - self.reserve_bytes - self.prompt_cache_bytes
+
+    def free_now_bytes(self, active_bytes: int, prompt_cache_held: int) -> int:
+        """drained_bytes less what runs now: MLX's active memory holds the weights, the running
+        streams and the prompt cache's entries, and the cache's bound is already off."""
+        return self.drained_bytes + self.weight_bytes - active_bytes + min(prompt_cache_held, self.prompt_cache_bytes)
+
+    @property
     def kv_bytes(self) -> int:
-        return max(0, self.total_bytes - self.weight_bytes - self.reserve_bytes - self.prefill_bytes
-                   - self.prompt_cache_bytes)
+        return max(0, self.drained_bytes - self.prefill_bytes)
 
     def to_json(self) -> dict:
         return {"total_bytes": self.total_bytes, "weight_bytes": self.weight_bytes,

@@ -149,6 +149,7 @@ def plan_kv_quant(s: KVQuantSettings, g: ModelGeometry, *, streams: int = 1,
     if not s.enabled:
         return None
     s.check()
+    window = g.context_length if context_length is None else min(context_length, g.context_length)
     auto = None
     scheme = s.scheme
     if scheme in (None, "auto"):
@@ -156,7 +157,7 @@ def plan_kv_quant(s: KVQuantSettings, g: ModelGeometry, *, streams: int = 1,
             scheme, auto = "kvarn", "kv value bits or tail tokens were set, and only kvarn has them"
         else:
             scheme, auto = choose_scheme(g, streams=streams,
-                                         context_length=context_length or g.context_length,
+                                         context_length=window,
                                          float_bytes=float_bytes, kv_budget_bytes=kv_budget_bytes)
     bits = s.bits if s.bits is not None else DEFAULT_BITS[scheme]
     group_size = s.group_size if s.group_size is not None else DEFAULT_GROUP_SIZE
@@ -175,10 +176,10 @@ def plan_kv_quant(s: KVQuantSettings, g: ModelGeometry, *, streams: int = 1,
                   "it stops at the window, so quantizing it would save a constant, not a share of the context")
     else:
         quantized, verdict, reason = n, FULL, None
-    if tail_tokens and verdict != DROPPED and tail_tokens >= (context_length or g.context_length):
+    if tail_tokens and verdict != DROPPED and tail_tokens >= window:
         verdict = DROPPED
         quantized = 0
-        reason = f"the float tail of {tail_tokens} tokens covers the whole {context_length or g.context_length}-token context"
+        reason = f"the float tail of {tail_tokens} tokens covers the whole {window}-token context"
 
     return KVQuantPlan(scheme, bits, group_size, quantized, n - quantized, verdict, reason, verdict,
                        value_bits, tail_tokens, auto)

@@ -210,3 +210,24 @@ def kv_bytes_after_prefill(g: ModelGeometry, depth: int, kv: KVFormat = FP16) ->
         t = kv.tail_tokens
         total += round(tail * (allocated_tokens(depth) if depth < t + ALLOC_STEP else t))
     return total
+
+
+def kv_bytes_per_token(g: ModelGeometry, kv: KVFormat = FP16) -> float:
+    """What one more token costs while no layer has filled its window (nor a kvarn tail its length)."""
+    return sum(per_token for _, per_token, _ in kv_profile(g, kv))
+
+
+def warmup_per_token(g: ModelGeometry, tokens: int, measured_kv_bytes: int, kv: KVFormat = FP16) -> dict:
+    """Per-token KV bytes at the warm-up, predicted and measured.
+
+    Right after a prefill of `tokens` the caches do not all hold `tokens` slots: full-attention
+    layers have grown in whole steps of 256, sliding ones hold exactly min(tokens, window). So
+    the measured total is divided by the slots held, each layer weighted by its bytes per token
+    (the predicted total over the predicted per-token cost); for a model whose layers all attend
+    fully that is simply the measured bytes over the 256-token steps allocated.
+    """
+    per_token = kv_bytes_per_token(g, kv)
+    predicted = kv_bytes_after_prefill(g, tokens, kv)
+    slots = predicted / per_token if per_token else 0
+    return {"kv_bytes_per_token_predicted": round(per_token, 1),
+            "kv_bytes_per_token_measured": round(measured_kv_bytes / slots, 1) if slots else None}

@@ -22,6 +22,7 @@ from gmlx.cli.common import (
     warn_if_slow_blas,
 )
 from gmlx.gguf.header import read_header
+from gmlx.models import check_supported
 from gmlx.models.weights_mode import WeightsOption, choose_mode, resident_bytes
 
 
@@ -29,6 +30,7 @@ def describe(model: str | None, weights: WeightsOption) -> dict[str, Any]:
     path = model_path(model)
     with model_errors():
         h = read_header(path)
+        check_supported(h.architecture)  # a model gmlx cannot load is an error here too, not a table
     g = h.geometry
     mode = choose_mode(weights, h)
     kv_heads = sorted(set(g.n_kv_heads))

@@ -50,6 +50,10 @@ KV_GROUP_OPT = typer.Option(None, "--kv-group-size", help="KV quantization group
 KV_SCHEME_OPT = typer.Option(None, "--kv-scheme", help="uniform, kvarn or auto.", show_default=False)
 KV_VALUE_BITS_OPT = typer.Option(None, "--kv-value-bits", help="kvarn: bits of the values.", show_default=False)
 KV_TAIL_OPT = typer.Option(None, "--kv-tail-tokens", help="kvarn: newest tokens kept in float.", show_default=False)
+MAX_KV_OPT = typer.Option(None, "--max-kv-size", min=1, help="Cap the context window, as `gmlx serve --max-kv-size` "
+                          "does.  [default: the GGUF's trained window]", show_default=False)
+# The table's own fields in the capacity section of /v1/metrics (the rest is warm-up measurement).
+_TABLE_KEYS = ("kv_format", "budget", "decode_batch", "context_length", "headline", "widths", "depths")
 
 
 @dataclass(frozen=True)
@@ -76,10 +80,10 @@ def _from(s: Settings, name: str) -> str:
 
 def offline(model: str | None, memory: str | None, weights: str | None,
             decode_batch: int | None = None, prefill_step: int | None = None,
-            kv_flags: dict[str, Any] | None = None) -> Offline:
+            kv_flags: dict[str, Any] | None = None, max_kv_size: int | None = None) -> Offline:
     """The table `gmlx serve` would build for this model, from its header and the server's own settings."""
     flags = {"model": model, "memory": memory, "weights": weights, "decode_batch": decode_batch,
-             "prefill_step": prefill_step, **(kv_flags or {})}
+             "prefill_step": prefill_step, "max_kv_size": max_kv_size, **(kv_flags or {})}
     with errors():
         s = resolve_settings(flags)
         path = resolve_model(s.model)
@@ -88,13 +92,14 @@ def offline(model: str | None, memory: str | None, weights: str | None,
     mode = choose_mode(s.weights, h)  # type: ignore[arg-type]
     weight_bytes = resident_bytes(h, mode)
     total = s.memory or platform.total_memory_bytes()
+    window = g.context_length if s.max_kv_size is None else min(g.context_length, s.max_kv_size)
     kv_plan = server_plan(s.kv_quant(), g, memory=total, weight_bytes=weight_bytes, reserve_fraction=s.reserve_fraction,
                           reserve_floor=s.reserve_floor, prompt_cache_bytes=s.prompt_cache_limit(total),
-                          streams=s.decode_batch) if s.kv_quant().enabled else None
+                          streams=s.decode_batch, context_length=window) if s.kv_quant().enabled else None
     kv = kv_plan.kv_format(KV.float_bytes) if kv_plan is not None else KV
     table = capacity_table(g, weight_bytes=weight_bytes, decode_batch=s.decode_batch, prefill_step=s.prefill_step,
                            kv=kv, memory=total, reserve_fraction=s.reserve_fraction, reserve_floor=s.reserve_floor,
-                           context_length=g.context_length, prompt_cache_bytes=s.prompt_cache_limit(total))
+                           context_length=window, prompt_cache_bytes=s.prompt_cache_limit(total))
     if s.memory is not None:
         memory_from = _from(s, "memory")
     elif platform.backend() == "cuda":
@@ -114,9 +119,17 @@ def offline(model: str | None, memory: str | None, weights: str | None,
         "prefill_step": {"value": s.prefill_step, "from": _from(s, "prefill_step")},
         "reserve_bytes": {"value": table.budget.reserve_bytes,
                           "from": f"max({human_bytes(s.reserve_floor)}, {s.reserve_fraction:g} x memory)"},
-        "context_length": {"value": table.context_length, "from": "the GGUF header"},
+        "context_length": {"value": table.context_length, "from": _window_from(s, g.context_length)},
     }
     return Offline(path, h, table, assumptions)
+
+
+def _window_from(s: Settings, trained: int) -> str:
+    if s.max_kv_size is None:
+        return "the GGUF header"
+    if s.max_kv_size < trained:
+        return f"{_from(s, 'max_kv_size')}, below the GGUF's {trained}"
+    return f"the GGUF header ({_from(s, 'max_kv_size')} {s.max_kv_size} is not smaller)"
 
 
 def ask_server(method: str, url: str, route: str, api_key: str | None, **kw: Any) -> dict[str, Any]:
@@ -180,19 +193,30 @@ def _finish(title: str, answer: dict[str, Any], assumptions: dict[str, Any], jso
     raise typer.Exit(EXIT_OK if ok else EXIT_FAILED)
 
 
-def _show_table(table: CapacityTable) -> None:
-    b = table.budget
-    console.print(f"{table.headline()}\n", highlight=False)
-    console.print(f"memory {human_bytes(b.total_bytes)} - weights {human_bytes(b.weight_bytes)} - reserve "
-                  f"{human_bytes(b.reserve_bytes)} - prefill {human_bytes(b.prefill_bytes)} = KV "
-                  f"{human_bytes(b.kv_bytes)} ({table.kv.describe()})\n", highlight=False)
+def _show_table(table: dict[str, Any]) -> None:
+    """A table as CapacityTable.to_json gives it, so an offline and a served one print alike."""
+    b = table["budget"]
+    console.print(f"{table['headline']}\n", highlight=False)
+    console.print(f"memory {human_bytes(b['total_bytes'])} - weights {human_bytes(b['weight_bytes'])} - reserve "
+                  f"{human_bytes(b['reserve_bytes'])} - prefill {human_bytes(b['prefill_bytes'])} - prompt cache "
+                  f"{human_bytes(b['prompt_cache_bytes'])} = KV {human_bytes(b['kv_bytes'])} "
+                  f"({table['kv_format']['describe']})\n", highlight=False)
     widths = Table("width", "max context", box=None, pad_edge=False)
-    for w, c in table.widths().items():
-        widths.add_row(str(w), str(c))
+    for w, c in table["widths"].items():
+        widths.add_row(w, str(c))
     depths = Table("depth", "max width", box=None, pad_edge=False)
-    for d, w in table.depths().items():
-        depths.add_row(str(d), str(w))
+    for d, w in table["depths"].items():
+        depths.add_row(d, str(w))
     console.print(widths, "", depths)
+
+
+def served_table(url: str, api_key: str | None) -> dict[str, Any]:
+    """The capacity table a running server holds, from the capacity section of its /v1/metrics."""
+    server = ask_server("GET", url, "/v1/metrics", api_key).get("server")
+    capacity = server.get("capacity") if isinstance(server, dict) else None
+    if not isinstance(capacity, dict) or any(capacity.get(k) is None for k in _TABLE_KEYS):
+        fail(f"the server at {url} has no capacity table yet (is its model still loading?)", EXIT_ERROR)
+    return {k: capacity[k] for k in _TABLE_KEYS}
 
 
 def plan_command(
@@ -211,6 +235,7 @@ def plan_command(
     kv_scheme: str = KV_SCHEME_OPT,
     kv_value_bits: int = KV_VALUE_BITS_OPT,
     kv_tail_tokens: int = KV_TAIL_OPT,
+    max_kv_size: int = MAX_KV_OPT,
     json_out: bool = JSON_OPT,
     url: str = URL_OPT,
     api_key: str = API_KEY_OPT,
@@ -220,15 +245,16 @@ def plan_command(
                 "kv_value_bits": kv_value_bits, "kv_tail_tokens": kv_tail_tokens}
     if whole_table:
         if url:
-            fail("the server does not expose its capacity table yet; ask it for one plan with --width and --depth",
-                 EXIT_ERROR)
-        o = offline(model, memory, weights, decode_batch, prefill_step, kv_flags)
-        if json_out:
-            print_json({"table": o.table.to_json(), "assumptions": o.assumptions})
+            table, assumptions = served_table(url, api_key), _server_assumptions(url)
         else:
-            _show_table(o.table)
+            o = offline(model, memory, weights, decode_batch, prefill_step, kv_flags, max_kv_size)
+            table, assumptions = o.table.to_json(), o.assumptions
+        if json_out:
+            print_json({"table": table, "assumptions": assumptions})
+        else:
+            _show_table(table)
             console.print()
-            _show_assumptions(o.assumptions)
+            _show_assumptions(assumptions)
         return
     if width is None or depth is None:
         fail("--width and --depth are required (or --table for the whole table)", EXIT_ERROR)
@@ -236,7 +262,7 @@ def plan_command(
         answer = ask_server("GET", url, "/v1/capacity/plan", api_key, params={"width": width, "depth": depth})
         assumptions = _server_assumptions(url)
     else:
-        o = offline(model, memory, weights, decode_batch, prefill_step, kv_flags)
+        o = offline(model, memory, weights, decode_batch, prefill_step, kv_flags, max_kv_size)
         # Offline nothing runs: no stream in flight, none waiting, no governor, so admit_now follows memory alone.
         live = LiveState(o.table.decode_batch, in_flight=0, waiting=0, band=None)
         answer, assumptions = plan(o.table, width, depth, live, model=o.path.stem), o.assumptions
@@ -273,8 +299,8 @@ def _estimate_offline(o: Offline, body: dict[str, Any]) -> dict[str, Any]:
             ids = openai_api.prompt_token_ids(load_tokenizer(o.header), p, g.vocab_size)
     except APIError as e:
         fail(e.message, EXIT_ERROR)
-    free = b.total_bytes - b.reserve_bytes - b.weight_bytes  # nothing runs, so free now is free once drained
-    out = estimate(g, prompt_tokens=len(ids), max_tokens=p.max_tokens, context_limit=g.context_length,
+    free = b.drained_bytes  # nothing runs, so free now is free once drained
+    out = estimate(g, prompt_tokens=len(ids), max_tokens=p.max_tokens, context_limit=o.table.context_length,
                    prefill_bytes=b.prefill_bytes, free_now_bytes=free, free_drained_bytes=free, prefill_tok_s=None,
                    queue_wait_s=0.0, resident=False, kv=o.table.kv)
     return {**out, "model": o.path.stem}
@@ -293,6 +319,7 @@ def estimate_command(
     kv_scheme: str = KV_SCHEME_OPT,
     kv_value_bits: int = KV_VALUE_BITS_OPT,
     kv_tail_tokens: int = KV_TAIL_OPT,
+    max_kv_size: int = MAX_KV_OPT,
     json_out: bool = JSON_OPT,
     url: str = URL_OPT,
     api_key: str = API_KEY_OPT,
@@ -304,7 +331,7 @@ def estimate_command(
     else:
         o = offline(model, memory, weights, kv_flags={
             "kv_bits": kv_bits, "kv_group_size": kv_group_size, "kv_scheme": kv_scheme,
-            "kv_value_bits": kv_value_bits, "kv_tail_tokens": kv_tail_tokens})
+            "kv_value_bits": kv_value_bits, "kv_tail_tokens": kv_tail_tokens}, max_kv_size=max_kv_size)
         answer = _estimate_offline(o, body)
         assumptions = {**o.assumptions, "prefill_tok_s": {
             "value": None, "from": "offline there is no measured prefill rate, so est_ttft_s is null"}}

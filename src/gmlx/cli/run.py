@@ -93,7 +93,7 @@ def run_command(
         "generated_tokens": last.generation_tokens,
         "prefill_tok_s": round(last.prompt_tps, 1),
         "decode_tok_s": round(last.generation_tps, 1),
-        "load_s": round(loaded.load_seconds, 2),
+        "load_s": round(loaded.load_seconds, 3),
         "peak_memory_bytes": int(mx.get_peak_memory()),
         "finish_reason": last.finish_reason,
         "weights": {"mode": loaded.mode, "resident_bytes": loaded.report.resident_bytes, "detail": loaded.report.describe()},
@@ -107,5 +107,7 @@ def run_command(
         f"prefill {figures['prefill_tok_s']} tok/s, decode {figures['decode_tok_s']} tok/s | "
         f"load {figures['load_s']} s | peak {human_bytes(figures['peak_memory_bytes'])} | "
         f"weights {loaded.mode} ({human_bytes(loaded.report.resident_bytes)})",
-        highlight=False,
+        highlight=False, soft_wrap=True,  # one line, also when piped
     )
+    if lossy := loaded.report.lossy():
+        err_console.print(f"note: not exact in {loaded.mode} weights: {'; '.join(lossy)}", highlight=False, soft_wrap=True)

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import threading
 from pathlib import Path
+from typing import NoReturn
 
 import typer
 from rich.table import Table
@@ -45,6 +48,8 @@ def serve_command(
     log_input_text: bool = typer.Option(None, "--log-input-text/--no-log-input-text", help="Log prompts and outputs.", show_default=False),
     shutdown_timeout: float = typer.Option(None, "--shutdown-timeout", help="Seconds running streams get to finish on shutdown.", show_default=False),
     log_level: str = typer.Option(None, "--log-level", help="debug, info, warning or error.", show_default=False),
+    max_kv_size: int = typer.Option(None, "--max-kv-size", help="Cap the context window at this many tokens.  [default: the GGUF's trained window]", show_default=False),
+    models_dir: str = typer.Option(None, "--models-dir", help="A folder whose GGUF files /system lists as available.", show_default=False),
     memory: str = typer.Option(None, "--memory", help="Memory the capacity table plans with, e.g. 64GiB.  [default: device or system memory]", show_default=False),
     prompt_cache_bytes: str = typer.Option(None, "--prompt-cache-bytes", help="Memory for reusable prompt KV, e.g. 2GiB; 0 turns the cache off.  [default: 1/16 of memory, at most 4 GiB]", show_default=False),
     prompt_cache_block: int = typer.Option(None, "--prompt-cache-block", help="Tokens per block of a prefix hit in a plain-attention model.  [default: 16]", show_default=False),
@@ -64,7 +69,8 @@ def serve_command(
     flags = dict(model=model, host=host, port=port, api_key=api_key, decode_batch=decode_batch, queue_size=queue_size,
                  queue_timeout=queue_timeout, max_body_bytes=max_body_bytes, weights=weights, prefill_step=prefill_step,
                  max_tokens_default=max_tokens, log_input_text=log_input_text, shutdown_timeout=shutdown_timeout,
-                 log_level=log_level, memory=memory, prompt_cache_bytes=prompt_cache_bytes,
+                 log_level=log_level, max_kv_size=max_kv_size, models_dir=models_dir,
+                 memory=memory, prompt_cache_bytes=prompt_cache_bytes,
                  prompt_cache_block=prompt_cache_block, prompt_cache_checkpoint=prompt_cache_checkpoint,
                  draft=draft, num_draft=num_draft, kv_bits=kv_bits, kv_group_size=kv_group_size, kv_scheme=kv_scheme,
                  kv_value_bits=kv_value_bits, kv_tail_tokens=kv_tail_tokens)
@@ -75,7 +81,7 @@ def serve_command(
     if print_config:
         _print_config(settings, json_out)
         return
-    raise typer.Exit(_serve(settings))
+    _exit_now(_serve(settings))
 
 
 def _print_config(settings: Settings, json_out: bool) -> None:
@@ -149,4 +155,15 @@ def _serve(settings: Settings) -> int:
     engine.start()
     threading.Thread(target=report_load, name="load-report", daemon=True).start()
     server.run()
+    engine.stop()
     return EXIT_BAD_MODEL if engine.load_error else 0
+
+
+def _exit_now(code: int) -> NoReturn:
+    """End the process once the server has drained, without the interpreter's teardown: MLX's and
+    OpenMP's native threads do not survive static destruction ("terminate called without an active
+    exception", exit 134), and nothing of gmlx's needs it (logs and streams are flushed here)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -165,6 +165,10 @@ class LoadReport:
         entry["action"] = next(iter(acts)) if len(acts) == 1 else ", ".join(f"{a} x{n}" for a, n in acts.items())
         self.resident_bytes += nbytes
 
+    def lossy(self) -> list[str]:
+        """What was not kept exactly, e.g. ["Q6_K: re-quantized 8-bit g32"], for the user to see."""
+        return [f"{t}: {e['action']}" for t, e in self.by_type.items() if "re-quantized" in e["action"]]
+
     def describe(self) -> str:
         parts = [f"{t}: {e['tensors']} {e['action']}" for t, e in self.by_type.items()]
         return "; ".join(parts) + f" ({self.resident_bytes / 2**20:.1f} MiB resident)"

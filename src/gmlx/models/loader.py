@@ -10,13 +10,14 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_unflatten
+from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from gmlx.gguf.header import GGUFError, GGUFHeader, ModelGeometry, read_header
 from gmlx.gguf.tensors import GGUF_BLOCKS, LoadReport, load_tensors
 from gmlx.gguf.tokenizer import load_tokenizer
 from gmlx.kernels import fast as kernels_fast
+from gmlx.models import check_supported
 from gmlx.models.architecture import Architecture
 from gmlx.models.gemma3 import Gemma3
 from gmlx.models.llama import Llama
@@ -25,6 +26,7 @@ from gmlx.models.weights_mode import WeightsOption, choose_mode, gguf_kernels_re
 
 ARCHITECTURES: dict[str, Architecture] = {a.gguf_name: a for a in (Llama(), Qwen2(), Qwen3(), Gemma3())}
 _SUFFIXES = ("weight", "bias", "scales", "biases")
+_NAMES_SHOWN = 3  # parameter names an error lists before "and N more"
 
 Progress = Callable[[str], None]
 
@@ -37,6 +39,7 @@ class LoadedModel:
     mode: str  # "native", "float" or "gguf"
     report: LoadReport
     load_seconds: float
+    max_kv_size: int | None = None  # the server's cap on the context window (None: none)
 
     @property
     def geometry(self) -> ModelGeometry:
@@ -48,19 +51,20 @@ class LoadedModel:
 
     @property
     def context_length(self) -> int:
-        return self.geometry.context_length
+        """The window this model serves: the GGUF's trained one, or max_kv_size when smaller."""
+        trained = self.geometry.context_length
+        return trained if self.max_kv_size is None else min(trained, self.max_kv_size)
 
 
 def architecture_for(h: GGUFHeader) -> Architecture:
-    try:
-        return ARCHITECTURES[h.architecture]
-    except KeyError:
-        supported = ", ".join(sorted(ARCHITECTURES))
-        raise GGUFError(f"unsupported architecture {h.architecture!r} (supported: {supported})") from None
+    check_supported(h.architecture)
+    return ARCHITECTURES[h.architecture]
 
 
-def load(path: str | Path, weights: WeightsOption = "auto", progress: Progress | None = None) -> LoadedModel:
-    """Load a GGUF model; raises GGUFError with a one-line reason for a file gmlx cannot use."""
+def load(path: str | Path, weights: WeightsOption = "auto", progress: Progress | None = None,
+         max_kv_size: int | None = None) -> LoadedModel:
+    """Load a GGUF model; raises GGUFError with a one-line reason for a file gmlx cannot use.
+    `max_kv_size` caps the context window the model serves (LoadedModel.context_length)."""
     step = progress or (lambda _: None)
     start = time.perf_counter()
     step("header")
@@ -80,7 +84,7 @@ def load(path: str | Path, weights: WeightsOption = "auto", progress: Progress |
     # Not beside the weights in a thread: tokenizers parses its JSON holding the GIL (measured: no gain).
     step("tokenizer")
     tokenizer = load_tokenizer(h)
-    return LoadedModel(model, tokenizer, h, mode, report, time.perf_counter() - start)
+    return LoadedModel(model, tokenizer, h, mode, report, time.perf_counter() - start, max_kv_size)
 
 
 def _build(
@@ -112,16 +116,27 @@ def _build(
         nn.quantize(model, class_predicate=lambda path, _: configs.get(path, False))
     if blocks:
         _use_gguf_blocks(model, blocks)
+    _check_names(h, set(tree_flatten(model.parameters(), destination={})), set(weights))
     try:
         model.load_weights(list(weights.items()), strict=True)
-    except ValueError as e:
-        raise GGUFError(f"{h.architecture}: tensors do not match the model ({e})") from None
+    except ValueError as e:  # a shape or type mismatch; MLX's message may span lines
+        raise GGUFError(f"{h.architecture}: tensors do not match the model ({' '.join(str(e).split())})") from None
     arch.finish(model, h, arrays)
     if blocks:
         from gmlx.kernels import fuse_mlps
 
         fuse_mlps(model)  # after the weights: it checks each fused MLP against the module's own output
     return model
+
+
+def _check_names(h: GGUFHeader, expected: set[str], found: set[str]) -> None:
+    """One line naming the first few parameters a file lacks or has extra (MLX lists them all, a line each)."""
+    for what, names in (("missing", expected - found), ("unexpected", found - expected)):
+        if names:
+            shown = ", ".join(sorted(names)[:_NAMES_SHOWN])
+            more = f" and {len(names) - _NAMES_SHOWN} more" if len(names) > _NAMES_SHOWN else ""
+            raise GGUFError(f"{h.architecture}: tensors do not match the model: {len(names)} {what} "
+                            f"parameter(s): {shown}{more}: {h.path}")
 
 
 def _use_gguf_blocks(model: nn.Module, blocks: dict[str, tuple[mx.array, int]]) -> None:

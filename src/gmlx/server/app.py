@@ -54,14 +54,19 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def _log_finished(state: ServerState, rid: str, e: Finished, prompt: Any, text: str) -> None:
-    state.histograms.observe(e.ttft_s, e.decode_tok_s)
-    ttft = f"{e.ttft_s:.3f}s" if e.ttft_s is not None else "-"
-    rate = f"{e.decode_tok_s:.1f}" if e.decode_tok_s is not None else "-"
-    log.info("%s prompt=%d generated=%d ttft=%s decode=%s tok/s finish=%s",
-             rid, e.prompt_tokens, e.completion_tokens, ttft, rate, e.finish_reason)
+def _log_end(state: ServerState, req: EngineRequest, end: Finished | Failed | None, prompt: Any, text: str) -> None:
+    """The one line per request, however it ended: finished, cancelled, failed (finish=error:CODE) or
+    left by its client (finish=client_gone); the prompt and output only with LOG_INPUT_TEXT."""
+    if isinstance(end, Finished):
+        state.histograms.observe(end.ttft_s, end.decode_tok_s)
+        generated, ttft, rate, finish = end.completion_tokens, end.ttft_s, end.decode_tok_s, end.finish_reason
+    else:  # the engine's live figures for a request that did not finish
+        generated, ttft, rate = req.generated, req.ttft_s, req.decode_tok_s()
+        finish = "client_gone" if end is None else f"error:{end.code}"
+    log.info("%s prompt=%d generated=%d ttft=%s decode=%s tok/s finish=%s", req.id, len(req.prompt_ids), generated,
+             "-" if ttft is None else f"{ttft:.3f}s", "-" if rate is None else f"{rate:.1f}", finish)
     if state.settings.log_input_text:
-        log.info("%s input=%s output=%s", rid, json.dumps(prompt, ensure_ascii=False), json.dumps(text, ensure_ascii=False))
+        log.info("%s input=%s output=%s", req.id, json.dumps(prompt, ensure_ascii=False), json.dumps(text, ensure_ascii=False))
 
 
 async def generate(request: Request, chat: bool) -> Response:
@@ -86,7 +91,11 @@ async def generate(request: Request, chat: bool) -> Response:
     try:
         await unless_disconnected(request, state.gate.acquire())
     except ClientGone:
+        log.info("%s prompt=%d generated=0 finish=client_gone (while queued)", rid, len(prompt_ids))
         return Response(status_code=499)
+    except APIError as e:
+        log.info("%s prompt=%d generated=0 finish=rejected:%s", rid, len(prompt_ids), e.code)
+        raise
     finally:
         del state.queued[rid]
 
@@ -98,23 +107,25 @@ async def generate(request: Request, chat: bool) -> Response:
         if isinstance(e, (Finished, Failed)):
             state.gate.release()
 
-    state.engine.submit(EngineRequest(rid, prompt_ids, max_tokens, p.sampling, p.stop,
-                                      emit=lambda e: loop.call_soon_threadsafe(deliver, e), anchor_tokens=anchor))
+    req = EngineRequest(rid, prompt_ids, max_tokens, p.sampling, p.stop,
+                        emit=lambda e: loop.call_soon_threadsafe(deliver, e), anchor_tokens=anchor)
+    state.engine.submit(req)
     prompt_for_log = p.messages if chat else p.prompt
     if p.stream:
-        return StreamingResponse(_sse(state, p, rid, events, prompt_for_log), media_type="text/event-stream",
+        return StreamingResponse(_sse(state, p, req, events, prompt_for_log), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
         text, end = await unless_disconnected(request, _collect(events))
     except ClientGone:
         state.engine.cancel(rid)
+        _log_end(state, req, None, prompt_for_log, "")
         return Response(status_code=499)
+    _log_end(state, req, end, prompt_for_log, text)
     if isinstance(end, Failed):
         # Stopped to relieve memory is the server's load, not its fault: 503, try again later.
         pressure = end.code == "memory_pressure"
         raise APIError(503 if pressure else 500, end.message, end.code,
                        retry_after=state.gate.retry_after() if pressure else None)
-    _log_finished(state, rid, end, prompt_for_log, text)
     if end.finish_reason == "cancelled":
         raise APIError(503, "the server is shutting down", "shutting_down", retry_after=RETRY_AFTER_FULL_S)
     use = openai_api.usage(end.prompt_tokens, end.completion_tokens, end.cached_tokens)
@@ -132,9 +143,9 @@ def _sse_data(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _sse(state: ServerState, p: openai_api.GenerationParams, rid: str, events: asyncio.Queue[Event],
+async def _sse(state: ServerState, p: openai_api.GenerationParams, req: EngineRequest, events: asyncio.Queue[Event],
                prompt_for_log: Any) -> AsyncIterator[str]:
-    model, parts, ended = state.model_id, [], False
+    model, rid, parts, ended = state.model_id, req.id, [], False
     try:
         if p.chat:
             yield _sse_data(openai_api.chunk(p, rid, model, role=True))
@@ -142,11 +153,11 @@ async def _sse(state: ServerState, p: openai_api.GenerationParams, rid: str, eve
             parts.append(e.text)
             yield _sse_data(openai_api.chunk(p, rid, model, text=e.text))
         ended = True
+        _log_end(state, req, e, prompt_for_log, "".join(parts))
         if isinstance(e, Failed) or e.finish_reason == "cancelled":
             message, code = (e.message, e.code) if isinstance(e, Failed) else ("the server is shutting down", "shutting_down")
             yield _sse_data({"error": {"message": message, "type": "server_error", "code": code}})
         else:
-            _log_finished(state, rid, e, prompt_for_log, "".join(parts))
             yield _sse_data(openai_api.chunk(p, rid, model, finish=e.finish_reason))
             if p.include_usage:
                 yield _sse_data(openai_api.chunk(p, rid, model, use=openai_api.usage(e.prompt_tokens, e.completion_tokens, e.cached_tokens)))
@@ -154,6 +165,7 @@ async def _sse(state: ServerState, p: openai_api.GenerationParams, rid: str, eve
     finally:
         if not ended:  # the client went away mid-stream: free the slot within one step
             state.engine.cancel(rid)
+            _log_end(state, req, None, prompt_for_log, "".join(parts))
 
 
 async def chat_completions(request: Request) -> Response:
@@ -166,6 +178,7 @@ async def completions(request: Request) -> Response:
 
 async def models(request: Request) -> Response:
     state: ServerState = request.app.state.gmlx
+    state.require_ready()
     entry: dict[str, Any] = {"id": state.model_id, "object": "model", "created": int(state.started_at), "owned_by": "gmlx"}
     if (loaded := state.engine.loaded) is not None:
         entry["context_length"] = loaded.context_length

@@ -26,8 +26,8 @@ def build_engine(settings: Settings, path: Path) -> Engine:
                               weight_bytes=path.stat().st_size, reserve_fraction=settings.reserve_fraction,
                               reserve_floor=settings.reserve_floor,
                               prompt_cache_bytes=settings.prompt_cache_limit(memory),
-                              streams=settings.decode_batch)
-    engine = Engine(lambda: load(path, settings.weights), path.stem, settings.decode_batch, settings.prefill_step,
+                              streams=settings.decode_batch, context_length=settings.max_kv_size)
+    engine = Engine(lambda: load(path, settings.weights, max_kv_size=settings.max_kv_size), path.stem, settings.decode_batch, settings.prefill_step,
                     make_cache=make_cache_factory(kv_plan), prompt_cache=prompt_cache,
                     checkpoint_every=settings.prompt_cache_checkpoint,
                     load_draft=_drafter(Path(settings.draft), settings) if settings.draft else None,

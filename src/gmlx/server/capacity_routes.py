@@ -84,12 +84,11 @@ async def estimate_body(state: ServerState, body: Any) -> dict:
     budget = table.budget
     stats, measured = state.engine.stats, state.engine.measured
     prefill_rate = stats.prefill_tok_s() or (measured.prefill_tok_s if measured else None)
-    # Free now: what the reserve leaves beside everything MLX holds at this moment.
-    free_now = budget.total_bytes - budget.reserve_bytes - mx.get_active_memory()
-    free_drained = budget.total_bytes - budget.reserve_bytes - budget.weight_bytes
+    cache = state.engine.prompt_cache
+    free_now = budget.free_now_bytes(mx.get_active_memory(), cache.bytes if cache is not None else 0)
     out = estimate(loaded.geometry, prompt_tokens=len(prompt_ids), max_tokens=p.max_tokens,
                    context_limit=loaded.context_length, prefill_bytes=budget.prefill_bytes,
-                   free_now_bytes=free_now, free_drained_bytes=free_drained, prefill_tok_s=prefill_rate,
+                   free_now_bytes=free_now, free_drained_bytes=budget.drained_bytes, prefill_tok_s=prefill_rate,
                    queue_wait_s=queue_wait_s(state), first_step_s=1 / measured.decode_tok_s if measured else 0.0,
                    kv=table.kv, **_prompt_cache_hit(state, prompt_ids))
     out["model"] = state.model_id

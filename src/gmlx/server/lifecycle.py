@@ -25,8 +25,8 @@ class DrainingServer(uvicorn.Server):
         await drain(self.state, self.drain_timeout)
         await super().shutdown(sockets)
         # uvicorn re-raises a captured signal once it has stopped, so the process would die of the
-        # SIGTERM it just handled (exit -15); a drained shutdown is a clean exit, 0.
-        self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
+        # SIGTERM or SIGINT it just handled (exit -15, or 130); a drained shutdown is a clean exit, 0.
+        self._captured_signals = [s for s in self._captured_signals if s not in (signal.SIGTERM, signal.SIGINT)]
 
 
 async def drain(state: ServerState, timeout: float) -> None:

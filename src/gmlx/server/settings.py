@@ -106,6 +106,15 @@ def _bytes(v: Any) -> int:
     return parse_bytes(str(v))
 
 
+def _directory(v: Any) -> str | None:
+    if not _str(v):  # empty means none, as for _opt_str
+        return None
+    path = Path(v).expanduser()
+    if not path.is_dir():
+        raise ValueError("is not a directory")
+    return str(path)
+
+
 def _int_in(*choices: int) -> Check:
     def check(v: Any) -> None:
         if v not in choices:
@@ -162,6 +171,10 @@ class Settings:
     log_input_text: bool = _f(False, _bool, "GMLX_LOG_INPUT_TEXT", "LOG_INPUT_TEXT")
     shutdown_timeout: float = _f(10.0, _float, "GMLX_SHUTDOWN_TIMEOUT", check=_at_least(0))
     log_level: str = _f("info", _lower, "GMLX_LOG_LEVEL", check=_one_of(*_LOG_LEVELS))
+    # GGUF files /system lists as available (models.available); None: only the served model.
+    models_dir: str | None = _f(None, _directory, "GMLX_MODELS_DIR")
+    # The context window is the GGUF's trained one, or this when smaller (None: the GGUF's).
+    max_kv_size: int | None = _f(None, _int, "GMLX_MAX_KV_SIZE", check=_at_least(1))
     # Capacity: the memory the table plans with (None: device or system memory) and what it keeps back.
     memory: int | None = _f(None, _bytes, "GMLX_MEMORY")
     reserve_fraction: float = _f(0.10, _float, "GMLX_RESERVE_FRACTION", check=_fraction)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import time
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 import gmlx
@@ -72,10 +74,30 @@ def system_info(state: ServerState) -> dict:
     return {
         "version": gmlx.__version__,
         "state": status,
+        "uptime_s": round(time.time() - state.started_at, 1),
         "device": platform.device_name(),
         "compute_type": compute,
         "model": state.model_id,
         "gpu": gpu_telemetry(),
         "activity": {"active": state.gate.running, "waiting": state.gate.waiting},
-        "models": {"active": state.model_id, "available": [state.model_id]},
+        "models": {"active": state.model_id, "available": available_models(state)},
     }
+
+
+def available_models(state: ServerState) -> list[dict]:
+    """The served model, then each other *.gguf in the models directory: name (as a model id)
+    and size. No paths: /system is open to anyone who can reach the server."""
+    loaded = state.engine.loaded
+    served = loaded.header.path if loaded is not None else None
+    models = [{"name": state.model_id, "size_bytes": _size(served) if served else None}]
+    if state.settings.models_dir:  # pathlib's glob skips what it cannot read; /system is polled, so no log
+        files = sorted(Path(state.settings.models_dir).glob("*.gguf"))
+        models += [{"name": f.stem, "size_bytes": _size(f)} for f in files if f.stem != state.model_id and f.is_file()]
+    return models
+
+
+def _size(path: Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except OSError:  # removed or unreadable since it was listed
+        return None
