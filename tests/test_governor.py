@@ -12,10 +12,12 @@ import pytest
 from conftest import LiveServer
 from tiny_models import write_model
 
-from gmlx.capacity.governor import Thresholds, band_for, next_band
-from gmlx.server.governor import STOP_MESSAGE, MemoryReading, in_use
+from gmlx import platform
+from gmlx.capacity.governor import Thresholds, band_for, bytes_to_release, next_band
+from gmlx.server.governor import STOP_MESSAGE, DeviceMemory, MemoryReading, in_use
 
 T = Thresholds(yellow=0.80, orange=0.90, red=0.97, hysteresis=0.05)
+CHAT = "/v1/chat/completions"
 
 
 def replay(trace: list[float], t: Thresholds = T, start: str | None = None) -> list[str]:
@@ -67,6 +69,53 @@ def test_in_use_takes_the_largest_reading() -> None:
     assert in_use(r, 1000, host_memory=False) == 700  # device memory: MLX's figures only
     assert in_use(r, 1000, host_memory=True) == 800  # the process holds more than MLX reports
     assert in_use(MemoryReading(10, 0, 20, 50), 1000, host_memory=True) == 950  # others took the rest
+    on_device = MemoryReading(600, 100, 800, 900, device_available_bytes=200)
+    assert in_use(on_device, 1000, host_memory=False) == 800  # the device's own reading: others took some
+    assert in_use(on_device, 1000, host_memory=True) == 800  # host memory: the device figure plays no part
+
+
+def test_release_brings_use_back_to_where_orange_ends() -> None:
+    assert bytes_to_release(930, 1000, T) == 80  # orange is left below 0.90 - 0.05
+    assert bytes_to_release(850, 1000, T) == 0 and bytes_to_release(100, 1000, T) == 0
+
+
+class FakeNVML:
+    """The part of pynvml the governor uses: two devices, this process on the second."""
+
+    def __init__(self, pids: list[list[int]]) -> None:
+        self.pids = pids
+
+    def nvmlInit(self) -> None:
+        pass
+
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self.pids)
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
+        return i
+
+    def nvmlDeviceGetComputeRunningProcesses(self, h: int) -> list:
+        return [type("Process", (), {"pid": pid}) for pid in self.pids[h]]
+
+    def nvmlDeviceGetMemoryInfo(self, h: int) -> object:
+        return type("Memory", (), {"total": 1000 * (h + 1), "used": 300})
+
+
+def test_device_memory_through_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+    import sys
+
+    monkeypatch.setattr(platform, "backend", lambda: "cpu")
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNVML([[os.getpid()]]))
+    assert DeviceMemory().available_bytes() is None  # off CUDA, NVML is not even asked
+    monkeypatch.setattr(platform, "backend", lambda: "cuda")
+    assert DeviceMemory().available_bytes() == 700
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNVML([[1], [os.getpid(), 2]]))
+    assert DeviceMemory().available_bytes() == 1700  # the device this process runs on
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNVML([[1], [2]]))
+    assert DeviceMemory().available_bytes() is None  # which one is ours cannot be told
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # no nvidia-ml-py: skipped, not an error
+    assert DeviceMemory().available_bytes() is None
 
 
 def test_settings_and_disabled_governor(tiny_models: dict[str, Path]) -> None:
@@ -92,11 +141,43 @@ def test_sampling_real_memory(tiny_models: dict[str, Path]) -> None:
     assert snap["limit_bytes"] == table.budget.total_bytes - table.budget.reserve_bytes
     assert 0 < snap["used_bytes"] < snap["limit_bytes"]
     assert snap["thresholds"] == {"yellow": 0.8, "orange": 0.9, "red": 0.97, "hysteresis": 0.05}
-    assert set(snap["actions"]) == {"single_admission", "hold_admission", "clear_cache", "stop_stream"}
-    assert snap["not_applicable"] == {"evict_prompt_cache": "gmlx has no prompt cache yet"}
+    assert set(snap["actions"]) == {"single_admission", "hold_admission", "evict_prompt_cache", "clear_cache",
+                                    "stop_stream"}
+    assert snap["actions"]["evict_prompt_cache"] == {"count": 0, "last_at": None, "bytes_freed": 0}
 
 
-CHAT = "/v1/chat/completions"
+def test_orange_evicts_the_coldest_prompt_cache_entries(tiny_models: dict[str, Path]) -> None:
+    """With no hysteresis, a fake reading one byte into orange asks for one byte back: the prompt
+    cache drops its least recently used entry alone, and MLX's cache is released, although the
+    reading shows no MLX cache at all."""
+    server = LiveServer(tiny_models["llama"], governor_interval_s=0.02, governor_hysteresis=0.0)
+    state, cache = server.state, server.engine.prompt_cache
+    pressure = {"on": False}
+
+    def fake_probe() -> MemoryReading:
+        budget = state.table().budget
+        limit = budget.total_bytes - budget.reserve_bytes
+        used = int(0.90 * limit) + 1 if pressure["on"] and not cache.stats.evicted_bytes else limit // 2
+        return MemoryReading(active_bytes=used, cache_bytes=0, rss_bytes=0, available_bytes=limit)
+
+    state.governor.probe = fake_probe
+    cold = {"messages": [{"role": "user", "content": "the coldest entry"}], "max_tokens": 4, "temperature": 0}
+    warm = {"messages": [{"role": "user", "content": "a recent one"}], "max_tokens": 4, "temperature": 0}
+    with server, server.client() as c:
+        for body in (warm, cold, warm):  # the second `warm` makes `cold` the least recently used
+            assert c.post(CHAT, json=body).status_code == 200
+        before = cache.snapshot()
+        assert before["entries"] == 2 and c.post("/v1/estimate", json=cold).json()["cache_tier"] == "exact"
+        pressure["on"] = True
+        server.wait_until(lambda: state.governor.snapshot()["actions"]["clear_cache"]["count"] >= 1)
+        actions = state.governor.snapshot()["actions"]
+        after = cache.snapshot()
+        assert c.post("/v1/estimate", json=cold).json()["cache_tier"] == "miss"
+        assert c.post("/v1/estimate", json=warm).json()["cache_tier"] == "exact"
+    evict = actions["evict_prompt_cache"]
+    assert evict["count"] == 1 and evict["last_at"] and after["entries"] == 1
+    assert evict["bytes_freed"] == after["evicted_bytes"] == before["bytes"] - after["bytes"] > 0
+    assert actions["clear_cache"]["bytes_freed"] > 0
 
 
 def test_each_band_acts_on_a_live_server(tmp_path: Path) -> None:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -12,7 +14,9 @@ from conftest import LiveServer
 from prometheus_client.parser import text_string_to_metric_families
 from tiny_models import write_model
 
+from gmlx.engine.engine import Request
 from gmlx.server import metrics
+from gmlx.server.governor import MemoryReading
 from gmlx.server.metrics import snapshot
 
 SECTIONS = ["concurrency", "queue", "governor", "memory", "capacity", "rates", "totals", "prompt_cache", "requests", "resident_models"]
@@ -23,27 +27,103 @@ def prometheus_values(text: str) -> dict[tuple[str, tuple], float]:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
+Leaf = tuple[str, ...]
+
+
+def numeric_leaves(node: Any, path: Leaf = ()) -> dict[Leaf, float | None]:
+    """Every number and null under `node`, by its path of keys and list indices (bools and text left out)."""
+    if isinstance(node, dict):
+        return {k: v for key, child in node.items() for k, v in numeric_leaves(child, (*path, str(key))).items()}
+    if isinstance(node, list):
+        return {k: v for i, child in enumerate(node) for k, v in numeric_leaves(child, (*path, str(i))).items()}
+    if node is None or (isinstance(node, (int, float)) and not isinstance(node, bool)):
+        return {path: node}
+    return {}
+
+
+MIRRORED = ("concurrency", "queue", "governor", "memory", "rates", "resident_models", "capacity")
+ACTION_SAMPLES = {"count": "gmlx_governor_actions_total", "bytes_freed": "gmlx_governor_freed_bytes_total",
+                  "last_at": "gmlx_governor_action_last_at_seconds"}
+
+
+def sample_of(path: Leaf, s: dict) -> tuple[str, tuple]:
+    """The Prometheus sample a snapshot field is rendered as: the exporter's names, spelled out."""
+    section, *rest = path
+    model = s["resident_models"][0]["model"]
+    match section, rest:
+        case "queue", ["rejections_by_reason", reason]:
+            return "gmlx_queue_rejections_total", (("reason", reason),)
+        case "queue", ["timeouts"]:
+            return "gmlx_queue_timeouts_total", ()
+        case "governor", ["thresholds", "hysteresis"]:
+            return "gmlx_governor_hysteresis", ()
+        case "governor", ["thresholds", band]:
+            return "gmlx_governor_threshold", (("band", band),)
+        case "governor", ["actions", action, field]:
+            return ACTION_SAMPLES[field], (("action", action),)
+        case ("concurrency" | "queue" | "governor" | "memory"), [key]:
+            return f"gmlx_{section}_{key}", ()
+        case "rates", [key]:
+            return f"gmlx_rates_{key}", (("model", model),)
+        case "resident_models", [i, key]:
+            m = s["resident_models"][int(i)]
+            return f"gmlx_model_{key}", (("kind", m["kind"]), ("model", m["model"]), ("weight_mode", m["weight_mode"]))
+        case "capacity", ["widths", width]:
+            return "gmlx_capacity_max_ctx", (("width", width),)
+        case "capacity", ["depths", depth]:
+            return "gmlx_capacity_max_width", (("depth", depth),)
+        case "capacity", keys:
+            return "gmlx_capacity_" + "_".join(keys), ()
+    raise AssertionError(f"no Prometheus sample for {path}")
+
+
+def assert_prometheus_matches(s: dict, text: str) -> None:
+    """Every numeric field of the mirrored sections is its sample, equal; a null one has none."""
+    values = prometheus_values(text)
+    leaves = numeric_leaves({k: s[k] for k in MIRRORED})
+    assert len(leaves) > 40  # the walk found the sections' fields, not an empty snapshot
+    for path, value in leaves.items():
+        if path == ("queue", "rejections"):  # the total over the counter's reasons
+            assert value == sum(v for (name, _), v in values.items() if name == "gmlx_queue_rejections_total")
+        elif value is None:
+            assert sample_of(path, s) not in values, path
+        else:
+            assert values[sample_of(path, s)] == value, path
+
+
 def test_snapshot_sections_and_prometheus_agree(live_server: LiveServer) -> None:
+    live_server.wait_until(lambda: live_server.state.band is not None)  # the governor's first sample
     with live_server.client() as c:
         c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 6, "temperature": 0})
         snap = c.get("/v1/metrics").json()
         assert list(snap["server"]) == SECTIONS
-        # Rendered from one snapshot: every gauge equals the JSON field it came from.
+        # Rendered from one snapshot: every field equals the sample it became.
         one = snapshot(live_server.state)
-        values = prometheus_values(live_server.state.histograms.render(one).decode())
-        text = c.get("/v1/metrics", params={"format": "prometheus"})
+        text = live_server.state.histograms.render(one).decode()
+        route = c.get("/v1/metrics", params={"format": "prometheus"})
     s = one["server"]
-    assert text.headers["content-type"].startswith("text/plain")
-    prometheus_values(text.text)  # the route's own text parses too
-    assert values[("gmlx_concurrency_decode_batch", ())] == s["concurrency"]["decode_batch"] == 4
-    assert values[("gmlx_memory_active_bytes", ())] == s["memory"]["active_bytes"]
-    assert values[("gmlx_capacity_max_ctx", (("width", "1"),))] == s["capacity"]["widths"]["1"]
+    assert route.headers["content-type"].startswith("text/plain")
+    prometheus_values(route.text)  # the route's own text parses too
+    assert_prometheus_matches(s, text)
+    values = prometheus_values(text)
+    assert s["concurrency"]["decode_batch"] == 4 and s["capacity"]["warmup"]["kv_bytes_measured"] > 0
     assert values[("gmlx_requests_finished_total", (("model", "tiny-llama"), ("reason", "length")))] == 1
     assert values[("gmlx_generated_tokens_total", (("model", "tiny-llama"),))] == s["totals"]["generated_tokens"] == 6
-    assert values[("gmlx_rates_decode_tok_s_lifetime", (("model", "tiny-llama"),))] == s["rates"]["decode_tok_s_lifetime"]
     assert values[("gmlx_ttft_seconds_count", ())] == 1
     assert values[("gmlx_requests", ())] == len(s["requests"]) == 0
-    assert s["capacity"]["warmup"]["kv_bytes_measured"] > 0
+    assert values[("gmlx_governor_band", (("band", s["governor"]["band"]),))] == 1
+
+
+def test_inter_token_latency_observes_every_gap(live_server: LiveServer) -> None:
+    with live_server.client() as c:
+        start = time.perf_counter()
+        done = c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 9, "temperature": 0}).json()
+        elapsed = time.perf_counter() - start
+        values = prometheus_values(c.get("/v1/metrics", params={"format": "prometheus"}).text)
+    tokens = done["usage"]["completion_tokens"]
+    assert tokens > 2
+    assert values[("gmlx_inter_token_latency_seconds_count", ())] == tokens - 1  # one per gap, not per request
+    assert 0 < values[("gmlx_inter_token_latency_seconds_sum", ())] < elapsed
 
 
 def test_a_failing_probe_nulls_its_section_only(live_server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -58,45 +138,89 @@ def test_a_failing_probe_nulls_its_section_only(live_server: LiveServer, monkeyp
         assert c.get("/v1/metrics", params={"format": "prometheus"}).status_code == 200
 
 
-def test_fields_follow_what_they_measure(tmp_path: Path) -> None:
-    """Two snapshots, idle and under load: every live figure moved."""
+# Figures of configuration, of the machine, or measured once at start: they do not move with load.
+FIXED = [("concurrency", "decode_batch"), ("concurrency", "queue_cap"), ("queue", "cap"),
+         ("governor", "thresholds"), ("governor", "interval_s"), ("governor", "limit_bytes"),
+         ("memory", "budget_bytes"), ("memory", "system_total_bytes"),
+         ("capacity",),  # the table from the budget, and the warm-up measured at start
+         ("prompt_cache", "max_bytes"), ("prompt_cache", "block_tokens"),
+         ("resident_models", "0", "decode_batch"), ("resident_models", "0", "weight_bytes"),
+         ("resident_models", "0", "context_length")]
+# Counts of what this load does not cause, each driven where named.
+NOT_DRIVEN = [("governor", "actions", "stop_stream"),  # red: test_governor's live test
+              ("prompt_cache", "hits_by_tier", "block"), ("prompt_cache", "hits_by_tier", "ckpt"),
+              ("prompt_cache", "hits_by_tier", "anchor"),  # test_prompt_cache
+              ("rates", "speculative_accept_rate")]  # null without a drafter: test_speculative_engine
+
+
+def test_every_numeric_field_follows_what_it_measures(tmp_path: Path) -> None:
+    """Snapshots idle, under load, after requests were served, and after the governor released
+    memory: every numeric field but the fixed ones takes more than one value."""
     # A context long enough that the first request is still decoding when the busy snapshot is
     # taken (the tiny model decodes about 1,000 tokens a second here).
     model = write_model(tmp_path / "long.gguf", "llama", context=2048)
-    with LiveServer(model, decode_batch=1, queue_size=1, queue_timeout=0.3) as server:
-        idle = snapshot(server.state)["server"]
-        busy: dict = {}
+    server = LiveServer(model, decode_batch=1, queue_size=1, queue_timeout=0.3, governor_interval_s=0.02)
+    state, governor = server.state, server.state.governor
+    real_probe, pressure = governor.probe, {"fraction": None}
+
+    def probe() -> MemoryReading:  # the real reading, or a made-up fraction of the budget
+        if pressure["fraction"] is None:
+            return real_probe()
+        limit = state.table().budget.total_bytes - state.table().budget.reserve_bytes
+        return MemoryReading(int(pressure["fraction"] * limit), 0, 0, limit)
+
+    governor.probe = probe
+    snaps: dict[str, dict] = {}
+    # A prompt longer than the start-up warm-up's, so its prefill raises the memory peak.
+    body = {"prompt": "the sea " * 60, "max_tokens": 1500, "temperature": 0}
+    with server:
+        snaps["idle"] = snapshot(state)
 
         async def load() -> None:
             async with httpx.AsyncClient(base_url=server.url, timeout=60) as ac:
-                body = {"prompt": "x", "max_tokens": 1500, "temperature": 0}
                 first = asyncio.create_task(ac.post("/v1/completions", json=body))
                 while server.engine.decoding < 1:
                     await asyncio.sleep(0.005)
                 queued = asyncio.create_task(ac.post("/v1/completions", json=body))
-                while server.state.gate.waiting < 1:
+                while state.gate.waiting < 1:
                     await asyncio.sleep(0.005)
                 full = await ac.post("/v1/completions", json=body)  # rejected: queue full
                 assert full.status_code == 503
                 await asyncio.sleep(0.05)
-                busy.update(snapshot(server.state)["server"])
-                await first
-                assert (await queued).status_code in (200, 503)
+                snaps["busy"] = snapshot(state)
+                await asyncio.sleep(0.05)
+                snaps["busy_later"] = snapshot(state)
+                assert (await first).status_code == 200
+                assert (await queued).status_code == 503  # waited past the queue's timeout
+                again = await ac.post("/v1/completions", json={**body, "max_tokens": 4})  # a prompt cache hit
+                assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
         asyncio.run(load())
-        after = snapshot(server.state)["server"]
-    assert (idle["concurrency"]["in_flight"], busy["concurrency"]["in_flight"]) == (0, 1)
-    assert (idle["concurrency"]["waiting"], busy["concurrency"]["waiting"]) == (0, 1)
-    assert busy["queue"]["waiting"] == 1 and busy["queue"]["rejections"] > idle["queue"]["rejections"]
-    assert busy["queue"]["last_reject_reason"] == "queue_full"
-    assert [r["state"] for r in busy["requests"]] == ["queued", "decode"]  # queued rows first
-    running = busy["requests"][1]
-    assert running["generated"] > 0 and running["ttft_s"] is not None and running["elapsed_s"] > 0
-    assert busy["memory"]["active_bytes"] != idle["memory"]["active_bytes"]
-    assert idle["rates"]["decode_tok_s"] is None and busy["rates"]["decode_tok_s"] > 0
-    assert busy["rates"]["decode_streams"] == 1
-    assert after["totals"]["generated_tokens"] > busy["totals"]["generated_tokens"] > 0
-    assert after["rates"]["decode_tok_s_lifetime"] is not None and after["rates"]["prefill_tok_s_recent"] is not None
+        snaps["served"] = snapshot(state)
+        pressure["fraction"] = 0.93  # orange: admission held, the prompt cache evicted, MLX's cache released
+        server.wait_until(lambda: governor.snapshot()["actions"]["evict_prompt_cache"]["count"] >= 1)
+        pressure["fraction"] = 0.3  # back to green, through yellow
+        server.wait_until(lambda: state.band == "green")
+        snaps["after"] = snapshot(state)
+    for snap in snaps.values():  # and each is what Prometheus says at that moment
+        assert_prometheus_matches(snap["server"], state.histograms.render(snap).decode())
+
+    walks = {name: numeric_leaves({k: v for k, v in snap["server"].items() if k != "requests"})
+             for name, snap in snaps.items()}
+    paths = set().union(*walks.values())
+    allowed = FIXED + NOT_DRIVEN
+    unchanged = sorted(p for p in paths if not any(p[:len(a)] == a for a in allowed)
+                       and len({w.get(p, "absent") for w in walks.values()}) == 1)
+    assert not unchanged, f"fields that never changed: {unchanged}"
+    assert len(paths) > 80  # the walk saw the whole snapshot
+
+    # Requests come and go, so their rows are compared to themselves: queued first, then running.
+    busy, later = snaps["busy"]["server"]["requests"], snaps["busy_later"]["server"]["requests"]
+    assert [r["state"] for r in busy] == [r["state"] for r in later] == ["queued", "decode"]
+    assert busy[1]["generated"] < later[1]["generated"] and busy[1]["ttft_s"] is not None
+    assert busy[0]["elapsed_s"] < later[0]["elapsed_s"] and busy[1]["elapsed_s"] < later[1]["elapsed_s"]
+    assert snaps["busy"]["server"]["queue"]["last_reject_reason"] == "queue_full"
+    assert snaps["after"]["server"]["queue"]["last_reject_reason"] == "queue_timeout"
 
 
 def test_system_is_open_and_has_no_content(tiny_models: dict[str, Path]) -> None:
@@ -109,24 +233,22 @@ def test_system_is_open_and_has_no_content(tiny_models: dict[str, Path]) -> None
     assert info["compute_type"].startswith("cpu/float32") and info["activity"] == {"active": 0, "waiting": 0}
 
 
-def test_poll_routes_answer_while_the_engine_is_busy(tiny_models: dict[str, Path]) -> None:
-    with LiveServer(tiny_models["llama"], decode_batch=2) as server:
-        stop = threading.Event()
+def test_poll_routes_never_wait_on_the_engine(live_server: LiveServer) -> None:
+    """With the engine thread stuck in a request's callback, every poll route still answers at once."""
+    stuck, release = threading.Event(), threading.Event()
 
-        def hog() -> None:
-            with server.client() as c:
-                while not stop.is_set():
-                    c.post("/v1/completions", json={"prompt": "x", "max_tokens": 50, "temperature": 0})
+    def hold(_: object) -> None:  # runs on the engine thread, which stays here until released
+        stuck.set()
+        release.wait(30)
 
-        threads = [threading.Thread(target=hog) for _ in range(2)]
-        for t in threads:
-            t.start()
-        try:
-            with server.client() as c:
-                for _ in range(20):
-                    for route in ("/v1/metrics", "/health?ready=1", "/system"):
-                        assert c.get(route).status_code in (200, 503)
-        finally:
-            stop.set()
-            for t in threads:
-                t.join(30)
+    live_server.engine.submit(Request("stuck", [1], 0, emit=hold))  # max_tokens 0: failed at once, in emit
+    assert stuck.wait(10)
+    try:
+        with httpx.Client(base_url=live_server.url, timeout=0.5) as c:
+            for route in ("/health", "/health?ready=1", "/v1/metrics", "/v1/metrics?format=prometheus", "/system"):
+                start = time.perf_counter()
+                assert c.get(route).status_code == 200, route
+                assert time.perf_counter() - start < 0.5, route
+        assert live_server.engine.alive and not release.is_set()  # still stuck the whole time
+    finally:
+        release.set()

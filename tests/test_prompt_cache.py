@@ -90,7 +90,9 @@ def test_bound_lru_eviction_and_release(llama: LoadedModel) -> None:
     assert st["entries"] == 2 and st["bytes"] <= pc.max_bytes and st["evicted_bytes"] == one
     assert pc.peek(prompt(64, 0)).tier == "miss" and pc.peek(prompt(64, 2)).tier == "exact"  # oldest went first
     assert not pc.store(prompt(600), prefilled(llama, prompt(600)), "final")  # bigger than the whole bound
-    assert pc.clear() == 2 * one and pc.bytes == 0 and pc.snapshot()["entries"] == 0
+    assert pc.evict_coldest(1) == one and pc.peek(prompt(64, 1)).tier == "miss"  # the coldest entry alone
+    assert pc.peek(prompt(64, 2)).tier == "exact"
+    assert pc.evict_coldest(10 * one) == one and pc.bytes == 0 and pc.snapshot()["entries"] == 0
 
 
 def test_a_longer_turn_replaces_the_entries_it_contains(llama: LoadedModel) -> None:
@@ -248,14 +250,21 @@ def ask_ids_shared(server: LiveServer, turn1: list[dict], turn2: list[dict]) -> 
     return next((i for i, (a, b) in enumerate(zip(first, p2)) if a != b), min(len(first), len(p2)))
 
 
-def test_the_governors_release_empties_it(tiny: dict[str, Path]) -> None:
+def test_the_governors_release_drops_the_coldest_entries(tiny: dict[str, Path]) -> None:
     r = Runner(tiny["llama"])
     try:
         r.run(prompt(300))
-        stored = r.cache.snapshot()["bytes"]
-        r.engine.clear_cache()  # what the governor sends under orange and red
+        first = r.cache.snapshot()["bytes"]
+        r.run(prompt(200, salt=1))
+        reports: list[tuple[int, int, str]] = []
+        # What the governor sends under orange and red: one byte's worth is the coldest entry.
+        r.engine.release_memory(1, lambda evicted, released: reports.append(
+            (evicted, released, threading.current_thread().name)))
         r.run(prompt(20, salt=3))  # commands apply in order, so the release happened before this ran
         st = r.cache.snapshot()
-        assert stored > 0 and st["evicted_bytes"] == stored and st["entries"] == 1  # only the new request's
+        [(evicted, released, thread)] = reports
+        assert first > 0 and evicted == first == st["evicted_bytes"] and st["entries"] == 2
+        assert r.cache.peek(prompt(300)).tier == "miss" and r.cache.peek(prompt(200, salt=1)).tier == "exact"
+        assert released > 0 and thread == "engine-pc"  # MLX's cache went too, on the engine's own thread
     finally:
         r.engine.stop()

@@ -5,6 +5,7 @@ Pure arithmetic on the fraction of the budget in use; the sampler that measures 
 the highest band reached), and falls only once the fraction is below that threshold minus the
 hysteresis, one band per sample, so a fraction wobbling around a threshold does not flap and a
 sudden release reopens admission gradually (red -> orange -> yellow -> green).
+Under orange and red the sampler frees memory; `bytes_to_release` says how much.
 """
 
 from __future__ import annotations
@@ -49,3 +50,9 @@ def next_band(current: str | None, fraction: float, t: Thresholds) -> str:
     if current != "green" and fraction < t.entry(current) - t.hysteresis:
         return BANDS[BANDS.index(current) - 1]
     return current
+
+
+def bytes_to_release(used: int, limit: int, t: Thresholds) -> int:
+    """What to free, of `used` bytes against `limit`, for orange to fall back to yellow: the bytes
+    above orange's threshold less the hysteresis. Anything short of that leaves the band orange."""
+    return max(0, used - int((t.orange - t.hysteresis) * limit))

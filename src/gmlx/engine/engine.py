@@ -71,6 +71,7 @@ class Request:
     uid: int | None = None
     submitted_at: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
+    last_token_at: float | None = None
     prefilled: int = 0
     generated: int = 0
     cache: Hit | None = None  # the prompt cache's answer, once the engine has asked it
@@ -179,6 +180,9 @@ def warm_up(loaded: LoadedModel, tokens: int = WARMUP_TOKENS, decode_steps: int 
     cache's bytes. Short on purpose: MLX's quantized CPU kernels prefill at a few tok/s."""
     tokens = max(1, min(tokens, loaded.context_length - decode_steps - 1))
     prompt = mx.array([[loaded.tokenizer.bos_token_id or 0] * tokens])
+    # A model's first forward pass keeps one-time buffers (constants built lazily, kernel scratch):
+    # pay for them before measuring, or they count as KV.
+    mx.eval(loaded.model(prompt[:, :1], cache=make_cache(loaded.model)))
     mx.synchronize()
     mx.clear_cache()
     before = mx.get_active_memory()
@@ -238,6 +242,9 @@ class Engine:
         self._sampling_failed: list[tuple[Request, str]] = []  # this step's, engine thread only
         self._samplers: dict[str, Sampler] = {}  # request id -> its sampler, kept across handovers (its seed runs on)
         self._draft_states: dict[str, tuple] = {}  # request id -> the drafter's cache from its last lane
+        # Called on this thread with the seconds between each two tokens a stream emits (the
+        # server's inter-token latency histogram); it must be thread-safe and quick.
+        self.on_token_gap: Callable[[float], None] | None = None
         self._thread = threading.Thread(target=self._run, name=f"engine-{name}", daemon=True)
 
     # --- called from any thread -------------------------------------------------------
@@ -255,9 +262,13 @@ class Engine:
         the request ends with it, so its client learns why it was stopped."""
         self._commands.put(("cancel", (request_id, error)))
 
-    def clear_cache(self) -> None:
-        """Release MLX's buffer cache, on the engine thread (it is not a memory read)."""
-        self._commands.put(("clear_cache", None))
+    def release_memory(self, evict_bytes: int, done: Callable[[int, int], None]) -> None:
+        """The governor's release under orange and red, on the engine thread (neither step is a
+        memory read): drop the prompt cache's least recently used entries until `evict_bytes`
+        are freed, then release MLX's buffer cache. `done(evicted, released)` is then called here
+        with the bytes of the entries dropped and the bytes MLX's cache returned to the system
+        (which include the dropped entries' buffers)."""
+        self._commands.put(("release_memory", (evict_bytes, done)))
 
     def cancel_all(self) -> None:
         self._commands.put(("cancel_all", None))
@@ -364,10 +375,15 @@ class Engine:
                 req = self._requests.get(request_id)
                 if req is not None and req.uid in self._active:
                     self._cancel(gen, req, error)
-            elif kind == "clear_cache":
-                if self.prompt_cache is not None:
-                    self.prompt_cache.clear()
+            elif kind == "release_memory":
+                evict_bytes, done = arg
+                evicted = self.prompt_cache.evict_coldest(evict_bytes) if self.prompt_cache is not None else 0
+                released = mx.get_cache_memory()
                 mx.clear_cache()
+                try:
+                    done(evicted, released)
+                except Exception:  # a report that fails must not fail the running requests
+                    log.exception("reporting a memory release failed")
             elif kind == "cancel_all":
                 for req in list(self._active.values()):
                     self._cancel(gen, req)
@@ -557,6 +573,9 @@ class Engine:
     def _on_token(self, gen: BatchGenerator, req: Request, token: int, finish_reason: str | None, now: float) -> None:
         if req.first_token_at is None:
             req.first_token_at, req.state = now, "decode"
+        elif finish_reason != "stop" and self.on_token_gap is not None:  # an EOS token is never sent
+            self.on_token_gap(now - req.last_token_at)  # type: ignore[operator]
+        req.last_token_at = now
         detok, stops = self._detok[req.uid], self._stops[req.uid]
         if finish_reason != "stop":  # "stop" here means an EOS token, which has no text
             req.generated += 1

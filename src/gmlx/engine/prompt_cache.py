@@ -154,11 +154,14 @@ class PromptCache:
                 self._drop(next(iter(self._lru)), evicted=True)
         return True
 
-    def clear(self) -> int:
-        """Drop every entry (the governor's release under pressure); returns the bytes freed."""
+    def evict_coldest(self, nbytes: int) -> int:
+        """Drop least recently used entries until `nbytes` are freed or none is left (the
+        governor's release under orange and red); returns the bytes freed."""
+        freed = 0
         with self._lock:
-            freed = self.bytes
-            for key in list(self._lru):
+            while self._lru and freed < nbytes:
+                key = next(iter(self._lru))
+                freed += self._lru[key].nbytes
                 self._drop(key, evicted=True)
         return freed
 

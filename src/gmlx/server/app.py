@@ -58,7 +58,7 @@ def _log_end(state: ServerState, req: EngineRequest, end: Finished | Failed | No
     """The one line per request, however it ended: finished, cancelled, failed (finish=error:CODE) or
     left by its client (finish=client_gone); the prompt and output only with LOG_INPUT_TEXT."""
     if isinstance(end, Finished):
-        state.histograms.observe(end.ttft_s, end.decode_tok_s)
+        state.histograms.observe_ttft(end.ttft_s)
         generated, ttft, rate, finish = end.completion_tokens, end.ttft_s, end.decode_tok_s, end.finish_reason
     else:  # the engine's live figures for a request that did not finish
         generated, ttft, rate = req.generated, req.ttft_s, req.decode_tok_s()
@@ -243,6 +243,7 @@ async def _not_found(request: Request, exc: Exception) -> Response:
 
 def create_app(settings: Settings, engine: Engine, model_id: str) -> Starlette:
     state = ServerState(settings, engine, model_id)
+    engine.on_token_gap = state.histograms.observe_gap  # on the engine thread; prometheus_client locks
     governor = state.governor = Governor(state)  # disabled by GMLX_GOVERNOR=0, but still reports so
 
     @asynccontextmanager

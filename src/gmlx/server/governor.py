@@ -7,14 +7,20 @@ of three readings, since each misses something the others see:
   budget counts, and the two host figures below are left out.
 - the process's resident memory: adds the interpreter, tokenizer and libraries.
 - the limit less the system's available memory: what other processes take counts against us too,
-  as we can grow no further than what is available.
+  as we can grow no further than what is available. On CUDA, the limit less the device's free
+  memory, read through NVML where nvidia-ml-py and a driver are present.
 
 Actions, each counted with the time of the last one (`snapshot()["actions"]`):
 - `single_admission` (entering yellow): the gate admits one new stream at a time; the next is
   admitted only once every slot holder has reached decode.
 - `hold_admission` (entering orange or red): the gate admits none; new requests wait in the queue.
-- `clear_cache` (orange, red): MLX's buffer cache is released, on the engine thread. Evicting the
-  prompt cache's coldest entries does not apply: gmlx has no prompt cache yet.
+- `evict_prompt_cache` and `clear_cache` (orange, red; at most once a second, and right after a
+  stop): on the engine thread, the prompt cache drops its least recently used entries until it
+  has freed what would bring use back under the point where orange falls to yellow (its
+  threshold less the hysteresis; `bytes_to_release`), or it is empty; then MLX's buffer cache,
+  which now holds those entries' buffers too, is returned to the system. Only the prompt cache
+  is counted on to cover the excess, since MLX's cache refills as streams run. Each is recorded
+  when it freed something, with the bytes it freed (the second's include the first's).
 - `stop_stream` (red): the newest running stream ends with an error that says why, one at a time:
   the next only once the last has ended and memory is still red.
 
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -36,18 +43,18 @@ import mlx.core as mx
 import psutil
 
 from gmlx import platform
-from gmlx.capacity.governor import BANDS, Thresholds, next_band
+from gmlx.capacity.governor import BANDS, Thresholds, bytes_to_release, next_band
 from gmlx.engine.engine import Failed
 
 if TYPE_CHECKING:
     from gmlx.server.state import ServerState
 
 log = logging.getLogger("gmlx.governor")
-ACTIONS = ("single_admission", "hold_admission", "clear_cache", "stop_stream")
-NOT_APPLICABLE = {"evict_prompt_cache": "gmlx has no prompt cache yet"}
+ACTIONS = ("single_admission", "hold_admission", "evict_prompt_cache", "clear_cache", "stop_stream")
+RELEASES = ("evict_prompt_cache", "clear_cache")  # the actions that report the bytes they freed
 STOP_MESSAGE = ("stopped under memory pressure: the server's memory governor is red and this was the newest "
                 "running request; retry later")
-CLEAR_EVERY_S = 1.0  # while orange or red, release MLX's cache at most this often (it refills as streams run)
+RELEASE_EVERY_S = 1.0  # while orange or red, release memory at most this often (it takes effect within a step)
 _ORANGE = BANDS.index("orange")
 _process = psutil.Process()
 
@@ -58,19 +65,70 @@ class MemoryReading:
     cache_bytes: int  # MLX
     rss_bytes: int  # this process
     available_bytes: int  # the system's
+    device_available_bytes: int | None = None  # the CUDA device's free memory, from NVML; None unread
+
+
+class DeviceMemory:
+    """Free memory of the CUDA device this process runs on, through NVML. None off CUDA, and
+    where NVML is absent (no nvidia-ml-py, no driver) or the device cannot be told apart from
+    others; then the governor goes on MLX's figures alone. Found once; each read is one NVML call."""
+
+    def __init__(self) -> None:
+        self._nvml: Any = None
+        self._handle: Any = None
+        self._found = False
+
+    def available_bytes(self) -> int | None:
+        if not self._found:
+            self._found = True
+            self._nvml, self._handle = self._find()
+        if self._handle is None:
+            return None
+        try:
+            info = self._nvml.nvmlDeviceGetMemoryInfo(self._handle)
+        except Exception as e:  # the driver went away: carry on without the figure
+            log.warning("memory governor: NVML stopped answering (%s); device memory is no longer read", e)
+            self._handle = None
+            return None
+        return int(info.total) - int(info.used)
+
+    @staticmethod
+    def _find() -> tuple[Any, Any]:
+        if platform.backend() != "cuda":
+            return None, None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+            if len(handles) > 1:  # the one whose compute processes list ours (not in a PID namespace)
+                handles = [h for h in handles
+                           if any(p.pid == os.getpid() for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h))]
+        except Exception as e:  # no library or no driver: not an error, the figure is just not read
+            log.info("memory governor: no NVML device memory (%s)", e)
+            return None, None
+        if len(handles) != 1:
+            log.info("memory governor: cannot tell this process's CUDA device through NVML")
+            return None, None
+        return pynvml, handles[0]
+
+
+_device = DeviceMemory()
 
 
 def read_memory() -> MemoryReading:
     return MemoryReading(mx.get_active_memory(), mx.get_cache_memory(), _process.memory_info().rss,
-                         platform.available_memory_bytes())
+                         platform.available_memory_bytes(), _device.available_bytes())
 
 
 def in_use(reading: MemoryReading, limit: int, host_memory: bool) -> int:
     """Bytes in use against `limit` (see the module's docstring); host figures count only
-    where the budget is host memory (CPU, and Metal's unified memory)."""
+    where the budget is host memory (CPU, and Metal's unified memory), the device's where not."""
     used = reading.active_bytes + reading.cache_bytes
     if host_memory:
         used = max(used, reading.rss_bytes, limit - reading.available_bytes)
+    elif reading.device_available_bytes is not None:
+        used = max(used, limit - reading.device_available_bytes)
     return used
 
 
@@ -78,6 +136,13 @@ def in_use(reading: MemoryReading, limit: int, host_memory: bool) -> int:
 class _Action:
     count: int = 0
     last_at: float | None = None  # unix time
+    bytes_freed: int = 0  # reported for RELEASES only
+
+    def to_json(self, name: str) -> dict[str, Any]:
+        out: dict[str, Any] = {"count": self.count, "last_at": self.last_at}
+        if name in RELEASES:
+            out["bytes_freed"] = self.bytes_freed
+        return out
 
 
 class Governor:
@@ -98,7 +163,7 @@ class Governor:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._victim: str | None = None  # the stream last stopped, until it has ended
-        self._last_clear = float("-inf")
+        self._last_release = float("-inf")
         self._last_error: str | None = None
 
     def start(self) -> None:
@@ -125,8 +190,7 @@ class Governor:
                 "fraction": None if self.fraction is None else round(self.fraction, 4),
                 "used_bytes": self.used_bytes,
                 "limit_bytes": self.limit_bytes,
-                "actions": {name: {"count": a.count, "last_at": a.last_at} for name, a in self._actions.items()},
-                "not_applicable": dict(NOT_APPLICABLE),
+                "actions": {name: a.to_json(name) for name, a in self._actions.items()},
             }
 
     # --- on the event loop -----------------------------------------------------------------
@@ -171,10 +235,10 @@ class Governor:
             if level >= _ORANGE > was:
                 self._record("hold_admission", now)
             stopped = band == "red" and self._stop_newest(now)
-            if level >= _ORANGE and (stopped or (reading.cache_bytes and now - self._last_clear >= CLEAR_EVERY_S)):
-                self.state.engine.clear_cache()  # queued after the stop, so it frees that stream's buffers too
-                self._last_clear = now
-                self._record("clear_cache", now)
+            if level >= _ORANGE and (stopped or now - self._last_release >= RELEASE_EVERY_S):
+                # Queued after the stop, so it frees that stream's buffers too.
+                self.state.engine.release_memory(bytes_to_release(used, limit, self.thresholds), self._released)
+                self._last_release = now
         if band != previous:
             log.log(logging.WARNING if level >= _ORANGE else logging.INFO,
                     "memory governor: %s -> %s (%.1f%% of %d MiB in use)", previous, band, 100 * fraction, limit >> 20)
@@ -198,7 +262,18 @@ class Governor:
         self._record("stop_stream", now)
         return True
 
-    def _record(self, name: str, now: float) -> None:
+    def _record(self, name: str, now: float, freed: int = 0) -> None:
         action = self._actions[name]
         action.count += 1
         action.last_at = now
+        action.bytes_freed += freed
+
+    # --- on the engine thread ----------------------------------------------------------------
+
+    def _released(self, evicted: int, released: int) -> None:
+        now = time.time()
+        with self._lock:
+            if evicted:
+                self._record("evict_prompt_cache", now, evicted)
+            if released:
+                self._record("clear_cache", now, released)

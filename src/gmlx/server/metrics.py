@@ -12,7 +12,7 @@ from typing import Any
 import mlx.core as mx
 import psutil
 
-from gmlx.capacity.memory import kv_bytes_after_prefill
+from gmlx.capacity.memory import kv_bytes_after_prefill, warmup_per_token
 from gmlx.server.admission import RETRY_AFTER_FULL_S
 from gmlx.server.state import ServerState
 
@@ -45,7 +45,7 @@ def _memory(s: ServerState) -> dict:
     return {
         "active_bytes": active,
         "cache_bytes": cache,
-        "peak_bytes": mx.get_peak_memory(),
+        "peak_bytes": mx.get_peak_memory(),  # MLX's high-water mark since the start-up warm-up
         "headroom_bytes": usable - active - cache if usable is not None else None,
         "budget_bytes": table.budget.total_bytes if table else None,
         "process_rss_bytes": psutil.Process().memory_info().rss,
@@ -64,6 +64,7 @@ def _capacity(s: ServerState) -> dict | None:
             "tokens": measured.tokens,
             "kv_bytes_predicted": kv_bytes_after_prefill(table.geometry, measured.tokens, table.kv),
             "kv_bytes_measured": measured.kv_bytes,
+            **warmup_per_token(table.geometry, measured.tokens, measured.kv_bytes, table.kv),
             "prefill_tok_s_measured": round(measured.prefill_tok_s, 1),
             "decode_tok_s_measured": round(measured.decode_tok_s, 2),
             # The warm-up prompt is short, so its peak sits well under one full chunk's prediction.

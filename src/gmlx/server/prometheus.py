@@ -1,5 +1,7 @@
 """Prometheus text for /v1/metrics?format=prometheus, rendered by prometheus_client from the
-JSON snapshot itself (so both answer the same at the same moment), plus latency histograms."""
+JSON snapshot itself (so both answer the same at the same moment), plus latency histograms.
+Every numeric field of the concurrency, queue, memory, governor, capacity, rates and
+resident_models sections becomes a sample; counts since start are counters (`_total`)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 BANDS = ("green", "yellow", "orange", "red")
 _TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120)
-_TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1, 2)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1, 2)
 
 
 class _Snapshot:
@@ -25,18 +27,16 @@ class _Snapshot:
         models = s.get("resident_models") or []
         model = models[0]["model"] if models else ""
         for section in ("concurrency", "queue", "memory"):
-            yield from _gauges(f"gmlx_{section}", s.get(section) or {}, skip=("rejections",))
+            yield from _gauges(f"gmlx_{section}", s.get(section) or {}, skip=("rejections", "timeouts"))
         queue = s.get("queue") or {}
         rejected = CounterMetricFamily("gmlx_queue_rejections", "Requests turned away at the gate", labels=["reason"])
         for reason, n in (queue.get("rejections_by_reason") or {}).items():
             rejected.add_metric([reason], n)
         yield rejected
-        gov = s.get("governor") or {}
-        band = GaugeMetricFamily("gmlx_governor_band", "1 for the memory governor's current band", labels=["band"])
-        for name in BANDS:
-            band.add_metric([name], 1.0 if gov.get("band") == name else 0.0)
-        yield band
-        yield GaugeMetricFamily("gmlx_governor_enabled", "1 when the governor runs", value=float(bool(gov.get("enabled"))))
+        if queue.get("timeouts") is not None:
+            yield CounterMetricFamily("gmlx_queue_timeouts", "Requests that waited in the queue past the timeout",
+                                      value=queue["timeouts"])
+        yield from _governor(s.get("governor") or {})
         yield from _capacity(s.get("capacity"))
         yield from _gauges("gmlx_rates", s.get("rates") or {}, labels={"model": model})
         yield GaugeMetricFamily("gmlx_requests", "Requests queued or running", value=len(s.get("requests") or []))
@@ -94,7 +94,38 @@ def _prompt_cache(pc: dict, model: str) -> Iterator[Metric]:
             yield g
 
 
+def _governor(gov: dict) -> Iterator[Metric]:
+    band = GaugeMetricFamily("gmlx_governor_band", "1 for the memory governor's current band", labels=["band"])
+    for name in BANDS:
+        band.add_metric([name], 1.0 if gov.get("band") == name else 0.0)
+    yield band
+    yield GaugeMetricFamily("gmlx_governor_enabled", "1 when the governor runs", value=float(bool(gov.get("enabled"))))
+    yield from _gauges("gmlx_governor", gov)  # fraction, used and limit bytes, sampling interval
+    thresholds = dict(gov.get("thresholds") or {})
+    if "hysteresis" in thresholds:
+        yield GaugeMetricFamily("gmlx_governor_hysteresis", "How far below its threshold a band falls back",
+                                value=thresholds.pop("hysteresis"))
+    threshold = GaugeMetricFamily("gmlx_governor_threshold", "Fraction of the budget at which a band starts",
+                                  labels=["band"])
+    for name, value in thresholds.items():
+        threshold.add_metric([name], value)
+    yield threshold
+    actions = gov.get("actions") or {}
+    count = CounterMetricFamily("gmlx_governor_actions", "Times the governor took each action", labels=["action"])
+    freed = CounterMetricFamily("gmlx_governor_freed_bytes", "Bytes each releasing action freed", labels=["action"])
+    last = GaugeMetricFamily("gmlx_governor_action_last_at_seconds", "Unix time each action was last taken",
+                             labels=["action"])
+    for name, a in actions.items():
+        count.add_metric([name], a["count"])
+        if "bytes_freed" in a:
+            freed.add_metric([name], a["bytes_freed"])
+        if a["last_at"] is not None:
+            last.add_metric([name], a["last_at"])
+    yield from (count, freed, last)
+
+
 def _capacity(cap: dict | None) -> Iterator[Metric]:
+    """The table by width and depth as labelled series; every other number under its own path."""
     if not cap:
         return
     ctx = GaugeMetricFamily("gmlx_capacity_max_ctx", "Max context per stream at a width", labels=["width"])
@@ -105,11 +136,16 @@ def _capacity(cap: dict | None) -> Iterator[Metric]:
     for depth, streams in cap["depths"].items():
         wid.add_metric([depth], streams)
     yield wid
-    yield GaugeMetricFamily("gmlx_capacity_kv_budget_bytes", "Memory left for KV caches", value=cap["budget"]["kv_bytes"])
+    yield from _gauges("gmlx_capacity", cap)  # decode_batch, context_length
+    for key, part in cap.items():
+        if isinstance(part, dict) and key not in ("widths", "depths"):  # budget, kv_format, warmup
+            yield from _gauges(f"gmlx_capacity_{key}", part)
 
 
 class Histograms:
-    """Latency histograms, fed as requests finish; and the registry the text is rendered from."""
+    """Latency histograms, and the registry the text is rendered from. TTFT is observed as each
+    request finishes; inter-token latency at every gap between two tokens of a stream (the
+    engine's `on_token_gap`, on its thread: prometheus_client's histograms take a lock)."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
@@ -117,15 +153,15 @@ class Histograms:
         self.registry.register(self._snapshot)
         self.ttft = Histogram("gmlx_ttft_seconds", "Time to first token", registry=self.registry,
                               buckets=_TTFT_BUCKETS)
-        self.tpot = Histogram("gmlx_time_per_output_token_seconds",
-                              "Mean inter-token latency of a finished request", registry=self.registry,
-                              buckets=_TPOT_BUCKETS)
+        self.itl = Histogram("gmlx_inter_token_latency_seconds", "Time between two tokens of a stream",
+                             registry=self.registry, buckets=_ITL_BUCKETS)
 
-    def observe(self, ttft_s: float | None, decode_tok_s: float | None) -> None:
+    def observe_ttft(self, ttft_s: float | None) -> None:
         if ttft_s is not None:
             self.ttft.observe(ttft_s)
-        if decode_tok_s:
-            self.tpot.observe(1 / decode_tok_s)
+
+    def observe_gap(self, seconds: float) -> None:
+        self.itl.observe(seconds)
 
     def render(self, snap: dict) -> bytes:
         self._snapshot.snap = snap
