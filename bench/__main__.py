@@ -1,12 +1,15 @@
 """Benchmarks of gmlx side by side with its peers, on one model file and one machine.
 
     python -m bench serve [--model M.gguf] [--peers gmlx,llama-cpp,mlx-lm] [--quick]
+    python -m bench build-llama [--version V] [--force]
 
-Starts each server in turn (see bench/peers.py for how each is found and started, and how to
-build llama-server), measures it (bench/harness.py), and writes bench/results/serve-<model>.json
-and .png; prints a markdown table of gmlx's ratios to each peer. Needs matplotlib (the `bench`
-extra). The quick mode (64 tokens, 2 requests per client, 2 TTFT samples) takes under 10
-minutes on the default model with 2 cores.
+`serve` first readies every peer (building llama-server, exporting the model for mlx-lm, when
+not cached; see bench/peers.py), then starts each server in turn, measures it
+(bench/harness.py), and writes bench/results/serve-<model>.json and .png; prints a markdown
+table of gmlx's ratios to each peer. Needs matplotlib (the `bench` extra). The quick mode (64
+tokens, 2 requests per client, 2 TTFT samples) takes under 10 minutes on the default model
+with 2 cores. A 1-minute load average above BUSY_LOAD at the start is warned about and recorded:
+other work on the cores lowers every figure.
 """
 
 from __future__ import annotations
@@ -25,18 +28,23 @@ import httpx
 import psutil
 
 import gmlx
-from bench.harness import Plan, bench_peer, log
-from bench.peers import PEERS, Missing, cores, peer
-from bench.plot import plot
+from bench import llama_build
+from bench.harness import Plan, bench_peer, command_line, log
+from bench.peers import PEERS, Missing, Peer, cores, peer
 from gmlx.default_model import resolve_model
 from gmlx.gguf.header import read_header
 from gmlx.gguf.tokenizer import load_tokenizer
 
 RESULTS = Path(__file__).parent / "results"
+BUSY_LOAD = 0.5  # 1-minute load average above which the machine counts as busy
 QUICK = Plan(widths=(1, 2, 4, 8), requests_per_client=2, max_tokens=64, prompt_lengths=(128, 512, 2048),
              ttft_repeats=2)
 FULL = Plan(widths=(1, 2, 4, 8), requests_per_client=4, max_tokens=128, prompt_lengths=(128, 512, 2048),
             ttft_repeats=3)
+
+
+def load_average() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
 
 
 def machine() -> dict[str, Any]:
@@ -49,9 +57,7 @@ def machine() -> dict[str, Any]:
             packages[name] = version(name)
         except PackageNotFoundError:
             packages[name] = None
-    return {"cpu": cpu, "cores": cores(), "memory_bytes": psutil.virtual_memory().total,
-            "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
-            "os": platform.platform(), "python": platform.python_version(), "packages": packages,
+    return {"cpu": cpu, "cores": cores(), "memory_bytes": psutil.virtual_memory().total, "os": platform.platform(), "python": platform.python_version(), "packages": packages,
             "blas": {"name": gmlx.BLAS.name, "path": gmlx.BLAS.path}}
 
 
@@ -87,13 +93,31 @@ def table(results: dict[str, Any]) -> str:
         cells += [f"{p['ready_s']} s", f"{p['rss_idle_bytes'] / 2**20:.0f} / {p['rss_width_max_bytes'] / 2**20:.0f} MiB"]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     for name, r in results["ratios"].items():
-        cells = [f"{r['aggregate'][w]}x" for w in widths] + [f"{r['per_stream'][w]}x" for w in widths]
-        cells += [f"{r['ttft'][n]}x" for n in lengths] + ["", ""]
+        at = lambda d, k: d[k] if k in d else d[str(k)]  # noqa: E731 (int keys are strings once read back from JSON)
+        cells = [f"{at(r['aggregate'], w)}x" for w in widths] + [f"{at(r['per_stream'], w)}x" for w in widths]
+        cells += [f"{at(r['ttft'], n)}x" for n in lengths] + ["", ""]
         lines.append(f"| gmlx / {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
+def busy_warning(load: list[float]) -> str | None:
+    if load[0] <= BUSY_LOAD:
+        return None
+    return (f"the 1-minute load average was {load[0]} at the start (above {BUSY_LOAD}): other work shares the "
+            f"{cores()} cores, so every figure here is low; rerun when the machine is quiet")
+
+
+def shout(message: str) -> None:
+    bar = "!" * 78
+    log(f"{bar}\n[bench] WARNING: {message}\n[bench] {bar}")
+
+
 def serve(args: argparse.Namespace) -> None:
+    from bench.plot import plot  # matplotlib, the `bench` extra: needed here only, not by build-llama
+
+    started, load_start = time.monotonic(), load_average()
+    if warning := busy_warning(load_start):
+        shout(warning)
     model = resolve_model(args.model)
     plan = QUICK if args.quick else FULL
     names = [n.strip() for n in args.peers.split(",") if n.strip()]
@@ -102,21 +126,31 @@ def serve(args: argparse.Namespace) -> None:
     tokenizer = load_tokenizer(read_header(model))
     context = -(-(max(plan.prompt_lengths) + plan.max_tokens + 64) // 256) * 256
     args.out.mkdir(parents=True, exist_ok=True)
+    # Every build and export happens here, before the first timed cell, not between two peers.
+    ready: dict[str, Peer] = {}
     peers: dict[str, Any] = {}
     for i, name in enumerate(names):
-        log(f"{name} ...")
         try:
-            p = peer(name, model, args.port + i, context)
+            ready[name] = peer(name, model, args.port + i, context)
         except Missing as e:
             peers[name] = {"missing": str(e)}
             log(f"{name}: missing: {e}")
+    prepare_s = time.monotonic() - started
+    for i, name in enumerate(names):
+        if name not in ready:
             continue
+        log(f"{name} ...")
         try:
-            peers[name] = bench_peer(p, args.port + i, tokenizer, plan, str(args.out / f"{name}.log"))
+            peers[name] = bench_peer(ready[name], args.port + i, tokenizer, plan, str(args.out / f"{name}.log"))
         except (RuntimeError, httpx.HTTPError) as e:  # a peer that dies mid-run is reported, not fatal
-            peers[name] = {"failed": f"{type(e).__name__}: {e}"}
+            peers[name] = {"failed": f"{type(e).__name__}: {e}", "command": command_line(ready[name])}
             log(f"{name}: failed: {e}")
-    results = {"model": model.name, "created": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine(),
+    peers = {name: peers[name] for name in names}
+    results = {"model": model.name, "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+               "duration_s": round(time.monotonic() - started, 1), "prepare_s": round(prepare_s, 1),
+               "machine": {**machine(), "load_average_at_start": load_start, "load_average_at_end": load_average(),
+                           "busy_at_start": warning is not None},
+               "warnings": [warning] if warning else [],
                "plan": {**plan.__dict__, "quick": args.quick, "endpoint": "/v1/completions", "greedy": True,
                         "llama_context_per_slot": context},
                "peers": peers}
@@ -125,20 +159,42 @@ def serve(args: argparse.Namespace) -> None:
     Path(f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
     plot(results, Path(f"{stem}.png"))
     print(table(results))
-    log(f"wrote {stem}.json and .png")
+    for name, p in peers.items():
+        if p.get("compute_type"):
+            print(f"{name} ran as {p['compute_type']}")
+    log(f"wrote {stem}.json and .png ({results['duration_s']} s)")
+    if warning:
+        shout(warning)
+
+
+def build_llama(args: argparse.Namespace) -> None:
+    try:
+        print(llama_build.build(args.version, force=args.force))
+    except llama_build.BuildError as e:
+        sys.exit(f"llama.cpp build failed: {e}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m bench")
     sub = ap.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("serve", help="gmlx against llama-server and mlx_lm.server")
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    s = sub.add_parser("serve", help="gmlx against llama-server and mlx_lm.server", formatter_class=fmt,
+                       description="Start each server in turn on the same GGUF and measure decode tok/s at widths "
+                       "1-8, TTFT per prompt length, time to ready and memory. A missing llama-server is built "
+                       "first (about 5 minutes); a peer that cannot run is reported as missing.")
     s.add_argument("--model", help="GGUF file (the default model when omitted)")
     s.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated, from {', '.join(PEERS)}")
     s.add_argument("--quick", action="store_true", help="fewer, shorter requests (under 10 minutes)")
     s.add_argument("--port", type=int, default=8190, help="first loopback port; one per peer")
-    s.add_argument("--out", type=Path, default=RESULTS)
+    s.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON, PNG and server logs")
+    s.set_defaults(run=serve)
+    b = sub.add_parser("build-llama", help="build and cache llama-server and llama-tokenize (about 5 minutes)",
+                       formatter_class=fmt, description=f"Cache both under {llama_build.build_dir().parent}.")
+    b.add_argument("--version", default=llama_build.LLAMA_CPP_PYTHON, help="llama-cpp-python sdist to build from")
+    b.add_argument("--force", action="store_true", help="rebuild even when cached")
+    b.set_defaults(run=build_llama)
     args = ap.parse_args()
-    serve(args)
+    args.run(args)
 
 
 if __name__ == "__main__":

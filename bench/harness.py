@@ -12,6 +12,7 @@ import asyncio
 import itertools
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -65,6 +66,11 @@ def tree_rss(proc: psutil.Process) -> int:
     return total
 
 
+def command_line(peer: Peer) -> str:
+    """The peer's command as a shell line, with the environment it adds."""
+    return shlex.join([f"{k}={v}" for k, v in peer.env.items()] + peer.argv)
+
+
 class Server:
     """A peer's process, from Popen to ready (a health check, then one answered request)."""
 
@@ -91,6 +97,14 @@ class Server:
                     pass
                 time.sleep(0.2)
         raise RuntimeError(f"{self.peer.name} not ready in {READY_TIMEOUT_S} s; see {self._log.name}")
+
+    def compute_type(self) -> str | None:
+        """What the server says it runs in (gmlx: e.g. cpu/gguf-blocks-avx2+openblas); None if it has no route."""
+        if self.peer.system_route is None:
+            return None
+        r = httpx.get(self.url + self.peer.system_route, timeout=30)
+        r.raise_for_status()
+        return r.json()["compute_type"]
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -188,6 +202,7 @@ def bench_peer(peer: Peer, port: int, tokenizer: TokenizerWrapper, plan: Plan, l
     try:
         ready_s = server.wait_ready()
         idle = tree_rss(server.ps)
+        compute_type = server.compute_type()
         decode, ttft = [], []
         for w in plan.widths:
             decode.append(asyncio.run(run_width(server, tokenizer, w, plan)))
@@ -197,6 +212,6 @@ def bench_peer(peer: Peer, port: int, tokenizer: TokenizerWrapper, plan: Plan, l
             log(f"{peer.name} {n}-token prompt: TTFT {ttft[-1]['ttft_s']} s")
     finally:
         server.stop()
-    return {"version": peer.version, "argv": peer.argv, "ignores_eos": peer.ignores_eos, "notes": peer.notes,
-            "ready_s": round(ready_s, 2), "rss_idle_bytes": idle,
+    return {"version": peer.version, "command": command_line(peer), "compute_type": compute_type,
+            "ignores_eos": peer.ignores_eos, "notes": peer.notes, "ready_s": round(ready_s, 2), "rss_idle_bytes": idle,
             "rss_width_max_bytes": decode[-1]["rss_peak_bytes"], "decode": decode, "ttft": ttft}

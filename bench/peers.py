@@ -1,19 +1,10 @@
 """The servers `python -m bench serve` compares, each started the same way: loopback port, same
 model file, greedy, width-8 batching, prompt caches off.
 
-llama.cpp's `llama-server` comes from no wheel. Build it once from the llama.cpp sources that
-the `llama-cpp-python` sdist carries (about 5 minutes on 2 cores), and cache the binary:
-
-    pip download --no-binary :all: --no-deps llama-cpp-python -d /tmp/lcpp
-    tar xzf /tmp/lcpp/llama_cpp_python-*.tar.gz -C /tmp/lcpp
-    cd /tmp/lcpp/llama_cpp_python-*/vendor/llama.cpp
-    cmake -S . -B build -G Ninja -DLLAMA_BUILD_SERVER=ON -DLLAMA_CURL=OFF -DGGML_NATIVE=ON \\
-        -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
-    cmake --build build --target llama-server -j2
-    mkdir -p ~/.cache/gmlx/peers && cp -a build/bin/llama-server build/bin/lib*.so* ~/.cache/gmlx/peers/
-
-The harness looks at $GMLX_LLAMA_SERVER, then ~/.cache/gmlx/peers/llama-server, then PATH, and
-puts the binary's folder on LD_LIBRARY_PATH (it links llama.cpp's shared libraries).
+llama.cpp's `llama-server` comes from no wheel: the harness looks at $GMLX_LLAMA_SERVER, then the
+build cached by bench/llama_build.py, then PATH, and when none has it builds it from the
+`llama-cpp-python` sdist (about 5 minutes on 2 cores; `python -m bench build-llama` does it ahead
+of a run). A failed build reports the peer as missing, with the reason.
 `mlx_lm.server` runs on the model exported by `gmlx export --weights float` (cached under
 ~/.cache/gmlx/peers/mlx/), with the same OpenBLAS gmlx preloads, through LD_PRELOAD.
 """
@@ -29,6 +20,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import gmlx
+from bench import llama_build
 from gmlx.paths import cache_dir
 
 PEERS = ("gmlx", "llama-cpp", "mlx-lm")
@@ -42,6 +34,7 @@ class Peer:
     version: str
     env: dict[str, str] = field(default_factory=dict)
     body: dict = field(default_factory=dict)  # extra request fields this server understands
+    system_route: str | None = None  # a GET route naming the compute type it runs in (gmlx's /system)
     ignores_eos: bool = False
     notes: str = ""
 
@@ -63,25 +56,32 @@ def _gmlx(model: Path, port: int, context: int) -> Peer:
     argv = [sys.executable, "-m", "gmlx", "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
             "--decode-batch", str(WIDTH), "--prompt-cache-bytes", "0",
             "--log-level", "warning"]  # weights auto: gguf on a CPU
-    return Peer("gmlx", argv, gmlx.__version__, env={"GMLX_API_KEY": ""},
+    return Peer("gmlx", argv, gmlx.__version__, env={"GMLX_API_KEY": ""}, system_route="/system",
                 notes="no ignore_eos: a stream may stop at EOS; rates use the usage counts; no prompt cache")
 
 
 def llama_server_path() -> Path:
-    for candidate in (os.environ.get("GMLX_LLAMA_SERVER"), cache_dir() / "peers" / "llama-server",
+    """$GMLX_LLAMA_SERVER, the cached build, PATH, else a build now; raises Missing if it fails."""
+    for candidate in (os.environ.get("GMLX_LLAMA_SERVER"), llama_build.cached("llama-server"),
                       shutil.which("llama-server")):
         if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
             return Path(candidate)
-    raise Missing("llama-server not found ($GMLX_LLAMA_SERVER, ~/.cache/gmlx/peers/llama-server or PATH); "
-                  "build it as bench/peers.py says")
+    try:
+        return llama_build.binary("llama-server")
+    except llama_build.BuildError as e:
+        raise Missing(f"llama-server is not installed and building it failed: {e}") from None
 
 
 def _llama_cpp(model: Path, port: int, context: int) -> Peer:
     binary = llama_server_path()
+    # The cached build is static; a binary from elsewhere may link llama.cpp's libraries beside it.
     env = {"LD_LIBRARY_PATH": os.pathsep.join(filter(None, [str(binary.parent), os.environ.get("LD_LIBRARY_PATH")]))}
     out = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=30, check=False,
                          env={**os.environ, **env})
-    ver = next((line for line in (out.stdout + out.stderr).splitlines() if line.startswith("version")), "unknown")
+    ver = next((line.split(":", 1)[1].strip() for line in (out.stdout + out.stderr).splitlines()
+                if line.startswith("version:")), "unknown")
+    if binary.parent == llama_build.build_dir():
+        ver += f" (built from the llama-cpp-python {llama_build.LLAMA_CPP_PYTHON} sdist)"
     # -c is shared among the -np slots: each slot gets the context the longest prompt needs.
     argv = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-np", str(WIDTH),
             "-t", str(cores()), "-c", str(context * WIDTH), "--cont-batching", "--no-cache-prompt",
@@ -96,7 +96,10 @@ def _mlx_lm(model: Path, port: int, context: int) -> Peer:
         raise Missing("mlx-lm is not installed") from None
     if gmlx.BLAS.name != "openblas" or gmlx.BLAS.path is None:
         raise Missing(f"no OpenBLAS to preload (gmlx found {gmlx.BLAS.name}); mlx-lm would run on reference BLAS")
-    out = export_for_mlx_lm(model)
+    try:
+        out = export_for_mlx_lm(model)
+    except subprocess.CalledProcessError as e:
+        raise Missing(f"`gmlx export` of {model.name} for mlx-lm failed (exit {e.returncode})") from None
     argv = [sys.executable, "-m", "mlx_lm", "server", "--model", str(out), "--host", "127.0.0.1",
             "--port", str(port), "--decode-concurrency", str(WIDTH), "--prompt-concurrency", str(WIDTH),
             "--prompt-cache-size", "0", "--log-level", "WARNING"]
