@@ -52,7 +52,9 @@ def main() -> None:
     peer = timed(lambda: GGUFReader(path), 1)
     out = {"model": str(path), "header_s": round(ours, 4), "gguf_reader_s": round(peer, 3),
            "header_speedup": round(peer / ours, 1), "load": {}}
-    for mode in ("native", "float"):
+    from gmlx import kernels
+
+    for mode in ("native", "float") + (("gguf",) if kernels.reason() is None else ()):
         runs = [json.loads(subprocess.check_output([sys.executable, "-c", _LOAD, str(path), mode]))
                 for _ in range(args.repeat)]
         out["load"][mode] = {"load_s": round(statistics.median(r["load_s"] for r in runs), 2),
