@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from gmlx.capacity.memory import FP16, KVFormat, stream_bytes
+from gmlx.capacity.table import CapacityTable
 from gmlx.gguf.header import ModelGeometry
 
 
@@ -47,3 +48,14 @@ def estimate(
         "est_ttft_s": ttft,
         "resident": resident,
     }
+
+
+def estimate_not_loaded(table: CapacityTable, *, prompt_tokens: int, max_tokens: int | None,
+                        free_now_bytes: int | None) -> dict:
+    """The estimate for a model that is not loaded, from the table built for its header alone:
+    fits_drained against the budget it would have served, est_ttft_s null (no measured rate)."""
+    b = table.budget
+    return estimate(table.geometry, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
+                    context_limit=table.context_length, prefill_bytes=b.prefill_bytes,
+                    free_now_bytes=free_now_bytes, free_drained_bytes=b.drained_bytes, prefill_tok_s=None,
+                    queue_wait_s=0.0, resident=False, kv=table.kv)

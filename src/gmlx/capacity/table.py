@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Protocol
 
-from gmlx.capacity.budget import MemoryBudget, prefill_working_bytes
+from gmlx.capacity.budget import FLOAT32_BYTES, MemoryBudget, prefill_working_bytes
+from gmlx.capacity.kv_quant import KVQuantPlan, KVQuantSettings, server_plan
 from gmlx.capacity.memory import (
     FP16,
     KVFormat,
@@ -14,7 +16,8 @@ from gmlx.capacity.memory import (
     kv_profile,
     profile_bytes,
 )
-from gmlx.gguf.header import ModelGeometry
+from gmlx.gguf.header import GGUFHeader, ModelGeometry
+from gmlx.models.weights_mode import resident_bytes
 
 DEPTH_GRID_START = 512
 
@@ -134,3 +137,39 @@ def capacity_table(
     budget = MemoryBudget(memory, weight_bytes, prefill_working_bytes(g, prefill_step, window),
                           reserve_floor, reserve_fraction, prompt_cache_bytes)
     return build_table(g, budget, decode_batch, kv, window)
+
+
+class TableSettings(Protocol):
+    """The server settings a table depends on (gmlx.server.settings.Settings has them)."""
+
+    @property
+    def decode_batch(self) -> int: ...
+    @property
+    def prefill_step(self) -> int: ...
+    @property
+    def reserve_fraction(self) -> float: ...
+    @property
+    def reserve_floor(self) -> int: ...
+    @property
+    def max_kv_size(self) -> int | None: ...
+    def kv_quant(self) -> KVQuantSettings: ...
+    def prompt_cache_limit(self, memory: int) -> int: ...
+
+
+def header_table(h: GGUFHeader, s: TableSettings, *, mode: str, memory: int,
+                 float_bytes: int = FLOAT32_BYTES) -> tuple[CapacityTable, KVQuantPlan | None]:
+    """The table a server with settings `s` would build for this file, from its header alone (no
+    weights): its weights as `mode` loads them, and the KV quantization plan it would make (None
+    when off). `gmlx plan`/`gmlx estimate` and /v1/estimate for a model not loaded use it.
+    float_bytes 4: the engine computes in float32 (float32 weights or float32 scales)."""
+    g, weight_bytes, cache_bytes = h.geometry, resident_bytes(h, mode), s.prompt_cache_limit(memory)
+    window = g.context_length if s.max_kv_size is None else min(g.context_length, s.max_kv_size)
+    kv_plan = server_plan(s.kv_quant(), g, memory=memory, weight_bytes=weight_bytes,
+                          reserve_fraction=s.reserve_fraction, reserve_floor=s.reserve_floor,
+                          prompt_cache_bytes=cache_bytes, streams=s.decode_batch, context_length=window,
+                          float_bytes=float_bytes) if s.kv_quant().enabled else None
+    kv = kv_plan.kv_format(float_bytes) if kv_plan is not None else KVFormat(float_bytes=float_bytes)
+    table = capacity_table(g, weight_bytes=weight_bytes, decode_batch=s.decode_batch, prefill_step=s.prefill_step,
+                           kv=kv, memory=memory, reserve_fraction=s.reserve_fraction,
+                           reserve_floor=s.reserve_floor, context_length=window, prompt_cache_bytes=cache_bytes)
+    return table, kv_plan

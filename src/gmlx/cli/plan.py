@@ -13,11 +13,9 @@ import typer
 from rich.table import Table
 
 from gmlx import platform
-from gmlx.capacity.estimate import estimate
-from gmlx.capacity.kv_quant import server_plan
-from gmlx.capacity.memory import KVFormat
+from gmlx.capacity.estimate import estimate_not_loaded
 from gmlx.capacity.plan import LiveState, plan
-from gmlx.capacity.table import CapacityTable, capacity_table
+from gmlx.capacity.table import CapacityTable, header_table
 from gmlx.cli.common import (
     EXIT_FAILED,
     EXIT_OK,
@@ -30,12 +28,11 @@ from gmlx.cli.common import (
 )
 from gmlx.default_model import DefaultModelMissing, resolve_model
 from gmlx.gguf.header import GGUFError, GGUFHeader, read_header
-from gmlx.models.weights_mode import choose_mode, resident_bytes
+from gmlx.models.weights_mode import choose_mode
 from gmlx.server.settings import Settings, SettingsError, resolve_settings
 
 EXIT_ERROR = 2  # plan and estimate promise a script 2 on any error, a bad model file included
-KV = KVFormat(float_bytes=4)  # assumed, and every offline answer says why:
-_KV_WHY = "the engine computes in float32 (float32 weights or float32 scales)"
+_KV_WHY = "the engine computes in float32 (float32 weights or float32 scales)"  # what header_table assumes
 _HTTP_TIMEOUT_S = 60
 
 URL_OPT = typer.Option(None, "--url", help="Ask the server at this URL instead of reading the model file.")
@@ -88,18 +85,9 @@ def offline(model: str | None, memory: str | None, weights: str | None,
         s = resolve_settings(flags)
         path = resolve_model(s.model)
         h = read_header(path)
-    g = h.geometry
     mode = choose_mode(s.weights, h)  # type: ignore[arg-type]
-    weight_bytes = resident_bytes(h, mode)
     total = s.memory or platform.total_memory_bytes()
-    window = g.context_length if s.max_kv_size is None else min(g.context_length, s.max_kv_size)
-    kv_plan = server_plan(s.kv_quant(), g, memory=total, weight_bytes=weight_bytes, reserve_fraction=s.reserve_fraction,
-                          reserve_floor=s.reserve_floor, prompt_cache_bytes=s.prompt_cache_limit(total),
-                          streams=s.decode_batch, context_length=window) if s.kv_quant().enabled else None
-    kv = kv_plan.kv_format(KV.float_bytes) if kv_plan is not None else KV
-    table = capacity_table(g, weight_bytes=weight_bytes, decode_batch=s.decode_batch, prefill_step=s.prefill_step,
-                           kv=kv, memory=total, reserve_fraction=s.reserve_fraction, reserve_floor=s.reserve_floor,
-                           context_length=window, prompt_cache_bytes=s.prompt_cache_limit(total))
+    table, kv_plan = header_table(h, s, mode=mode, memory=total)
     if s.memory is not None:
         memory_from = _from(s, "memory")
     elif platform.backend() == "cuda":
@@ -111,15 +99,15 @@ def offline(model: str | None, memory: str | None, weights: str | None,
         "source": "offline",
         "model": str(path),
         "memory_bytes": {"value": total, "from": memory_from},
-        "weights": {"value": mode, "from": weights_from, "resident_bytes": weight_bytes},
-        "kv_format": {"value": kv.describe(), "from": _KV_WHY, "element_bytes": kv.element_bytes(),
+        "weights": {"value": mode, "from": weights_from, "resident_bytes": table.budget.weight_bytes},
+        "kv_format": {"value": table.kv.describe(), "from": _KV_WHY, "element_bytes": table.kv.element_bytes(),
                       **({"kv_quant": kv_plan.to_json()} if kv_plan is not None else {})},
         "decode_batch": {"value": s.decode_batch, "from": _from(s, "decode_batch")},
         "prompt_cache_bytes": {"value": s.prompt_cache_limit(total), "from": _from(s, "prompt_cache_bytes")},
         "prefill_step": {"value": s.prefill_step, "from": _from(s, "prefill_step")},
         "reserve_bytes": {"value": table.budget.reserve_bytes,
                           "from": f"max({human_bytes(s.reserve_floor)}, {s.reserve_fraction:g} x memory)"},
-        "context_length": {"value": table.context_length, "from": _window_from(s, g.context_length)},
+        "context_length": {"value": table.context_length, "from": _window_from(s, h.geometry.context_length)},
     }
     return Offline(path, h, table, assumptions)
 
@@ -292,17 +280,15 @@ def _estimate_offline(o: Offline, body: dict[str, Any]) -> dict[str, Any]:
     from gmlx.server import openai_api
     from gmlx.server.errors import APIError
 
-    g, b = o.header.geometry, o.table.budget
     try:
         with errors():
             p = openai_api.parse(body, chat=True)
-            ids = openai_api.prompt_token_ids(load_tokenizer(o.header), p, g.vocab_size)
+            ids = openai_api.prompt_token_ids(load_tokenizer(o.header), p, o.header.geometry.vocab_size)
     except APIError as e:
         fail(e.message, EXIT_ERROR)
-    free = b.drained_bytes  # nothing runs, so free now is free once drained
-    out = estimate(g, prompt_tokens=len(ids), max_tokens=p.max_tokens, context_limit=o.table.context_length,
-                   prefill_bytes=b.prefill_bytes, free_now_bytes=free, free_drained_bytes=free, prefill_tok_s=None,
-                   queue_wait_s=0.0, resident=False, kv=o.table.kv)
+    # Nothing runs, so free now is free once drained.
+    out = estimate_not_loaded(o.table, prompt_tokens=len(ids), max_tokens=p.max_tokens,
+                              free_now_bytes=o.table.budget.drained_bytes)
     return {**out, "model": o.path.stem}
 
 

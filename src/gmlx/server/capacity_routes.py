@@ -3,21 +3,33 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
 import re
+import threading
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gmlx.capacity.estimate import estimate
+from gmlx import platform
+from gmlx.capacity.estimate import estimate, estimate_not_loaded
 from gmlx.capacity.plan import LiveState, plan
+from gmlx.capacity.table import header_table
 from gmlx.engine.prompt_cache import MISS
+from gmlx.gguf.header import GGUFError, GGUFHeader, read_header
+from gmlx.gguf.tokenizer import load_tokenizer
+from gmlx.models.weights_mode import choose_mode
 from gmlx.server import openai_api
-from gmlx.server.errors import bad_request
+from gmlx.server.errors import APIError, bad_request
 from gmlx.server.http import read_json
 from gmlx.server.state import ServerState
 
+log = logging.getLogger("gmlx.capacity")
+_READERS = 4  # other models' tokenizers kept in memory
+_readers_lock = threading.Lock()
 _MEDIA_PARTS = ("image_url", "input_image", "image", "input_audio", "audio", "video", "video_url", "file")
 
 
@@ -74,10 +86,34 @@ def _text_only(body: dict) -> dict:
 
 
 async def estimate_body(state: ServerState, body: Any) -> dict:
-    """The estimate for a chat-completions body; renders the prompt exactly as a real request would."""
+    """The estimate for a chat-completions body; renders the prompt exactly as a real request would,
+    for the served model or for another in the models directory (from its header, never loading it)."""
     media = media_parts(body)
     p = openai_api.parse(_text_only(body) if media else body, chat=True)
-    state.check_model(p.model)
+    notes: list[str] = []
+    if p.model is None or p.model == state.model_id:
+        out = await _served_estimate(state, p)
+    else:
+        path = _models_dir_file(state, p.model)
+        if path is None:
+            state.check_model(p.model)  # neither served nor in the models directory: model_not_found
+        assert path is not None
+        out = await asyncio.to_thread(_not_loaded_estimate, state, path, p)
+        notes.append(f"{p.model!r} is not loaded (this server serves {state.model_id!r} and does not switch "
+                     "models): need_bytes and fits_drained assume it served alone on this machine with this "
+                     "server's settings; fits_now and est_ttft_s are null: it holds no memory now and has no "
+                     "measured prefill rate")
+    if media:
+        # Rendered (prompt_tokens counts the text) but not estimated: this engine is text-only.
+        out.update(need_bytes=None, fits_now=None, fits_drained=None, est_ttft_s=None, estimated=False)
+        notes.insert(0, f"not estimated: the body has {', '.join(sorted(set(media)))} content, "
+                        "which this text-only model does not take")
+    else:
+        out["estimated"] = True
+    return out | ({"note": "; ".join(notes)} if notes else {})
+
+
+async def _served_estimate(state: ServerState, p: openai_api.GenerationParams) -> dict:
     prompt_ids = await asyncio.to_thread(state.tokenize, p)
     loaded, table = state.engine.loaded, state.table()
     assert loaded is not None and table is not None
@@ -91,15 +127,38 @@ async def estimate_body(state: ServerState, body: Any) -> dict:
                    free_now_bytes=free_now, free_drained_bytes=budget.drained_bytes, prefill_tok_s=prefill_rate,
                    queue_wait_s=queue_wait_s(state), first_step_s=1 / measured.decode_tok_s if measured else 0.0,
                    kv=table.kv, **_prompt_cache_hit(state, prompt_ids))
-    out["model"] = state.model_id
-    if media:
-        # Rendered (prompt_tokens counts the text) but not estimated: this engine is text-only.
-        out.update(need_bytes=None, fits_now=None, fits_drained=None, est_ttft_s=None, estimated=False,
-                   note=f"not estimated: the body has {', '.join(sorted(set(media)))} content, "
-                        "which this text-only model does not take")
-    else:
-        out["estimated"] = True
-    return out
+    return {**out, "model": state.model_id}
+
+
+def _models_dir_file(state: ServerState, model: str) -> Path | None:
+    """The models directory's `<model>.gguf`, matched by listing (as /system lists it), so a name
+    cannot reach outside the directory."""
+    folder = state.settings.models_dir
+    files = Path(folder).glob("*.gguf") if folder else ()
+    return next((f for f in files if f.stem == model and f.is_file()), None)
+
+
+@functools.lru_cache(maxsize=_READERS)
+def _reader(path: str, mtime_ns: int, size: int) -> tuple[GGUFHeader, Any]:
+    """A file's header and tokenizer, kept per file version: building a tokenizer takes seconds."""
+    h = read_header(path)
+    return h, load_tokenizer(h)
+
+
+def _not_loaded_estimate(state: ServerState, path: Path, p: openai_api.GenerationParams) -> dict:
+    """The estimate for a model that is not loaded: the table `gmlx estimate` builds for its header."""
+    try:
+        st = path.stat()
+        with _readers_lock:  # one build per file; and fast tokenizers must not be shared across threads
+            h, tokenizer = _reader(str(path), st.st_mtime_ns, st.st_size)
+            ids = openai_api.prompt_token_ids(tokenizer, p, h.geometry.vocab_size)
+    except (GGUFError, OSError) as e:
+        log.warning("cannot estimate for %s: %s", path, e)
+        raise APIError(404, f"model {p.model!r} in the models directory cannot be read", "model_not_found") from None
+    s = state.settings
+    table, _ = header_table(h, s, mode=choose_mode(s.weights, h), memory=s.memory or platform.total_memory_bytes())
+    return {**estimate_not_loaded(table, prompt_tokens=len(ids), max_tokens=p.max_tokens, free_now_bytes=None),
+            "model": p.model}
 
 
 def _prompt_cache_hit(state: ServerState, prompt_ids: list[int]) -> dict:
