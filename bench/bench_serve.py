@@ -34,6 +34,7 @@ async def one_stream(client: httpx.AsyncClient, prompt: str, max_tokens: int) ->
     start = time.perf_counter()
     first = last = None
     usage = {}
+    times = []
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
@@ -45,8 +46,9 @@ async def one_stream(client: httpx.AsyncClient, prompt: str, max_tokens: int) ->
             elif event["choices"] and event["choices"][0]["delta"].get("content"):
                 last = time.perf_counter()
                 first = first or last
+                times.append(last)
     tokens = usage.get("completion_tokens", 0)
-    return {"ttft_s": (first or start) - start, "tokens": tokens, "start": start, "first": first, "last": last,
+    return {"ttft_s": (first or start) - start, "tokens": tokens, "start": start, "first": first, "last": last, "times": times,
             "decode_tok_s": (tokens - 1) / (last - first) if first and last and last > first else None}
 
 
@@ -61,10 +63,15 @@ async def run_width(url: str, width: int, max_tokens: int) -> dict:
     # Aggregate decode rate: tokens after each stream's first, over the span in which streams decode.
     span = max(ends) - min(starts) if starts and ends else 0
     ttfts = [r["ttft_s"] for r in results]
+    # While every stream decodes (after the last first token, before the first stream ends): the
+    # steady rate, without admission, prefill and the tail (content chunks, about one a token).
+    lo, hi = (max(starts), min(ends)) if len(starts) == len(ends) == width else (0, 0)
+    full = sum(1 for r in results for t in r["times"] if lo < t <= hi) / (hi - lo) if hi > lo else None
     return {
         "width": width,
         "generated_tokens": tokens,
         "aggregate_decode_tok_s": round((tokens - len(results)) / span, 1) if span > 0 else None,
+        "full_width_tok_s": round(full, 1) if full else None,
         "per_stream_decode_tok_s": round(statistics.mean(r["decode_tok_s"] for r in results if r["decode_tok_s"]), 1),
         "ttft_mean_s": round(statistics.mean(ttfts), 3),
         "ttft_max_s": round(max(ttfts), 3),

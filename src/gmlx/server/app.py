@@ -26,7 +26,7 @@ from gmlx.server.admission import RETRY_AFTER_FULL_S
 from gmlx.server.capacity_routes import capacity_plan, estimate_body, estimate_route
 from gmlx.server.errors import APIError
 from gmlx.server.governor import Governor
-from gmlx.server.http import ClientGone, read_json, unless_disconnected
+from gmlx.server.http import ClientGone, read_json, relay, unless_disconnected
 from gmlx.server.metrics import snapshot
 from gmlx.server.openapi import openapi_route
 from gmlx.server.settings import Settings
@@ -99,7 +99,6 @@ async def generate(request: Request, chat: bool) -> Response:
     finally:
         del state.queued[rid]
 
-    loop = asyncio.get_running_loop()
     events: asyncio.Queue[Event] = asyncio.Queue()
 
     def deliver(e: Event) -> None:  # on the loop; the slot frees when the engine lets go of it
@@ -107,8 +106,9 @@ async def generate(request: Request, chat: bool) -> Response:
         if isinstance(e, (Finished, Failed)):
             state.gate.release()
 
+    to_loop = relay(asyncio.get_running_loop())  # a step's events for every stream: one loop wake-up
     req = EngineRequest(rid, prompt_ids, max_tokens, p.sampling, p.stop,
-                        emit=lambda e: loop.call_soon_threadsafe(deliver, e), anchor_tokens=anchor)
+                        emit=lambda e: to_loop.call(deliver, e), anchor_tokens=anchor)
     state.engine.submit(req)
     prompt_for_log = p.messages if chat else p.prompt
     if p.stream:

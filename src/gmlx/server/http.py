@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable
+import logging
+import threading
+import weakref
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from starlette.requests import Request
@@ -12,6 +15,7 @@ from starlette.requests import Request
 from gmlx.server.errors import APIError, bad_request
 
 T = TypeVar("T")
+log = logging.getLogger("gmlx.server")
 
 
 class ClientGone(Exception):
@@ -55,3 +59,46 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
         return await task
     except asyncio.CancelledError:
         raise ClientGone from None
+
+
+class Relay:
+    """Calls made from another thread, run on one event loop in the order they were made, with one
+    loop wake-up per burst: a decode step emits a token for every stream at once, and waking the
+    loop for each (a self-pipe write and a loop pass apiece) costs CPU the model's kernels need."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[Callable[[Any], None], Any]] = []
+
+    def call(self, fn: Callable[[Any], None], arg: Any) -> None:
+        """Run fn(arg) on the loop soon; thread-safe. Raises RuntimeError once the loop is closed."""
+        with self._lock:
+            self._pending.append((fn, arg))
+            if len(self._pending) > 1:  # a wake-up is already on its way: it runs this call too
+                return
+        try:
+            self._loop.call_soon_threadsafe(self._run)
+        except RuntimeError:  # the loop is closed: nothing will run these
+            with self._lock:
+                self._pending.clear()
+            raise
+
+    def _run(self) -> None:
+        with self._lock:
+            calls, self._pending = self._pending, []
+        for fn, arg in calls:
+            try:
+                fn(arg)
+            except Exception:  # one failing callback must not drop the others' events
+                log.exception("a relayed call failed")
+
+
+_relays: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Relay] = weakref.WeakKeyDictionary()
+
+
+def relay(loop: asyncio.AbstractEventLoop) -> Relay:
+    """The loop's one Relay (call on the loop), so every stream's events share its wake-ups."""
+    if (r := _relays.get(loop)) is None:
+        r = _relays[loop] = Relay(loop)
+    return r
