@@ -1,13 +1,21 @@
-"""The memory governor: band logic on recorded traces, and each band's action on a live server."""
+"""The memory governor: band logic on recorded traces, and each band's action on a live server,
+under a fake probe (exact sequencing) and under real memory in a server process of its own."""
 
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import sys
 import threading
+import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 from conftest import LiveServer
 from tiny_models import write_model
@@ -277,3 +285,157 @@ def test_each_band_acts_on_a_live_server(tmp_path: Path) -> None:
     assert actions["single_admission"]["count"] == 2  # at start, and on the way down
     assert actions["hold_admission"]["count"] == 1
     assert actions["clear_cache"]["count"] >= 2  # under orange, and right after the stop
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServeProcess:
+    """`gmlx serve` in a process of its own, so that the memory its governor reads is the server's
+    alone (this process's is large, and grows with the tests before); always terminated."""
+
+    def __init__(self, model: Path, log: Path, *flags: str, env: dict[str, str]):
+        port = _free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self._args = [sys.executable, "-m", "gmlx", "serve", str(model), "--port", str(port), "--weights", "float",
+                      "--log-level", "warning", *flags]
+        inherited = {k: v for k, v in os.environ.items() if not k.startswith("GMLX_")}  # a developer's key, say
+        self._env, self._log = {**inherited, **env}, log
+
+    def __enter__(self) -> ServeProcess:
+        self._out = self._log.open("wb")
+        self.proc = subprocess.Popen(self._args, stdout=self._out, stderr=subprocess.STDOUT, env=self._env)
+        deadline = time.monotonic() + 120
+        try:
+            while True:
+                assert self.proc.poll() is None and time.monotonic() < deadline, f"no server:\n{self.log()}"
+                try:
+                    if httpx.get(f"{self.url}/health", params={"ready": 1}, timeout=5).status_code == 200:
+                        return self
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.2)
+        except BaseException:
+            self.__exit__()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._out.close()
+
+    def log(self) -> str:
+        return self._log.read_text(errors="replace")[-4000:]
+
+
+def _sample(c: httpx.Client) -> dict:
+    """One look, as a monitor takes it: the band and memory, the requests, and readiness."""
+    m = c.get("/v1/metrics").json()["server"]
+    ready = c.get("/health", params={"ready": 1})
+    return {"t": time.monotonic(), "band": m["governor"]["band"], "used": m["governor"]["used_bytes"],
+            "states": [r["state"] for r in m["requests"]], "in_flight": m["concurrency"]["in_flight"],
+            "ready": ready.status_code, "reason": ready.json().get("reason")}
+
+
+def test_real_memory_moves_the_bands(tmp_path: Path) -> None:
+    """The real probe, on a server process whose budget is 7 blocks of KV (448 MiB) above its idle
+    use. One long prompt's prefill takes the band up through yellow (a request behind it waits
+    though slots are free), orange (it still waits; readiness says `pressure`) and red, where that
+    stream, the newest running, is stopped with its error; its memory going, the band falls back,
+    the waiter is admitted and completes, and the band ends green (which needed the heap trimmed:
+    on Linux the memory freed stayed resident, and the band yellow with nothing running)."""
+    # 2 layers x 8 KV heads x 2048 wide in float32: 256 KiB of KV a token, 64 MiB a 256-token block.
+    model = write_model(tmp_path / "kv.gguf", "llama", context=4096, heads=8, kv_heads=8, head_dim=2048)
+    env = {"GMLX_GOVERNOR": "1", "GMLX_GOVERNOR_INTERVAL_S": "0.05", "GMLX_RESERVE_FRACTION": "0",
+           "GMLX_RESERVE_FLOOR": "0", "GMLX_PROMPT_CACHE_BYTES": "0"}
+    # Short prefill chunks: the big prompt's KV grows a little at a time, so each band lasts a while.
+    flags = ("--decode-batch", "4", "--prefill-step", "64", "--queue-timeout", "300")
+    big = {"messages": [{"role": "user", "content": " ".join(f"w{i % 97}" for i in range(600))}],
+           "max_tokens": 4, "temperature": 0, "stream": True}  # about 1750 tokens: 7 blocks
+    late = {"messages": [{"role": "user", "content": "late"}], "max_tokens": 4, "temperature": 0}
+
+    with ServeProcess(model, tmp_path / "calibrate.log", *flags, "--memory", "64GiB", env=env) as s:
+        mem = httpx.get(f"{s.url}/v1/metrics", timeout=60).json()["server"]
+        # In use as the governor counts it, less the share of a 64 GiB budget others' processes take.
+        idle = max(mem["memory"]["process_rss_bytes"], mem["memory"]["active_bytes"] + mem["memory"]["cache_bytes"])
+        block = int(256 * mem["capacity"]["warmup"]["kv_bytes_per_token_measured"])  # caches grow a block at a time
+    limit = idle + 7 * block
+    if psutil.virtual_memory().available < limit + 2**30:  # the governor counts what others' processes take
+        pytest.skip("too little free memory for a budget the system's available memory does not press")
+    # Thresholds in blocks above idle; the big prompt's KV is 7. Green returns below 0.75 blocks, so
+    # not while the big prompt holds its first block, and it does once MLX's cache is all that is left.
+    levels = {"yellow": 1.5, "orange": 4, "red": 6}
+    env |= {f"GMLX_GOVERNOR_{band.upper()}": f"{(idle + n * block) / limit:.4f}" for band, n in levels.items()}
+    env["GMLX_GOVERNOR_HYSTERESIS"] = f"{0.75 * block / limit:.4f}"
+
+    trace: list[dict] = []
+    ends: dict[str, dict] = {}
+    done = threading.Event()
+
+    def watch(url: str) -> None:
+        with httpx.Client(base_url=url, timeout=60) as c:
+            while not done.is_set():
+                trace.append(_sample(c))
+                time.sleep(0.01)
+
+    def stream(url: str) -> None:
+        with httpx.stream("POST", url + CHAT, json=big, timeout=300) as r:
+            lines = [line for line in r.iter_lines() if line]
+        events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        end = events[-1].get("error") or {"finish": events[-1]["choices"][0]["finish_reason"]}
+        ends["big"] = {**end, "last": lines[-1]}  # a stream that ends properly ends with [DONE]
+
+    def post(url: str) -> None:
+        body = httpx.post(url + CHAT, json=late, timeout=300).json()
+        ends["late"] = body.get("error") or {"finish": body["choices"][0]["finish_reason"]}
+
+    def wait_for(what: str, predicate: Callable[[dict], bool]) -> None:
+        deadline = time.monotonic() + 120
+        while not (trace and predicate(trace[-1])):
+            assert time.monotonic() < deadline, f"waiting for {what}; last seen {trace[-3:]}\n{s.log()}"
+            time.sleep(0.01)
+
+    started = time.monotonic()
+    with ServeProcess(model, tmp_path / "serve.log", *flags, "--memory", str(limit), env=env) as s:
+        watcher = threading.Thread(target=watch, args=(s.url,))
+        watcher.start()
+        clients = [threading.Thread(target=stream, args=(s.url,)), threading.Thread(target=post, args=(s.url,))]
+        try:
+            wait_for("a first sample", lambda p: p["band"] == "green")
+            at_start = trace[-1]["used"]
+            clients[0].start()
+            wait_for("yellow", lambda p: p["band"] != "green")
+            clients[1].start()
+            for t in clients:
+                t.join(300)
+            wait_for("green again", lambda p: p["band"] == "green" and p["ready"] == 200 and not p["states"])
+        finally:
+            done.set()
+            watcher.join(60)
+        actions = httpx.get(f"{s.url}/v1/metrics", timeout=60).json()["server"]["governor"]["actions"]
+
+    bands = [b for i, b in enumerate(p["band"] for p in trace) if i == 0 or b != trace[i - 1]["band"]]
+    print(f"{time.monotonic() - started:.1f} s: idle {idle >> 20} MiB (at start {at_start >> 20}), block {block >> 20} "
+          f"MiB, limit {limit >> 20} MiB, peak {max(p['used'] for p in trace) >> 20} MiB, at the end "
+          f"{trace[-1]['used'] >> 20} MiB; bands {bands}; ends {ends}; actions {actions}")
+    firsts = [bands.index(b) for b in ("yellow", "orange", "red")]
+    assert firsts == sorted(firsts) and bands[-1] == "green", bands  # up one band after another, then back
+    # Yellow: the late request waits, though slots are free, while the one ahead of it is in prefill.
+    assert any(p["band"] == "yellow" and p["states"][:1] == ["queued"] and "prefill" in p["states"]
+               and p["in_flight"] < 4 for p in trace)
+    # Orange (and red): it still waits, and readiness says why.
+    assert any(p["band"] == "orange" and p["states"][:1] == ["queued"] for p in trace)
+    assert any(p["reason"] == "pressure" and p["band"] in ("orange", "red") for p in trace)
+    # Red: the newest running stream, the big one, is stopped with its error; nothing else is lost.
+    assert ends["big"] == {"message": STOP_MESSAGE, "type": "server_error", "code": "memory_pressure",
+                           "last": "data: [DONE]"}
+    assert ends["late"] == {"finish": "length"}
+    assert actions["stop_stream"]["count"] == 1 and actions["single_admission"]["count"] >= 1
+    assert actions["hold_admission"]["count"] >= 1 and actions["clear_cache"]["count"] >= 1

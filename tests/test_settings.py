@@ -115,6 +115,8 @@ def test_config_file_errors(tmp_path, text, match):
     ({"prefill_step": 8}, {}, "prefill_step: 8 from flag must be >= 16"),
     ({}, {"PORT": "70000"}, "port: '70000' from env PORT must be between 0 and 65535"),
     ({}, {"GMLX_LOG_LEVEL": "loud"}, "log_level: 'loud' from env GMLX_LOG_LEVEL must be one of"),
+    ({}, {"GMLX_GOVERNOR_ORANGE": "0.7"}, "governor thresholds must rise"),
+    ({}, {"GMLX_GOVERNOR_YELLOW": "0.01"}, "governor hysteresis 0.05 must be at least 0 and below yellow"),
 ])
 def test_bad_values_name_field_and_source(flags, env, message):
     with pytest.raises(SettingsError) as e:

@@ -22,7 +22,9 @@ def _layers(arch: str) -> int:
 
 
 def write_model(path: Path, arch: str = "llama", qtype: Q = Q.F32, tied: bool = True, seed: int = 0,
-                context: int = CONTEXT) -> Path:
+                context: int = CONTEXT, heads: int = HEADS, kv_heads: int = KV_HEADS, head_dim: int = HEAD_DIM) -> Path:
+    """`kv_heads` and `head_dim` size the KV cache per token; `heads` must be a multiple
+    of `kv_heads`, and a K-quant needs `heads * head_dim` a multiple of 256."""
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"tiny-{arch}")
@@ -31,10 +33,10 @@ def write_model(path: Path, arch: str = "llama", qtype: Q = Q.F32, tied: bool = 
     w.add_context_length(context)
     w.add_embedding_length(HIDDEN)
     w.add_feed_forward_length(FF)
-    w.add_head_count(HEADS)
-    w.add_head_count_kv(KV_HEADS)
-    w.add_key_length(HEAD_DIM)
-    w.add_value_length(HEAD_DIM)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(10000.0)
     if arch == "gemma3":
@@ -57,7 +59,7 @@ def write_model(path: Path, arch: str = "llama", qtype: Q = Q.F32, tied: bool = 
     vector("output_norm.weight", HIDDEN, norm_base)
     if not tied:
         matrix("output.weight", vocab, HIDDEN)
-    q_out, kv_out = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    q_out, kv_out = heads * head_dim, kv_heads * head_dim
     for i in range(n_layers):
         b = f"blk.{i}"
         vector(f"{b}.attn_norm.weight", HIDDEN, norm_base)
@@ -73,8 +75,8 @@ def write_model(path: Path, arch: str = "llama", qtype: Q = Q.F32, tied: bool = 
             for part, size in (("q", q_out), ("k", kv_out), ("v", kv_out)):
                 vector(f"{b}.attn_{part}.bias", size, 0.0)
         if arch in ("qwen3", "gemma3"):
-            vector(f"{b}.attn_q_norm.weight", HEAD_DIM, norm_base)
-            vector(f"{b}.attn_k_norm.weight", HEAD_DIM, norm_base)
+            vector(f"{b}.attn_q_norm.weight", head_dim, norm_base)
+            vector(f"{b}.attn_k_norm.weight", head_dim, norm_base)
         if arch == "gemma3":
             vector(f"{b}.post_attention_norm.weight", HIDDEN, norm_base)
             vector(f"{b}.post_ffw_norm.weight", HIDDEN, norm_base)

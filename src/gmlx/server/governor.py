@@ -24,6 +24,11 @@ Actions, each counted with the time of the last one (`snapshot()["actions"]`):
 - `stop_stream` (red): the newest running stream ends with an error that says why, one at a time:
   the next only once the last has ended and memory is still red.
 
+Where the C library has it (glibc), the heap's free pages go back to the system at most once a
+second (`malloc_trim`): on Linux CPU, MLX's buffers come from malloc, and what they free stays
+resident, so the process's resident memory, and with it the band, would otherwise stay at their
+peak after the streams that took the memory have ended (under orange, admission held for good).
+
 It runs on its own thread. The only MLX calls made here are memory reads; the gate, which lives
 on the event loop, is reached through `call_soon_threadsafe`.
 """
@@ -31,6 +36,7 @@ on the event loop, is reached through `call_soon_threadsafe`.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import os
 import threading
@@ -116,6 +122,14 @@ class DeviceMemory:
 _device = DeviceMemory()
 
 
+def _heap_trimmer() -> Callable[[int], int] | None:
+    """glibc's `malloc_trim`, or None where the C library has none (macOS, musl)."""
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return None
+
+
 def read_memory() -> MemoryReading:
     return MemoryReading(mx.get_active_memory(), mx.get_cache_memory(), _process.memory_info().rss,
                          platform.available_memory_bytes(), _device.available_bytes())
@@ -164,6 +178,8 @@ class Governor:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._victim: str | None = None  # the stream last stopped, until it has ended
         self._last_release = float("-inf")
+        self._trim = _heap_trimmer() if self._host_memory else None
+        self._last_trim = float("-inf")
         self._last_error: str | None = None
 
     def start(self) -> None:
@@ -239,6 +255,9 @@ class Governor:
                 # Queued after the stop, so it frees that stream's buffers too.
                 self.state.engine.release_memory(bytes_to_release(used, limit, self.thresholds), self._released)
                 self._last_release = now
+        if self._trim is not None and now - self._last_trim >= RELEASE_EVERY_S:
+            self._trim(0)  # the next sample sees what ended streams and MLX's released cache freed
+            self._last_trim = now
         if band != previous:
             log.log(logging.WARNING if level >= _ORANGE else logging.INFO,
                     "memory governor: %s -> %s (%.1f%% of %d MiB in use)", previous, band, 100 * fraction, limit >> 20)

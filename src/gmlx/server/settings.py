@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from gmlx.capacity.budget import default_prompt_cache_bytes, parse_bytes
+from gmlx.capacity.governor import Thresholds
 from gmlx.capacity.kv_quant import BITS as _KV_BITS
 from gmlx.capacity.kv_quant import GROUP_SIZES as _KV_GROUPS
 from gmlx.capacity.kv_quant import SCHEME_CHOICES as _KV_SCHEMES
@@ -270,9 +271,10 @@ def resolve_settings(flags: Mapping[str, Any], env: Mapping[str, str] | None = N
                 raise SettingsError(f"{name}: {raw!r} from {source} {e}") from None
         sources[name] = source
 
-    bands = [values[f"governor_{b}"] for b in ("yellow", "orange", "red")]
-    if not bands[0] < bands[1] < bands[2]:
-        raise SettingsError(f"governor thresholds must rise: yellow {bands[0]} < orange {bands[1]} < red {bands[2]}")
+    try:  # the governor's own checks, so a bad combination is a settings error, not a traceback at start
+        Thresholds(*(values[f"governor_{b}"] for b in ("yellow", "orange", "red", "hysteresis")))
+    except ValueError as e:
+        raise SettingsError(str(e)) from None
     try:
         KVQuantSettings(values["kv_bits"], values["kv_group_size"], values["kv_scheme"], values["kv_value_bits"],
                         values["kv_tail_tokens"]).check()
