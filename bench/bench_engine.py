@@ -27,10 +27,9 @@ import time
 from pathlib import Path
 
 import gmlx  # noqa: F401  (BLAS bring-up before mlx)
-import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import make_prompt_cache
 
+from bench.bench_kernels import step_decode
 from bench.bench_serve import run_width
 from gmlx.engine.engine import Chunk, Engine, Event, Finished, Request
 from gmlx.engine.sampling import SamplingParams
@@ -39,25 +38,6 @@ from gmlx.server.settings import resolve_settings
 
 TOPICS = ["a lighthouse keeper", "the tides", "a harbour at dawn", "sailing ships", "a mountain village",
           "the first railway", "a desert caravan", "an old clock maker"]
-
-
-def direct(model, b: int, steps: int, rng: np.random.Generator) -> float:
-    def step(y, cache):
-        return model(y, cache=cache)[:, -1].argmax(-1)[:, None]
-
-    cache = make_prompt_cache(model)
-    y = step(mx.array(rng.integers(1000, 20000, (b, 16))), cache)
-    for _ in range(2):
-        y = step(y, cache)
-        mx.eval(y)
-    t = time.perf_counter()
-    for _ in range(steps):
-        nxt = step(y, cache)
-        mx.async_eval(nxt)
-        mx.eval(y)
-        y = nxt
-    mx.eval(y)
-    return b * steps / (time.perf_counter() - t)
 
 
 def engine_round(engine: Engine, b: int, max_tokens: int, tag: str) -> tuple[float | None, float | None]:
@@ -151,7 +131,7 @@ def main() -> None:
     best: dict[str, dict[int, float]] = {"direct": {}, "engine": {}, "engine_full_width": {}}
     for r in range(args.rounds):
         for b in args.widths:
-            d = direct(engine.loaded.model, b, args.max_tokens, rng)  # type: ignore[union-attr]
+            d = step_decode(engine.loaded.model, b, args.max_tokens, rng)  # type: ignore[union-attr]
             e, full = engine_round(engine, b, args.max_tokens, f"r{r}b{b}")
             rows = [("direct", d), ("engine", e), ("engine_full_width", full)]
             for url in args.url:

@@ -36,11 +36,40 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
 
 RESULTS = Path(__file__).parent / "results"
 BATCHES = (1, 4, 8)
 PREFILL = 512
 PROMPT = 16
+
+
+def step_decode(model, b: int, steps: int, rng: np.random.Generator) -> float:
+    """B greedy streams stepped directly, one token each a step, after a PROMPT-token prompt, as
+    mlx_lm's generate_step and the engine run: the next step's graph is built while the current
+    one computes. Returns tok/s. (mlx is imported here: the parent process never imports it.)"""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    def step(y, cache):
+        return model(y, cache=cache)[:, -1].argmax(-1)[:, None]
+
+    cache = make_prompt_cache(model)
+    y = step(mx.array(rng.integers(1000, 20000, (b, PROMPT))), cache)
+    for _ in range(2):
+        y = step(y, cache)
+        mx.eval(y)
+    t = time.perf_counter()
+    for _ in range(steps):
+        nxt = step(y, cache)
+        mx.async_eval(nxt)
+        mx.eval(y)
+        y = nxt
+    mx.eval(y)
+    return b * steps / (time.perf_counter() - t)
 
 
 def _worker(model: str, mode: str) -> None:
@@ -63,25 +92,8 @@ def _worker(model: str, mode: str) -> None:
     model_ = m.model
     rng = np.random.default_rng(0)
 
-    def step(y, cache):
-        return model_(y, cache=cache)[:, -1].argmax(-1)[:, None]
-
     def decode(b: int, steps: int) -> float:
-        # as mlx_lm's generate_step and the engine run: the next step's graph is built while
-        # the current one computes
-        cache = make_prompt_cache(model_)
-        y = step(mx.array(rng.integers(1000, 20000, (b, PROMPT))), cache)
-        for _ in range(2):
-            y = step(y, cache)
-            mx.eval(y)
-        t = time.perf_counter()
-        for _ in range(steps):
-            nxt = step(y, cache)
-            mx.async_eval(nxt)
-            mx.eval(y)
-            y = nxt
-        mx.eval(y)
-        return b * steps / (time.perf_counter() - t)
+        return step_decode(model_, b, steps, rng)
 
     def prefill() -> float:  # as mlx_lm prefills: the prompt fills the cache, logits of the last token only
         cache = make_prompt_cache(model_)

@@ -114,8 +114,13 @@ def test_missing_tensor_is_a_clear_error(tiny_models: dict[str, Path], tmp_path:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(GGUFError):
+    with pytest.raises(GGUFError) as e:
         load(tmp_path / "broken.gguf")
+    message = str(e.value)
+    assert "\n" not in message
+    # Two layers of 9 weights and the final norm are missing; three are named, then a count.
+    assert "tensors do not match the model: 19 missing parameter(s): model.layers.0." in message
+    assert message.endswith(f" and 16 more: {tmp_path / 'broken.gguf'}")
 
 
 @pytest.mark.slow
