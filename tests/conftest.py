@@ -1,7 +1,12 @@
-"""Shared fixtures: tiny GGUF models, the real default model, and a live server on loopback."""
+"""Shared fixtures: tiny GGUF models, the real default model, and a live server on loopback, in
+this process or as a `gmlx serve` process of its own."""
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -86,3 +91,51 @@ class LiveServer:
 def live_server(tiny_models: dict[str, Path]) -> Iterator[LiveServer]:
     with LiveServer(tiny_models["llama"]) as server:
         yield server
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServeProcess:
+    """`gmlx serve` in a process of its own, as a user starts it: ready when `/health?ready=1` says
+    so, always terminated. Its memory is its own (a governor test reads it), and its signals too."""
+
+    def __init__(self, model: Path, log: Path, *flags: str, env: dict[str, str] | None = None):
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self._args = [sys.executable, "-m", "gmlx", "serve", str(model), "--port", str(port), "--weights", "float",
+                      "--log-level", "warning", *flags]
+        inherited = {k: v for k, v in os.environ.items() if not k.startswith("GMLX_")}  # a developer's key, say
+        self._env, self._log = {**inherited, **(env or {})}, log
+
+    def __enter__(self) -> ServeProcess:
+        self._out = self._log.open("wb")
+        self.proc = subprocess.Popen(self._args, stdout=self._out, stderr=subprocess.STDOUT, env=self._env)
+        deadline = time.monotonic() + 120
+        try:
+            while True:
+                assert self.proc.poll() is None and time.monotonic() < deadline, f"no server:\n{self.log()}"
+                try:
+                    if httpx.get(f"{self.url}/health", params={"ready": 1}, timeout=5).status_code == 200:
+                        return self
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.2)
+        except BaseException:
+            self.__exit__()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._out.close()
+
+    def log(self) -> str:
+        return self._log.read_text(errors="replace")[-4000:]

@@ -4,10 +4,6 @@ under a fake probe (exact sequencing) and under real memory in a server process 
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections import deque
@@ -17,7 +13,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from conftest import LiveServer
+from conftest import LiveServer, ServeProcess
 from tiny_models import write_model
 
 from gmlx import platform
@@ -285,54 +281,6 @@ def test_each_band_acts_on_a_live_server(tmp_path: Path) -> None:
     assert actions["single_admission"]["count"] == 2  # at start, and on the way down
     assert actions["hold_admission"]["count"] == 1
     assert actions["clear_cache"]["count"] >= 2  # under orange, and right after the stop
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServeProcess:
-    """`gmlx serve` in a process of its own, so that the memory its governor reads is the server's
-    alone (this process's is large, and grows with the tests before); always terminated."""
-
-    def __init__(self, model: Path, log: Path, *flags: str, env: dict[str, str]):
-        port = _free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        self._args = [sys.executable, "-m", "gmlx", "serve", str(model), "--port", str(port), "--weights", "float",
-                      "--log-level", "warning", *flags]
-        inherited = {k: v for k, v in os.environ.items() if not k.startswith("GMLX_")}  # a developer's key, say
-        self._env, self._log = {**inherited, **env}, log
-
-    def __enter__(self) -> ServeProcess:
-        self._out = self._log.open("wb")
-        self.proc = subprocess.Popen(self._args, stdout=self._out, stderr=subprocess.STDOUT, env=self._env)
-        deadline = time.monotonic() + 120
-        try:
-            while True:
-                assert self.proc.poll() is None and time.monotonic() < deadline, f"no server:\n{self.log()}"
-                try:
-                    if httpx.get(f"{self.url}/health", params={"ready": 1}, timeout=5).status_code == 200:
-                        return self
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.2)
-        except BaseException:
-            self.__exit__()
-            raise
-
-    def __exit__(self, *exc: object) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._out.close()
-
-    def log(self) -> str:
-        return self._log.read_text(errors="replace")[-4000:]
 
 
 def _sample(c: httpx.Client) -> dict:

@@ -5,12 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -20,7 +17,7 @@ from pathlib import Path
 import httpx
 import mlx.core as mx
 import pytest
-from conftest import LiveServer
+from conftest import LiveServer, ServeProcess
 
 import gmlx.engine.engine as engine_module
 
@@ -225,38 +222,19 @@ def test_bad_seed_and_top_k_fail_alone(server: LiveServer) -> None:
     assert_settled(server)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize(("sig", "streams"), [(signal.SIGTERM, 2), (signal.SIGINT, 2), (signal.SIGTERM, 0),
                                              (signal.SIGINT, 0)])
-def test_signal_drains_and_exits_0(tiny_models: dict[str, Path], sig: signal.Signals, streams: int) -> None:
+def test_signal_drains_and_exits_0(tiny_models: dict[str, Path], tmp_path: Path, sig: signal.Signals,
+                                   streams: int) -> None:
     """SIGTERM (a supervisor) or SIGINT (Ctrl-C), busy or idle: running streams end properly and the
     process exits 0, every time (native threads once aborted the teardown with exit 134)."""
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(
-        [str(Path(sys.executable).with_name("gmlx")), "serve", str(tiny_models["llama"]), "--port", str(port),
-         "--decode-batch", "2", "--weights", "float", "--shutdown-timeout", "0.5", "--log-level", "warning"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "GMLX_GOVERNOR": "0"})
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "the server did not come up"
-            try:
-                if httpx.get(f"{url}/health?ready=1", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
+    with ServeProcess(tiny_models["llama"], tmp_path / "serve.log", "--decode-batch", "2", "--shutdown-timeout", "0.5",
+                      env={"GMLX_GOVERNOR": "0"}) as server:
         ends: list[str] = []
         started = threading.Barrier(streams + 1)  # the running streams and this thread
 
         def stream(i: int) -> None:
-            with httpx.stream("POST", url + CHAT, json=chat_body(f"go {i}", max_tokens=240, stream=True),
+            with httpx.stream("POST", server.url + CHAT, json=chat_body(f"go {i}", max_tokens=240, stream=True),
                               timeout=30) as r:
                 lines = []
                 for line in r.iter_lines():
@@ -270,16 +248,12 @@ def test_signal_drains_and_exits_0(tiny_models: dict[str, Path], sig: signal.Sig
         for t in threads:
             t.start()
         started.wait(30)
-        proc.send_signal(sig)
+        server.proc.send_signal(sig)
         for t in threads:
             t.join(30)
-        assert proc.wait(30) == 0, proc.stdout.read().decode() if proc.stdout else ""
-        print(f"{sig.name} stream ends:", ends)
-        assert len(ends) == streams and set(ends) <= {"finish", "error"}, ends  # never cut without [DONE]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        assert server.proc.wait(30) == 0, server.log()
+    print(f"{sig.name} stream ends:", ends)
+    assert len(ends) == streams and set(ends) <= {"finish", "error"}, ends  # never cut without [DONE]
 
 
 @pytest.mark.slow

@@ -5,11 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import subprocess
-import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -17,6 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
+from conftest import ServeProcess
 from rich.text import Text
 from textual.pilot import Pilot
 from tiny_models import write_model
@@ -311,40 +308,13 @@ def test_once_fails_when_a_server_is_unreachable(fake: FakeServer) -> None:
     assert "ConnectError" in result.output and "fleet" in result.output
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture
 def gmlx_serve(tmp_path: Path) -> Iterator[str]:
     """A real `gmlx serve` process on a tiny model with one decode slot, so a second request queues.
     Its context is long enough for requests that take a noticeable time to decode."""
     model = write_model(tmp_path / "tiny.gguf", "llama", context=2048)
-    url, log = f"http://127.0.0.1:{(port := free_port())}", tmp_path / "serve.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "gmlx", "serve", str(model), "--port", str(port),
-                                 "--decode-batch", "1", "--log-level", "warning"], stdout=out, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, f"gmlx serve exited {proc.returncode}: {log.read_text()}"
-            assert time.monotonic() < deadline, f"gmlx serve was not ready in time: {log.read_text()}"
-            try:
-                if httpx.get(f"{url}/health?ready=1", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with ServeProcess(model, tmp_path / "serve.log", "--decode-batch", "1") as server:
+        yield server.url
 
 
 def test_real_server_rows_move_from_queued_to_decode(gmlx_serve: str) -> None:
