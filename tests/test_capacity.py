@@ -296,7 +296,9 @@ def test_plan_ok() -> None:
         (1, 256, dataclasses.replace(IDLE, waiting=2), "2 waiting for a slot"),
         (4, 256, dataclasses.replace(IDLE, in_flight=5), "3 free slot(s) of 8, need 4"),
         (1, 256, dataclasses.replace(IDLE, in_flight=9), "0 free slot(s) of 8, need 1"),
-        # The memory answer comes first, then the governor, then the queue, then slots.
+        # A server taking no work at all says why first; then the memory answer, the governor,
+        # the queue and the slots.
+        (2, 2048, LiveState(8, 8, 3, "red", not_ready="shutting down"), "shutting down"),
         (2, 2048, LiveState(8, 8, 3, "red"), "depth 2048 exceeds max context 1024 at width 2"),
         (1, 256, LiveState(8, 8, 3, "orange"), "governor orange"),
         (1, 256, LiveState(8, 8, 3, "green"), "3 waiting for a slot"),

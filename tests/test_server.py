@@ -163,10 +163,13 @@ def test_health_and_loading(tiny_models: dict[str, Path]) -> None:
             assert r.status_code == 503 and r.json()["reason"] == "loading" and int(r.headers["Retry-After"]) > 0
             for r in (c.post(CHAT, json=chat_body()), c.get("/v1/models")):
                 assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading"
+            plan = c.get("/v1/capacity/plan", params={"width": 1, "depth": 16}).json()
+            assert (plan["ok"], plan["admit_now"], plan["reason"]) == (None, False, "model loading")
             gate.set()
             server.wait_until(server.engine.ready.is_set)
             r = c.get("/health", params={"ready": 1})
             assert r.status_code == 200 and r.json()["ready"] is True
+            assert c.get("/v1/capacity/plan", params={"width": 1, "depth": 16}).json()["admit_now"] is True
     finally:
         gate.set()
         server.__exit__()

@@ -16,6 +16,7 @@ class LiveState:
     in_flight: int
     waiting: int
     band: str | None = None  # governor band: green, yellow, orange or red; None without a governor
+    not_ready: str | None = None  # why the server takes no work at all now ("model loading", "shutting down")
 
 
 def plan(
@@ -31,7 +32,9 @@ def plan(
     slots = max(0, live.decode_batch - live.in_flight)
     free = min(slots, 1) if live.band == "yellow" else slots  # yellow lets one stream in at a time
 
-    if ok is False:
+    if live.not_ready:
+        reason = live.not_ready
+    elif ok is False:
         reason = f"depth {depth} exceeds max context {max_context} at width {width}"
     elif live.band not in _OPEN_BANDS:
         reason = f"governor {live.band}"

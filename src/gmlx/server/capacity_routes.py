@@ -48,7 +48,9 @@ def _positive_int(request: Request, name: str) -> int:
 
 
 def live_state(state: ServerState) -> LiveState:
-    return LiveState(state.settings.decode_batch, state.gate.running, state.gate.waiting, band=state.band)
+    not_ready = "model loading" if not state.ready else "shutting down" if state.gate.closed else None
+    return LiveState(state.settings.decode_batch, state.gate.running, state.gate.waiting, band=state.band,
+                     not_ready=not_ready)
 
 
 async def capacity_plan(request: Request) -> Response:
