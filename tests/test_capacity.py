@@ -342,10 +342,23 @@ def test_estimate_fields() -> None:
     )
     assert e == {
         "prompt_tokens": 300, "warm_tokens": 100, "cache_tier": "block", "need_bytes": need,
-        "fits_now": True, "fits_drained": False, "context_ok": True, "context_limit": 32768,
+        "need_now_bytes": need, "fits_now": True, "fits_drained": False, "context_ok": True, "context_limit": 32768,
         "est_ttft_s": 1.0,  # 0.5 s queue + 200 cold tokens at 400 tok/s
         "resident": True,
     }
+
+
+def test_joining_a_batch_pads_to_its_longest_row() -> None:
+    """Rows of a batch are as deep as its deepest: a short request beside a long one costs a long
+    row, and a request deeper than the rest grows theirs to its depth."""
+    row = lambda depth: stream_bytes(LLAMA, depth)  # noqa: E731
+    args = dict(context_limit=4096, prefill_bytes=0, free_drained_bytes=None, prefill_tok_s=None, queue_wait_s=0.0)
+    short = estimate(LLAMA, prompt_tokens=20, max_tokens=None, free_now_bytes=row(1036), running=1, longest=1036, **args)
+    assert short["need_bytes"] == row(20) and short["need_now_bytes"] == row(1036) and short["fits_now"] is True
+    deep = estimate(LLAMA, prompt_tokens=2000, max_tokens=None, free_now_bytes=row(2000), running=2, longest=300, **args)
+    assert deep["need_now_bytes"] == 3 * row(2000) - 2 * row(300) and deep["fits_now"] is False
+    alone = estimate(LLAMA, prompt_tokens=20, max_tokens=None, free_now_bytes=row(20), **args)
+    assert alone["need_now_bytes"] == alone["need_bytes"] and alone["fits_now"] is True
 
 
 def test_estimate_without_rates_or_free_figures() -> None:

@@ -204,3 +204,29 @@ def test_fits_drained_leaves_the_prompt_cache_bound(tiny_models: dict[str, Path]
     assert table.budget.prompt_cache_bytes == bound and table.max_width_at_depth(depth) == 0
     assert est["need_bytes"] <= without.budget.drained_bytes  # it would fit, were the bound not kept
     assert est["fits_drained"] is False and est["fits_now"] is False
+
+
+def test_estimate_beside_a_long_stream_counts_the_padded_row(tmp_path: Path) -> None:
+    """A short request that would join a long stream's batch needs a row as deep as the long one."""
+    from tiny_models import write_model
+
+    with LiveServer(write_model(tmp_path / "long.gguf", "llama", context=4096), decode_batch=2) as server:
+        engine, table = server.engine, server.state.table()
+        short = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+        async def run() -> tuple[dict, dict, int]:
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as ac:
+                alone = (await ac.post("/v1/estimate", json=short)).json()
+                body = {"prompt": "the sea " * 400, "max_tokens": 3000, "temperature": 0, "stream": True}
+                async with ac.stream("POST", "/v1/completions", json=body):
+                    while not any(r.state == "decode" and r.generated > 8 for r in engine.requests()):
+                        await asyncio.sleep(0.005)
+                    long_prompt = len(engine.requests()[0].prompt_ids)
+                    beside = (await ac.post("/v1/estimate", json=short)).json()
+            return alone, beside, long_prompt
+
+        alone, beside, long_prompt = asyncio.run(run())
+    assert alone["need_now_bytes"] == alone["need_bytes"]
+    assert beside["need_bytes"] == alone["need_bytes"]  # its own need is unchanged; joining costs more
+    assert beside["need_now_bytes"] >= table.budget.prefill_bytes + table.stream_bytes(long_prompt)
+    assert table.stream_bytes(long_prompt) > table.stream_bytes(alone["prompt_tokens"] + 4)

@@ -23,6 +23,8 @@ def estimate(
     cache_tier: str = "miss",
     resident: bool = True,
     kv: KVFormat = FP16,
+    running: int = 0,
+    longest: int = 0,
 ) -> dict:
     """The fields of POST /v1/estimate.
 
@@ -32,8 +34,19 @@ def estimate(
     past the window does not make it false. est_ttft_s is the queue wait, plus the cold
     prompt tokens at the measured prefill rate, plus one decode step (`first_step_s`: mlx_lm
     runs the prompt's last token as the first generation step); null without a rate.
+
+    need_now_bytes is what joining the batch now costs, which fits_now is judged on: mlx_lm's
+    batched caches pad every row to the longest, so beside `running` streams whose longest is
+    `longest` tokens deep, the request takes a row of max(its depth, longest), and a request
+    deeper than the rest pads theirs to its depth too.
     """
-    need = prefill_bytes + stream_bytes(g, prompt_tokens + (max_tokens or 0), kv)
+    depth = prompt_tokens + (max_tokens or 0)
+    need = prefill_bytes + stream_bytes(g, depth, kv)
+    need_now = need
+    if running:
+        joined = max(depth, longest)
+        need_now = (prefill_bytes + (running + 1) * stream_bytes(g, joined, kv)
+                    - running * stream_bytes(g, longest, kv))
     cold = max(0, prompt_tokens - warm_tokens)
     ttft = round(queue_wait_s + cold / prefill_tok_s + first_step_s, 3) if prefill_tok_s else None
     return {
@@ -41,7 +54,8 @@ def estimate(
         "warm_tokens": warm_tokens,
         "cache_tier": cache_tier,
         "need_bytes": need,
-        "fits_now": None if free_now_bytes is None else need <= free_now_bytes,
+        "need_now_bytes": need_now,
+        "fits_now": None if free_now_bytes is None else need_now <= free_now_bytes,
         "fits_drained": None if free_drained_bytes is None else need <= free_drained_bytes,
         "context_ok": prompt_tokens < context_limit,
         "context_limit": context_limit,

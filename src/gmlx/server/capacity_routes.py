@@ -107,7 +107,8 @@ async def estimate_body(state: ServerState, body: Any) -> dict:
                      "measured prefill rate")
     if media:
         # Rendered (prompt_tokens counts the text) but not estimated: this engine is text-only.
-        out.update(need_bytes=None, fits_now=None, fits_drained=None, est_ttft_s=None, estimated=False)
+        out.update(need_bytes=None, need_now_bytes=None, fits_now=None, fits_drained=None, est_ttft_s=None,
+                   estimated=False)
         notes.insert(0, f"not estimated: the body has {', '.join(sorted(set(media)))} content, "
                         "which this text-only model does not take")
     else:
@@ -128,7 +129,7 @@ async def _served_estimate(state: ServerState, p: openai_api.GenerationParams) -
                    context_limit=loaded.context_length, prefill_bytes=budget.prefill_bytes,
                    free_now_bytes=free_now, free_drained_bytes=budget.drained_bytes, prefill_tok_s=prefill_rate,
                    queue_wait_s=queue_wait_s(state), first_step_s=1 / measured.decode_tok_s if measured else 0.0,
-                   kv=table.kv, **_prompt_cache_hit(state, prompt_ids))
+                   kv=table.kv, **_batch(state), **_prompt_cache_hit(state, prompt_ids))
     return {**out, "model": state.model_id}
 
 
@@ -161,6 +162,12 @@ def _not_loaded_estimate(state: ServerState, path: Path, p: openai_api.Generatio
     table, _ = header_table(h, s, mode=choose_mode(s.weights, h), memory=s.memory or platform.total_memory_bytes())
     return {**estimate_not_loaded(table, prompt_tokens=len(ids), max_tokens=p.max_tokens, free_now_bytes=None),
             "model": p.model}
+
+
+def _batch(state: ServerState) -> dict:
+    """The requests holding a batch row now, and the deepest of them (what a joining row pads to)."""
+    depths = [len(r.prompt_ids) + r.generated for r in state.engine.requests() if r.state in ("prefill", "decode")]
+    return {"running": len(depths), "longest": max(depths, default=0)}
 
 
 def _prompt_cache_hit(state: ServerState, prompt_ids: list[int]) -> dict:

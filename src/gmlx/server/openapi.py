@@ -126,6 +126,9 @@ SCHEMAS: dict[str, dict] = {
         "properties": {
             "prompt_tokens": {"type": "integer", "minimum": 0}, "warm_tokens": {"type": "integer", "minimum": 0},
             "cache_tier": {"type": "string"}, "need_bytes": {"type": ["integer", "null"]},
+            "need_now_bytes": {"type": ["integer", "null"],
+                               "description": "what joining the batch now takes (rows pad to the longest)"},
+            "note": {"type": "string", "description": "why figures are null, or what they assume for a model not loaded"},
             "fits_now": {"type": ["boolean", "null"]}, "fits_drained": {"type": ["boolean", "null"]},
             "context_ok": {"type": "boolean"}, "context_limit": {"type": "integer"},
             "est_ttft_s": {"type": ["number", "null"]}, "resident": {"type": "boolean"},
