@@ -18,7 +18,6 @@ About 10 seconds on 2 cores; the output is the same on every run (checked).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import shlex
 import socket
@@ -29,6 +28,7 @@ from pathlib import Path
 import httpx
 
 from bench.harness import Server
+from bench.llamacpp_tokens import write_reference
 from bench.peers import peer
 from gmlx.default_model import resolve_model
 
@@ -119,9 +119,7 @@ def main() -> None:
         "llama_cpp": llama.version, "server_flags": server_flags(llama.argv, model),
         "model": model.name, "model_bytes": model.stat().st_size, "cases": cases,
     }
-    head = json.dumps({k: v for k, v in reference.items() if k != "cases"}, ensure_ascii=False, indent=1)
-    lines = ",\n".join("  " + json.dumps(c, ensure_ascii=False) for c in cases)  # one case a line, for diffs
-    args.out.write_text(f'{head[:-2]},\n "cases": [\n{lines}\n ]\n}}\n', encoding="utf-8")
+    write_reference(args.out, reference)
     print(f"[logits] wrote {len(cases)} cases to {args.out} (llama.cpp {llama.version})", file=sys.stderr)
 
 

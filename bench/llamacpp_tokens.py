@@ -126,10 +126,15 @@ def main() -> None:
                   "--no-parse-special. Regenerate: python -m bench.llamacpp_tokens",
         "model": model.name, "seed": args.seed, "kept": len(kept), "random": len(fresh), "cases": cases,
     }
-    head = json.dumps({k: v for k, v in reference.items() if k != "cases"}, ensure_ascii=False, indent=1)
-    lines = ",\n".join("  " + json.dumps(c, ensure_ascii=False) for c in cases)  # one case a line, for diffs
-    args.out.write_text(f'{head[:-2]},\n "cases": [\n{lines}\n ]\n}}\n', encoding="utf-8")
+    write_reference(args.out, reference)
     print(f"[tokens] wrote {len(cases)} cases to {args.out}", file=sys.stderr)
+
+
+def write_reference(path: Path, reference: dict) -> None:
+    """A test reference as JSON with one case a line, so a regenerated file diffs case by case."""
+    head = json.dumps({k: v for k, v in reference.items() if k != "cases"}, ensure_ascii=False, indent=1)
+    lines = ",\n".join("  " + json.dumps(c, ensure_ascii=False) for c in reference["cases"])
+    path.write_text(f'{head[:-2]},\n "cases": [\n{lines}\n ]\n}}\n', encoding="utf-8")
 
 
 if __name__ == "__main__":
