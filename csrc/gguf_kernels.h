@@ -88,7 +88,19 @@ struct Impl {
   // softmax(scale q k^T + mask) v for query heads h0..h1 of batch row b (one KV head's group);
   // scores holds (h1 - h0) * L * T floats
   void (*attend)(const AttentionArgs& a, int64_t b, int64_t h0, int64_t h1, float* scores);
+  // the same for query rows l0..l1 of head h of batch row b, by tiles of keys (prefill: many
+  // rows); work holds attend_rows_work(l1 - l0, D) floats
+  void (*attend_rows)(const AttentionArgs& a, int64_t b, int64_t h, int64_t l0, int64_t l1, float* work);
 };
+
+// Keys per tile and query rows per register block of attend_rows, and the work it needs
+// (static: each ISA's object keeps its own copy, see above).
+constexpr int64_t ATTN_KEYS = 128;
+constexpr int64_t ATTN_MR = 6;
+static inline int64_t attend_rows_work(int64_t rows, int64_t D) {
+  const int64_t rp = (rows + ATTN_MR - 1) / ATTN_MR * ATTN_MR;
+  return rp * (2 * D + ATTN_KEYS + 2) + D * ATTN_KEYS;
+}
 
 namespace generic { extern const Impl impl; }
 namespace avx2 { extern const Impl impl; }

@@ -775,11 +775,13 @@ void rms_norm_rows(const float* x, const float* w, float* y, int64_t rows, int64
 void logsumexp_rows(const float* x, float* y, int64_t rows, int64_t N);
 void rope_rows(const RopeArgs& a, int64_t r0, int64_t r1, float* cs);
 void attend(const AttentionArgs& a, int64_t b, int64_t h0, int64_t h1, float* scores);
+void attend_rows(const AttentionArgs& a, int64_t b, int64_t h, int64_t l0, int64_t l1, float* work);
 
 #define GMLX_STR2(x) #x
 #define GMLX_STR(x) GMLX_STR2(x)
 const Impl impl = {GMLX_STR(GMLX_ISA), matmul_rows,   dequant_rows,   int_supported, quantize_x,
-                   matmul_rows_int,   rms_norm_rows, gated_act,      logsumexp_rows, rope_rows, attend};
+                   matmul_rows_int,   rms_norm_rows, gated_act,      logsumexp_rows, rope_rows, attend,
+                   attend_rows};
 
 }  // namespace GMLX_ISA
 }  // namespace gmlx_kernels

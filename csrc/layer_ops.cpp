@@ -19,6 +19,10 @@ namespace {
 // Below this many multiply-adds a call runs on one thread: waking others costs more.
 constexpr int64_t PARALLEL_MIN_WORK = 1 << 16;
 
+// Attention for more query rows than this goes by blocks of ATTN_BLOCK rows over tiles of keys.
+constexpr int64_t ATTN_FEW_ROWS = 4;
+constexpr int64_t ATTN_BLOCK = 64;
+
 thread_local std::vector<float> tl_a, tl_b, tl_c, tl_work;
 
 float* work_buffer(size_t n) {
@@ -167,13 +171,24 @@ void Attention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
       const auto ms = broadcast_strides(*mask, {(int)a.B, (int)a.Hq, (int)a.L, (int)a.T});
       for (int i = 0; i < 4; i++) a.ms[i] = ms[i];
     }
-    // work items: (batch row, a group of query heads sharing one KV head); a group is split
-    // when there are fewer KV heads than threads
-    const int64_t G = a.Hq / a.Hkv, groups = a.B * a.Hkv;
     const int nt = a.B * a.Hq * a.L * a.T * a.D < PARALLEL_MIN_WORK ? 1 : n_threads();
+    const Impl* impl = active_impl();
+    if (a.L > ATTN_FEW_ROWS) {
+      // work items: blocks of ATTN_BLOCK query rows of one head, the (causal) last blocks, which
+      // see the most keys, first
+      const int64_t blocks = (a.L + ATTN_BLOCK - 1) / ATTN_BLOCK, heads = a.B * a.Hq;
+      parallel_chunks(nt, heads * blocks, [&](int64_t c) {
+        const int64_t l0 = (blocks - 1 - c / heads) * ATTN_BLOCK, l1 = std::min(l0 + ATTN_BLOCK, a.L);
+        impl->attend_rows(a, c % heads / a.Hq, c % a.Hq, l0, l1, work_buffer((size_t)attend_rows_work(l1 - l0, a.D)));
+      });
+      return;
+    }
+    // few query rows (decode): items are (batch row, a group of query heads sharing one KV
+    // head), so each key is read once for the group; a group is split when there are fewer
+    // KV heads than threads
+    const int64_t G = a.Hq / a.Hkv, groups = a.B * a.Hkv;
     const int64_t splits = std::min<int64_t>(G, (nt + groups - 1) / groups);
     const int64_t per = (G + splits - 1) / splits;
-    const Impl* impl = active_impl();
     parallel_chunks(nt, groups * splits, [&](int64_t c) {
       const int64_t g = c / splits, h0 = (g % a.Hkv) * G + (c % splits) * per;
       const int64_t h1 = std::min(h0 + per, (g % a.Hkv + 1) * G);

@@ -224,3 +224,191 @@ void attend(const AttentionArgs& a, int64_t b, int64_t h0, int64_t h1, float* sc
 
 }  // namespace GMLX_ISA
 }  // namespace gmlx_kernels
+
+// ---- attention for many query rows (prefill): flash attention over tiles of keys ----
+//
+// Per tile of ATTN_KEYS keys: S = (scale q) K^T and O += softmax-so-far(S) V as register-blocked
+// outer products (ATTN_MR rows by two vectors), with each row's running maximum and sum
+// rescaling O, so the work memory is a few tiles whatever the context and a causal block
+// stops at its last row's keys. GCC's vector types give each ISA its own width.
+
+namespace gmlx_kernels {
+namespace GMLX_ISA {
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int FW = 16;
+#elif defined(__AVX2__)
+constexpr int FW = 8;
+#else
+constexpr int FW = 4;
+#endif
+typedef float fvec __attribute__((vector_size(FW * sizeof(float))));
+typedef int32_t ivec __attribute__((vector_size(FW * sizeof(int32_t))));
+static_assert(ATTN_KEYS % (2 * FW) == 0);
+
+inline fvec vld(const float* p) {
+  fvec v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void vst(float* p, fvec v) { memcpy(p, &v, sizeof v); }
+inline fvec vset(float x) { return fvec{} + x; }
+
+// e^x as exp8 does (inputs below -87 give 0, -inf included)
+inline fvec vexp(fvec x) {
+  const fvec lo = vset(-87.3f), hi = vset(88.3f), round = vset(12582912.f);  // + 1.5 * 2^23 rounds
+  const ivec under = x < lo;
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  const fvec n = (x * 1.44269504f + round) - round;
+  fvec r = x - n * 0.693145751953125f;
+  r = r - n * 1.428606765330187e-06f;
+  fvec p = vset(1.f / 720);
+  p = p * r + 1.f / 120;
+  p = p * r + 1.f / 24;
+  p = p * r + 1.f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const ivec e = (__builtin_convertvector(n, ivec) + 127) << 23;
+  return under ? vset(0.f) : p * (fvec)e;
+}
+
+// S (rows x ATTN_KEYS) = Q (rows x D) Kt (D x ATTN_KEYS); rows a multiple of ATTN_MR
+void qk_tile(const float* Q, int64_t rows, int64_t D, const float* Kt, float* S) {
+  for (int64_t i = 0; i < rows; i += ATTN_MR)
+    for (int64_t j = 0; j < ATTN_KEYS; j += 2 * FW) {
+      fvec acc[ATTN_MR][2] = {};
+      for (int64_t d = 0; d < D; d++) {
+        const fvec k0 = vld(Kt + d * ATTN_KEYS + j), k1 = vld(Kt + d * ATTN_KEYS + j + FW);
+        for (int r = 0; r < ATTN_MR; r++) {
+          const float q = Q[(i + r) * D + d];
+          acc[r][0] += q * k0;
+          acc[r][1] += q * k1;
+        }
+      }
+      for (int r = 0; r < ATTN_MR; r++) {
+        vst(S + (i + r) * ATTN_KEYS + j, acc[r][0]);
+        vst(S + (i + r) * ATTN_KEYS + j + FW, acc[r][1]);
+      }
+    }
+}
+
+// O[:, d .. d + NV * FW) += P (rows x ATTN_KEYS, n used) V (n rows of stride vs)
+template <int NV>
+void pv_cols(const float* P, int64_t rows, const float* V, int64_t vs, int64_t n, int64_t D, int64_t d, float* O) {
+  for (int64_t i = 0; i < rows; i += ATTN_MR) {
+    fvec acc[ATTN_MR][NV];
+    for (int r = 0; r < ATTN_MR; r++)
+      for (int c = 0; c < NV; c++) acc[r][c] = vld(O + (i + r) * D + d + c * FW);
+    for (int64_t t = 0; t < n; t++) {
+      fvec v[NV];
+      for (int c = 0; c < NV; c++) v[c] = vld(V + t * vs + d + c * FW);
+      for (int r = 0; r < ATTN_MR; r++) {
+        const float p = P[(i + r) * ATTN_KEYS + t];
+        for (int c = 0; c < NV; c++) acc[r][c] += p * v[c];
+      }
+    }
+    for (int r = 0; r < ATTN_MR; r++)
+      for (int c = 0; c < NV; c++) vst(O + (i + r) * D + d + c * FW, acc[r][c]);
+  }
+}
+
+void pv_tile(const float* P, int64_t rows, const float* V, int64_t vs, int64_t n, int64_t D, float* O) {
+  int64_t d = 0;
+  for (; d + 2 * FW <= D; d += 2 * FW) pv_cols<2>(P, rows, V, vs, n, D, d, O);
+  for (; d + FW <= D; d += FW) pv_cols<1>(P, rows, V, vs, n, D, d, O);
+  for (; d < D; d++)
+    for (int64_t i = 0; i < rows; i++)
+      for (int64_t t = 0; t < n; t++) O[i * D + d] += P[i * ATTN_KEYS + t] * V[t * vs + d];
+}
+
+}  // namespace
+
+void attend_rows(const AttentionArgs& a, int64_t b, int64_t h, int64_t l0, int64_t l1, float* work) {
+  const int64_t D = a.D, T = a.T, L = a.L, R = l1 - l0;
+  const int64_t Rp = (R + ATTN_MR - 1) / ATTN_MR * ATTN_MR;  // padding rows: zero queries
+  float* Q = work;               // Rp x D, times scale
+  float* O = Q + Rp * D;         // Rp x D
+  float* S = O + Rp * D;         // Rp x ATTN_KEYS: scores, then their exponentials
+  float* Kt = S + Rp * ATTN_KEYS;  // D x ATTN_KEYS
+  float* mrow = Kt + D * ATTN_KEYS;  // per row: the running maximum and sum
+  float* lrow = mrow + Rp;
+  const float* q = a.q + ((b * a.Hq + h) * L + l0) * D;
+  for (int64_t i = 0; i < R * D; i++) Q[i] = q[i] * a.scale;
+  memset(Q + R * D, 0, sizeof(float) * (Rp - R) * D);
+  memset(O, 0, sizeof(float) * Rp * D);
+  for (int64_t i = 0; i < Rp; i++) {
+    mrow[i] = -INFINITY;
+    lrow[i] = 0.f;
+  }
+  const int64_t kvh = h / (a.Hq / a.Hkv);
+  const float* kb = a.k + b * a.ks[0] + kvh * a.ks[1];
+  const float* vb = a.v + b * a.vs[0] + kvh * a.vs[1];
+  // query l sees keys t <= T - L + l when causal: the block's last row bounds the tiles
+  const int64_t t_end = a.causal ? T - L + l1 : T;
+  for (int64_t t0 = 0; t0 < t_end; t0 += ATTN_KEYS) {
+    const int64_t n = t_end - t0 < ATTN_KEYS ? t_end - t0 : ATTN_KEYS;
+    for (int64_t j = 0; j < n; j++) {
+      const float* kr = kb + (t0 + j) * a.ks[2];
+      for (int64_t d = 0; d < D; d++) Kt[d * ATTN_KEYS + j] = kr[d];
+    }
+    if (n < ATTN_KEYS)
+      for (int64_t d = 0; d < D; d++) memset(Kt + d * ATTN_KEYS + n, 0, sizeof(float) * (ATTN_KEYS - n));
+    qk_tile(Q, Rp, D, Kt, S);
+    for (int64_t i = 0; i < R; i++) {
+      float* s = S + i * ATTN_KEYS;
+      const int64_t l = l0 + i;
+      int64_t seen = a.causal ? T - L + l + 1 - t0 : n;  // keys of this tile row i sees
+      seen = seen < 0 ? 0 : seen > n ? n : seen;
+      for (int64_t j = seen; j < ATTN_KEYS; j++) s[j] = -INFINITY;
+      if (a.mask) {
+        const int64_t base = b * a.ms[0] + h * a.ms[1] + l * a.ms[2] + t0 * a.ms[3];
+        if (a.mask_bool) {
+          const uint8_t* m = (const uint8_t*)a.mask + base;
+          for (int64_t j = 0; j < seen; j++)
+            if (!m[j * a.ms[3]]) s[j] = -INFINITY;
+        } else {
+          const float* m = (const float*)a.mask + base;
+          for (int64_t j = 0; j < seen; j++) s[j] += m[j * a.ms[3]];
+        }
+      }
+      fvec vmax = vset(-INFINITY);
+      for (int64_t j = 0; j < ATTN_KEYS; j += FW) {
+        const fvec v = vld(s + j);
+        vmax = v > vmax ? v : vmax;
+      }
+      float tmax = vmax[0];
+      for (int c = 1; c < FW; c++) tmax = vmax[c] > tmax ? vmax[c] : tmax;
+      if (tmax == -INFINITY) {  // nothing in this tile for the row: no weight
+        memset(s, 0, sizeof(float) * ATTN_KEYS);
+        continue;
+      }
+      const float mnew = tmax > mrow[i] ? tmax : mrow[i];
+      const float c = expf(mrow[i] - mnew);  // 0 for the row's first keys
+      fvec vsum = vset(0.f);
+      for (int64_t j = 0; j < ATTN_KEYS; j += FW) {
+        const fvec p = vexp(vld(s + j) - mnew);
+        vst(s + j, p);
+        vsum += p;
+      }
+      float sum = 0.f;
+      for (int k = 0; k < FW; k++) sum += vsum[k];
+      lrow[i] = lrow[i] * c + sum;
+      if (c != 1.f)
+        for (int64_t d = 0; d < D; d++) O[i * D + d] *= c;
+      mrow[i] = mnew;
+    }
+    pv_tile(S, Rp, vb + t0 * a.vs[2], a.vs[2], n, D, O);
+  }
+  float* out = a.out + ((b * a.Hq + h) * L + l0) * D;
+  for (int64_t i = 0; i < R; i++) {  // a row that saw no key (all masked) gives zeros, not NaN
+    const float inv = lrow[i] > 0.f ? 1.f / lrow[i] : 0.f;
+    for (int64_t d = 0; d < D; d++) out[i * D + d] = O[i * D + d] * inv;
+  }
+}
+
+}  // namespace GMLX_ISA
+}  // namespace gmlx_kernels

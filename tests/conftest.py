@@ -20,6 +20,30 @@ from tiny_models import write_model
 import gmlx  # noqa: F401  (preloads the BLAS before anything imports mlx)
 
 
+def _isas() -> list[str]:
+    """Every ISA of gmlx.kernels this host runs (set_isa falls back to a narrower one where one is missing)."""
+    from gmlx import kernels
+
+    ext = kernels.extension()
+    if ext is None:
+        return ["generic"]
+    isas = [isa for isa in ("generic", "avx2", "avx512") if ext.set_isa(isa) == isa]
+    ext.set_isa("")
+    return isas
+
+
+@pytest.fixture(params=_isas())
+def isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The kernels forced to each ISA in turn (tests that use it must skip without the extension)."""
+    from gmlx import kernels
+
+    ext = kernels.extension()
+    chosen = ext.set_isa(request.param)
+    assert chosen == request.param
+    yield chosen
+    ext.set_isa("")
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """One tiny F32 model per supported architecture."""

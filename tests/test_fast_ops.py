@@ -67,11 +67,13 @@ def test_rope(rng, traditional, dims):
 
 
 @pytest.mark.parametrize("hq,hkv", [(4, 1), (4, 2), (3, 3)])
-@pytest.mark.parametrize("L", [1, 4])
-def test_attention_over_a_cache_view(rng, hq, hkv, L):
-    B, T, D = 2, 37, 64
+@pytest.mark.parametrize("L,D", [(1, 64), (4, 64), (5, 64), (70, 80), (300, 72)])
+def test_attention_over_a_cache_view(rng, hq, hkv, L, D, isa):
+    # L = 1, 4: the few-rows (decode) path; from 5, blocks of 64 rows over tiles of 128 keys, with
+    # head sizes that leave a vector's and a scalar's tail
+    B, T = 2, L + 33
     q = randn(rng, B, hq, L, D)
-    kbuf, vbuf = randn(rng, B, hkv, 64, D), randn(rng, B, hkv, 64, D)
+    kbuf, vbuf = randn(rng, B, hkv, T + 27, D), randn(rng, B, hkv, T + 27, D)
     k, v = kbuf[:, :, :T], vbuf[:, :, :T]  # what a KV cache hands back: a view of its buffer
     masks = [None, "causal", mx.array(rng.random((B, 1, L, T)) > 0.3),
              randn(rng, L, T), mx.array(rng.random((T,)) > 0.5)]
@@ -92,8 +94,9 @@ def test_logsumexp_over_a_vocabulary(rng):
     assert np.isnan(np.array(mx.logsumexp(mx.array([1.0, np.nan]), axis=-1)))
 
 
-def test_attention_row_with_nothing_to_attend_is_zero_not_nan(rng):
-    q, k, v = randn(rng, 1, 2, 1, 8), randn(rng, 1, 1, 4, 8), randn(rng, 1, 1, 4, 8)
+@pytest.mark.parametrize("L", [1, 8])
+def test_attention_row_with_nothing_to_attend_is_zero_not_nan(rng, L):
+    q, k, v = randn(rng, 1, 2, L, 8), randn(rng, 1, 1, 4, 8), randn(rng, 1, 1, 4, 8)
     out = np.array(mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask=mx.zeros((4,), mx.bool_)))
     assert np.all(out == 0)
 
@@ -106,8 +109,7 @@ def test_other_calls_go_to_mlx(rng, monkeypatch):
     x16 = randn(rng, 1, 2, 3, 8).astype(mx.float16)
     mx.fast.rms_norm(x16, None, 1e-5)
     mx.fast.rope(x16, 8, traditional=False, base=1e4, scale=1.0, offset=0)
-    q = randn(rng, 1, 2, fast.MAX_QUERY_ROWS + 1, 8)  # prefill: MLX's matmuls
-    mx.fast.scaled_dot_product_attention(q, q, q, scale=1.0, mask="causal")
+    mx.fast.scaled_dot_product_attention(x16, x16, x16, scale=1.0, mask="causal")
     mx.logsumexp(randn(rng, 3, 4), axis=0)  # not the last axis
     assert calls == list(fast.NAMES)
     calls.clear()

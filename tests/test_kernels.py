@@ -37,16 +37,6 @@ QUANTIZABLE = {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0}  # gguf.quants.quantize i
 INT_MAX_ROWS = 8
 
 
-def _isas() -> list[str]:
-    """Every ISA this host runs (set_isa falls back to a narrower one where one is missing)."""
-    ext = gk.extension()
-    if ext is None:
-        return ["generic"]
-    isas = [isa for isa in ("generic", "avx2", "avx512") if ext.set_isa(isa) == isa]
-    ext.set_isa("")
-    return isas
-
-
 def random_weights(t: T, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
     """(n, row_bytes) uint8 rows of type t: quantized from normal floats where gguf can,
     else random bytes with small positive f16 super-block scales (every code pattern occurs)."""
@@ -59,15 +49,6 @@ def random_weights(t: T, n: int, k: int, rng: np.random.Generator) -> np.ndarray
     for c in cols:
         b[:, c:c + 2] = rng.uniform(1e-3, 2e-2, size=nb).astype(np.float16).view(np.uint8).reshape(nb, 2)
     return b.reshape(n, -1)
-
-
-@pytest.fixture(params=_isas())
-def isa(request):
-    ext = gk.extension()
-    chosen = ext.set_isa(request.param)
-    assert chosen == request.param
-    yield chosen
-    ext.set_isa("")
 
 
 @pytest.fixture(params=[16, 8, 0], ids=["int16", "int8", "float"])
