@@ -20,7 +20,7 @@ namespace {
 constexpr int64_t PARALLEL_MIN_WORK = 1 << 16;
 
 // Attention for more query rows than this goes by blocks of ATTN_BLOCK rows over tiles of keys.
-constexpr int64_t ATTN_FEW_ROWS = 4;
+constexpr int64_t ATTN_FEW_ROWS = 32;
 constexpr int64_t ATTN_BLOCK = 64;
 
 thread_local std::vector<float> tl_a, tl_b, tl_c, tl_work;

@@ -31,10 +31,6 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t n
   return s;
 }
 
-inline void axpy(float* __restrict y, float a, const float* __restrict x, int64_t n) {
-  for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
-}
-
 #if defined(__AVX2__) && defined(__FMA__)
 // e^x for 8 floats: 2^n * p(r) with x = n ln2 + r, |r| <= ln2/2, p of degree 6 (relative error
 // about 2e-7); inputs below -87 give 0.
@@ -168,60 +164,6 @@ void rope_rows(const RopeArgs& a, int64_t r0, int64_t r1, float* cs) {
   }
 }
 
-void attend(const AttentionArgs& a, int64_t b, int64_t h0, int64_t h1, float* scores) {
-  // Query heads h0..h1 share one KV head: each key and value row is read once for all of them.
-  const int64_t L = a.L, T = a.T, D = a.D, rows = (h1 - h0) * L;
-  const int64_t kvh = h0 / (a.Hq / a.Hkv);
-  const float* kb = a.k + b * a.ks[0] + kvh * a.ks[1];
-  const float* vb = a.v + b * a.vs[0] + kvh * a.vs[1];
-  const float* q = a.q + (b * a.Hq + h0) * L * D;
-  float* out = a.out + (b * a.Hq + h0) * L * D;
-  const float neg_inf = -INFINITY;
-  for (int64_t t = 0; t < T; t++) {
-    const float* kt = kb + t * a.ks[2];
-    for (int64_t r = 0; r < rows; r++) scores[r * T + t] = dot(q + r * D, kt, D) * a.scale;
-  }
-  for (int64_t r = 0; r < rows; r++) {
-    const int64_t h = h0 + r / L, l = r % L;
-    float* sr = scores + r * T;
-    if (a.mask) {
-      const int64_t base = b * a.ms[0] + h * a.ms[1] + l * a.ms[2];
-      if (a.mask_bool) {
-        const uint8_t* m = (const uint8_t*)a.mask + base;
-        for (int64_t t = 0; t < T; t++)
-          if (!m[t * a.ms[3]]) sr[t] = neg_inf;
-      } else {
-        const float* m = (const float*)a.mask + base;
-        for (int64_t t = 0; t < T; t++) sr[t] += m[t * a.ms[3]];
-      }
-    }
-    if (a.causal)  // the last query row sees every key; row l sees the first T - L + 1 + l
-      for (int64_t t = T - L + 1 + l; t < T; t++) sr[t] = neg_inf;
-    float mx = neg_inf;
-    for (int64_t t = 0; t < T; t++) mx = sr[t] > mx ? sr[t] : mx;
-    float sum = 0.f;
-    if (mx == neg_inf) {  // nothing to attend to (a padding row): zeros, not NaN
-      for (int64_t t = 0; t < T; t++) sr[t] = 0.f;
-    } else {
-      for (int64_t t = 0; t < T; t++) {
-        sr[t] = expf(sr[t] - mx);
-        sum += sr[t];
-      }
-      const float inv = 1.f / sum;
-      for (int64_t t = 0; t < T; t++) sr[t] *= inv;
-    }
-    float* o = out + r * D;
-    for (int64_t d = 0; d < D; d++) o[d] = 0.f;
-  }
-  for (int64_t t = 0; t < T; t++) {
-    const float* vt = vb + t * a.vs[2];
-    for (int64_t r = 0; r < rows; r++) {
-      const float p = scores[r * T + t];
-      if (p != 0.f) axpy(out + r * D, p, vt, D);
-    }
-  }
-}
-
 }  // namespace GMLX_ISA
 }  // namespace gmlx_kernels
 
@@ -296,36 +238,165 @@ void qk_tile(const float* Q, int64_t rows, int64_t D, const float* Kt, float* S)
     }
 }
 
-// O[:, d .. d + NV * FW) += P (rows x ATTN_KEYS, n used) V (n rows of stride vs)
-template <int NV>
-void pv_cols(const float* P, int64_t rows, const float* V, int64_t vs, int64_t n, int64_t D, int64_t d, float* O) {
-  for (int64_t i = 0; i < rows; i += ATTN_MR) {
-    fvec acc[ATTN_MR][NV];
-    for (int r = 0; r < ATTN_MR; r++)
-      for (int c = 0; c < NV; c++) acc[r][c] = vld(O + (i + r) * D + d + c * FW);
-    for (int64_t t = 0; t < n; t++) {
-      fvec v[NV];
-      for (int c = 0; c < NV; c++) v[c] = vld(V + t * vs + d + c * FW);
-      for (int r = 0; r < ATTN_MR; r++) {
-        const float p = P[(i + r) * ATTN_KEYS + t];
-        for (int c = 0; c < NV; c++) acc[r][c] += p * v[c];
-      }
+// O[:, d .. d + NV * FW) += P V for MR rows: P (MR x n, row stride ldp), V (n rows of stride vs)
+template <int MR, int NV>
+void pv_cols(const float* P, int64_t ldp, const float* V, int64_t vs, int64_t n, int64_t D, int64_t d, float* O) {
+  fvec acc[MR][NV];
+  for (int r = 0; r < MR; r++)
+    for (int c = 0; c < NV; c++) acc[r][c] = vld(O + r * D + d + c * FW);
+  for (int64_t t = 0; t < n; t++) {
+    fvec v[NV];
+    for (int c = 0; c < NV; c++) v[c] = vld(V + t * vs + d + c * FW);
+    for (int r = 0; r < MR; r++) {
+      const float p = P[r * ldp + t];
+      for (int c = 0; c < NV; c++) acc[r][c] += p * v[c];
     }
-    for (int r = 0; r < ATTN_MR; r++)
-      for (int c = 0; c < NV; c++) vst(O + (i + r) * D + d + c * FW, acc[r][c]);
+  }
+  for (int r = 0; r < MR; r++)
+    for (int c = 0; c < NV; c++) vst(O + r * D + d + c * FW, acc[r][c]);
+}
+
+template <int MR>
+void pv_rows(const float* P, int64_t ldp, const float* V, int64_t vs, int64_t n, int64_t D, float* O) {
+  int64_t d = 0;
+  for (; d + 2 * FW <= D; d += 2 * FW) pv_cols<MR, 2>(P, ldp, V, vs, n, D, d, O);
+  for (; d + FW <= D; d += FW) pv_cols<MR, 1>(P, ldp, V, vs, n, D, d, O);
+  for (; d < D; d++)
+    for (int r = 0; r < MR; r++)
+      for (int64_t t = 0; t < n; t++) O[r * D + d] += P[r * ldp + t] * V[t * vs + d];
+}
+
+// O (rows x D) += P (rows x n, stride ldp) V: ATTN_MR rows at a time, then the rest
+void pv(const float* P, int64_t ldp, int64_t rows, const float* V, int64_t vs, int64_t n, int64_t D, float* O) {
+  int64_t r = 0;
+  for (; r + ATTN_MR <= rows; r += ATTN_MR) pv_rows<ATTN_MR>(P + r * ldp, ldp, V, vs, n, D, O + r * D);
+  const float* Pr = P + r * ldp;
+  float* Or = O + r * D;
+  switch (rows - r) {
+    case 1: pv_rows<1>(Pr, ldp, V, vs, n, D, Or); break;
+    case 2: pv_rows<2>(Pr, ldp, V, vs, n, D, Or); break;
+    case 3: pv_rows<3>(Pr, ldp, V, vs, n, D, Or); break;
+    case 4: pv_rows<4>(Pr, ldp, V, vs, n, D, Or); break;
+    case 5: pv_rows<5>(Pr, ldp, V, vs, n, D, Or); break;
+    default: break;
   }
 }
 
-void pv_tile(const float* P, int64_t rows, const float* V, int64_t vs, int64_t n, int64_t D, float* O) {
-  int64_t d = 0;
-  for (; d + 2 * FW <= D; d += 2 * FW) pv_cols<2>(P, rows, V, vs, n, D, d, O);
-  for (; d + FW <= D; d += FW) pv_cols<1>(P, rows, V, vs, n, D, d, O);
-  for (; d < D; d++)
-    for (int64_t i = 0; i < rows; i++)
-      for (int64_t t = 0; t < n; t++) O[i * D + d] += P[i * ATTN_KEYS + t] * V[t * vs + d];
+inline float hsum(fvec v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps((__m512)v);
+#else
+  float s = 0.f;
+  for (int c = 0; c < FW; c++) s += v[c];
+  return s;
+#endif
+}
+
+// S (R x T) = scale Q K^T for few rows (decode), K's rows read as they lie: two query rows by
+// NK keys a step, so 2 NK independent accumulators hide the FMA's latency, each reduced once.
+void qk_rows(const float* Q, int64_t R, int64_t D, const float* K, int64_t ks, int64_t T, float scale, float* S) {
+  const int64_t Dv = D / FW * FW;
+  auto keys = [&]<int NK>(int64_t t) {
+    for (int64_t r = 0; r < R; r += 2) {
+      const float* q0 = Q + r * D;
+      const float* q1 = r + 1 < R ? q0 + D : q0;
+      fvec acc[2][NK] = {};
+      for (int64_t d = 0; d < Dv; d += FW) {
+        const fvec a0 = vld(q0 + d), a1 = vld(q1 + d);
+        for (int j = 0; j < NK; j++) {
+          const fvec kv = vld(K + (t + j) * ks + d);
+          acc[0][j] += a0 * kv;
+          acc[1][j] += a1 * kv;
+        }
+      }
+      for (int j = 0; j < NK; j++) {
+        const float* kt = K + (t + j) * ks;
+        float s0 = hsum(acc[0][j]), s1 = hsum(acc[1][j]);
+        for (int64_t d = Dv; d < D; d++) {
+          s0 += q0[d] * kt[d];
+          s1 += q1[d] * kt[d];
+        }
+        S[r * T + t + j] = s0 * scale;
+        if (r + 1 < R) S[(r + 1) * T + t + j] = s1 * scale;
+      }
+    }
+  };
+  int64_t t = 0;
+  for (; t + 4 <= T; t += 4) keys.template operator()<4>(t);
+  for (; t < T; t++) keys.template operator()<1>(t);
+}
+
+// Row s of the scores of query (b, h, l) against keys t0 .. t0 + width: -inf past the first
+// `seen` and where the mask excludes a key, the mask's value added where it is float; returns the
+// row's maximum.
+float mask_row(const AttentionArgs& a, int64_t b, int64_t h, int64_t l, int64_t t0, int64_t seen, int64_t width,
+               float* s) {
+  for (int64_t j = seen; j < width; j++) s[j] = -INFINITY;
+  if (a.mask) {
+    const int64_t base = b * a.ms[0] + h * a.ms[1] + l * a.ms[2] + t0 * a.ms[3];
+    if (a.mask_bool) {
+      const uint8_t* m = (const uint8_t*)a.mask + base;
+      for (int64_t j = 0; j < seen; j++)
+        if (!m[j * a.ms[3]]) s[j] = -INFINITY;
+    } else {
+      const float* m = (const float*)a.mask + base;
+      for (int64_t j = 0; j < seen; j++) s[j] += m[j * a.ms[3]];
+    }
+  }
+  const int64_t wv = width / FW * FW;
+  fvec vmax = vset(-INFINITY);
+  for (int64_t j = 0; j < wv; j += FW) {
+    const fvec v = vld(s + j);
+    vmax = v > vmax ? v : vmax;
+  }
+  float m = vmax[0];
+  for (int c = 1; c < FW; c++) m = vmax[c] > m ? vmax[c] : m;
+  for (int64_t j = wv; j < width; j++) m = s[j] > m ? s[j] : m;
+  return m;
+}
+
+// s[j] = e^(s[j] - m) for j < width; returns their sum
+float exp_row(float* s, int64_t width, float m) {
+  const int64_t wv = width / FW * FW;
+  fvec acc = vset(0.f);
+  for (int64_t j = 0; j < wv; j += FW) {
+    const fvec p = vexp(vld(s + j) - m);
+    vst(s + j, p);
+    acc += p;
+  }
+  float sum = hsum(acc);
+  for (int64_t j = wv; j < width; j++) {
+    s[j] = expf(s[j] - m);
+    sum += s[j];
+  }
+  return sum;
 }
 
 }  // namespace
+
+void attend(const AttentionArgs& a, int64_t b, int64_t h0, int64_t h1, float* scores) {
+  // Query heads h0..h1 share one KV head: each key and value row is read once for all of them.
+  const int64_t L = a.L, T = a.T, D = a.D, rows = (h1 - h0) * L;
+  const int64_t kvh = h0 / (a.Hq / a.Hkv);
+  const float* kb = a.k + b * a.ks[0] + kvh * a.ks[1];
+  const float* vb = a.v + b * a.vs[0] + kvh * a.vs[1];
+  float* out = a.out + (b * a.Hq + h0) * L * D;
+  qk_rows(a.q + (b * a.Hq + h0) * L * D, rows, D, kb, a.ks[2], T, a.scale, scores);
+  for (int64_t r = 0; r < rows; r++) {
+    const int64_t l = r % L;
+    float* s = scores + r * T;
+    // the last query row sees every key; row l sees the first T - L + 1 + l
+    const float m = mask_row(a, b, h0 + r / L, l, 0, a.causal ? T - L + 1 + l : T, T, s);
+    if (m == -INFINITY) {  // nothing to attend to (a padding row): zeros, not NaN
+      memset(s, 0, sizeof(float) * T);
+      continue;
+    }
+    const float inv = 1.f / exp_row(s, T, m);
+    for (int64_t t = 0; t < T; t++) s[t] *= inv;
+  }
+  memset(out, 0, sizeof(float) * rows * D);
+  pv(scores, T, rows, vb, a.vs[2], T, D, out);
+}
 
 void attend_rows(const AttentionArgs& a, int64_t b, int64_t h, int64_t l0, int64_t l1, float* work) {
   const int64_t D = a.D, T = a.T, L = a.L, R = l1 - l0;
@@ -363,45 +434,20 @@ void attend_rows(const AttentionArgs& a, int64_t b, int64_t h, int64_t l0, int64
       const int64_t l = l0 + i;
       int64_t seen = a.causal ? T - L + l + 1 - t0 : n;  // keys of this tile row i sees
       seen = seen < 0 ? 0 : seen > n ? n : seen;
-      for (int64_t j = seen; j < ATTN_KEYS; j++) s[j] = -INFINITY;
-      if (a.mask) {
-        const int64_t base = b * a.ms[0] + h * a.ms[1] + l * a.ms[2] + t0 * a.ms[3];
-        if (a.mask_bool) {
-          const uint8_t* m = (const uint8_t*)a.mask + base;
-          for (int64_t j = 0; j < seen; j++)
-            if (!m[j * a.ms[3]]) s[j] = -INFINITY;
-        } else {
-          const float* m = (const float*)a.mask + base;
-          for (int64_t j = 0; j < seen; j++) s[j] += m[j * a.ms[3]];
-        }
-      }
-      fvec vmax = vset(-INFINITY);
-      for (int64_t j = 0; j < ATTN_KEYS; j += FW) {
-        const fvec v = vld(s + j);
-        vmax = v > vmax ? v : vmax;
-      }
-      float tmax = vmax[0];
-      for (int c = 1; c < FW; c++) tmax = vmax[c] > tmax ? vmax[c] : tmax;
+      const float tmax = mask_row(a, b, h, l, t0, seen, ATTN_KEYS, s);
       if (tmax == -INFINITY) {  // nothing in this tile for the row: no weight
         memset(s, 0, sizeof(float) * ATTN_KEYS);
         continue;
       }
       const float mnew = tmax > mrow[i] ? tmax : mrow[i];
       const float c = expf(mrow[i] - mnew);  // 0 for the row's first keys
-      fvec vsum = vset(0.f);
-      for (int64_t j = 0; j < ATTN_KEYS; j += FW) {
-        const fvec p = vexp(vld(s + j) - mnew);
-        vst(s + j, p);
-        vsum += p;
-      }
-      float sum = 0.f;
-      for (int k = 0; k < FW; k++) sum += vsum[k];
+      const float sum = exp_row(s, ATTN_KEYS, mnew);
       lrow[i] = lrow[i] * c + sum;
       if (c != 1.f)
         for (int64_t d = 0; d < D; d++) O[i * D + d] *= c;
       mrow[i] = mnew;
     }
-    pv_tile(S, Rp, vb + t0 * a.vs[2], a.vs[2], n, D, O);
+    pv(S, ATTN_KEYS, Rp, vb + t0 * a.vs[2], a.vs[2], n, D, O);
   }
   float* out = a.out + ((b * a.Hq + h) * L + l0) * D;
   for (int64_t i = 0; i < R; i++) {  // a row that saw no key (all masked) gives zeros, not NaN
