@@ -34,6 +34,12 @@ NB_MODULE(_ext, m) {
   m.def("attention", &gk::attention, "q"_a, "k"_a, "v"_a, nb::kw_only(), "scale"_a, "mask"_a = nb::none(),
         "causal"_a = false, "stream"_a = nb::none(),
         "softmax(scale q k^T + mask) v as one CPU node (float32), q (B, Hq, L, D), k and v (B, Hkv, T, D).");
+  m.def("argmax", &gk::argmax, "x"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "Index of each row's maximum over the last axis (the first where tied), uint32, as one CPU node.");
+  m.def("sample", &gk::sample, "x"_a, "u"_a, nb::kw_only(), "temperature"_a, "top_p"_a = 1.f, "min_p"_a = 0.f,
+        "top_k"_a = 0, "stream"_a = nb::none(),
+        "A token per row of x drawn with u (uniform in [0, 1)) from softmax(x / temperature) after mlx_lm's "
+        "top_p, min_p and top_k filters, as one CPU node.");
   m.def("isa", [] { return std::string(gk::active_impl()->name); }, "Instruction set the kernels use.");
   m.def("set_isa", &gk::set_isa, "want"_a, "Pick the ISA (generic, avx2, avx512; '' = best); returns the one chosen.");
   m.def("set_act_bits", &gk::set_act_bits, "bits"_a,

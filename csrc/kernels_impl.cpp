@@ -776,12 +776,15 @@ void logsumexp_rows(const float* x, float* y, int64_t rows, int64_t N);
 void rope_rows(const RopeArgs& a, int64_t r0, int64_t r1, float* cs);
 void attend(const AttentionArgs& a, int64_t b, int64_t h0, int64_t h1, float* scores);
 void attend_rows(const AttentionArgs& a, int64_t b, int64_t h, int64_t l0, int64_t l1, float* work);
+int64_t argmax_row(const float* x, int64_t n);
+float exp_sum(const float* x, int64_t n, float m, float k, float* w);
+int64_t gather_ge(const float* x, int64_t n, float t, int32_t* idx);
 
 #define GMLX_STR2(x) #x
 #define GMLX_STR(x) GMLX_STR2(x)
 const Impl impl = {GMLX_STR(GMLX_ISA), matmul_rows,   dequant_rows,   int_supported, quantize_x,
                    matmul_rows_int,   rms_norm_rows, gated_act,      logsumexp_rows, rope_rows, attend,
-                   attend_rows};
+                   attend_rows,       argmax_row,    exp_sum,        gather_ge};
 
 }  // namespace GMLX_ISA
 }  // namespace gmlx_kernels

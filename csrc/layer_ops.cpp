@@ -1,8 +1,10 @@
-// RMSNorm, RoPE and attention as single MLX nodes on the CPU (layers_impl.cpp computes).
+// RMSNorm, RoPE, attention and sampling as single MLX nodes on the CPU (layers_impl.cpp computes).
 //
 // MLX's CPU backend has no kernels for mx.fast.rms_norm, rope and scaled_dot_product_attention:
 // it composes each from 8 to 25 graph nodes, and on a small model the per-node cost of those
 // (thousands a decode step) outweighs the arithmetic. gmlx.kernels.fast routes the fast ops here.
+#include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <sstream>
 #include <stdexcept>
@@ -108,6 +110,126 @@ void LogSumExp::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
     const int64_t per = std::max<int64_t>(1, PARALLEL_MIN_WORK / std::max<int64_t>(N, 1));
     row_chunks(rows, per, [&](int64_t r0, int64_t n) {
       impl->logsumexp_rows(xp + r0 * N, out.data<float>() + r0, n, N);
+    });
+  });
+}
+
+void Argmax::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& enc = prepare(inputs, outputs);
+  auto out = mx::array::unsafe_weak_copy(outputs[0]);
+  enc.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]), out]() mutable {
+    const int64_t V = x.shape().back(), rows = V ? x.size() / V : 0;
+    const float* xp = row_major(x, tl_a);
+    const Impl* impl = active_impl();
+    row_chunks(rows, 1, [&](int64_t r0, int64_t) { out.data<uint32_t>()[r0] = (uint32_t)impl->argmax_row(xp + r0 * V, V); });
+  });
+}
+
+namespace {
+
+thread_local std::vector<float> tl_weights;
+thread_local std::vector<int32_t> tl_index;
+
+// The first of n weights whose running sum passes target (the last with weight where rounding
+// leaves target out of reach).
+int64_t pick(const float* w, int64_t n, double target) {
+  double sum = 0.0;
+  int64_t last = 0;
+  for (int64_t i = 0; i < n; i++) {
+    if (w[i] <= 0.f) continue;
+    sum += w[i];
+    last = i;
+    if (sum > target) return i;
+  }
+  return last;
+}
+
+// top_p's kept set among n candidates idx that hold it (every token outside ranks below them all):
+// the tokens with less than `target` of the mass e^(x - m) above them, and any tied with the last
+// of those. A quickselect on the mass, O(n) expected where sorting a flat distribution's
+// candidates (most of the vocabulary) would cost far more; moves them to idx[0 .. returned).
+int64_t nucleus(const float* x, int32_t* idx, int64_t n, float m, double target) {
+  auto mass = [&](const int32_t* a, const int32_t* b) {
+    double s = 0.0;
+    for (; a < b; a++) s += std::exp(x[*a] - m);
+    return s;
+  };
+  int32_t *lo = idx, *hi = idx + n;  // the edge of the kept set lies in [lo, hi); [idx, lo) is kept
+  double above = 0.0;                // the mass of [idx, lo)
+  while (hi - lo > 32) {
+    const float pivot = x[lo[(hi - lo) / 2]];
+    int32_t* gt = std::partition(lo, hi, [&](int32_t i) { return x[i] > pivot; });
+    int32_t* eq = std::partition(gt, hi, [&](int32_t i) { return x[i] == pivot; });
+    const double m_gt = mass(lo, gt);
+    if (above + m_gt >= target) {
+      hi = gt;
+      continue;
+    }
+    const double m_eq = mass(gt, eq);
+    if (above + m_gt + m_eq >= target) return eq - idx;  // the edge is the pivot's ties: all kept
+    above += m_gt + m_eq;
+    lo = eq;
+  }
+  std::sort(lo, hi, [x](int32_t a, int32_t b) { return x[a] > x[b]; });
+  int32_t* j = lo;
+  for (; j < hi && above < target; j++) above += std::exp(x[*j] - m);
+  while (j < hi && j > idx && x[*j] == x[j[-1]]) j++;
+  return j - idx;
+}
+
+uint32_t sample_row(const Impl* impl, const float* x, int64_t V, float temperature, float top_p, float min_p,
+                    int top_k, float u) {
+  const int64_t top = impl->argmax_row(x, V);
+  const float m = x[top];
+  if (temperature <= 0.f || top_k == 1 || !std::isfinite(m)) return (uint32_t)top;
+  const float k = 1.f / temperature;
+  const bool by_p = top_p > 0.f && top_p < 1.f, by_min = min_p > 0.f, by_k = top_k > 0;
+  if (tl_weights.size() < (size_t)V) tl_weights.resize(V);
+  float* w = tl_weights.data();
+  if (!by_p && !by_min && !by_k) return (uint32_t)pick(w, V, u * (double)impl->exp_sum(x, V, m, k, w));
+  // What the filters keep is a prefix of x in descending order: gather the tokens at or above a
+  // threshold, lowered until they hold that prefix (a pass over the vocabulary each, cheap next
+  // to a sort), and order only as many of them as top_k and top_p look at.
+  if (tl_index.size() < (size_t)V) tl_index.resize(V);
+  int32_t* idx = tl_index.data();
+  const float floor = by_min ? m + std::log(min_p) : -FLT_MAX;  // min_p's bound
+  const double z = by_p ? impl->exp_sum(x, V, m, 1.f, nullptr) : 0.0;  // the mass top_p measures
+  int64_t n = 0;
+  for (float drop = 2.f;; drop *= 2.f) {
+    const float t = std::max(drop > 256.f ? -FLT_MAX : m - drop, floor);
+    n = impl->gather_ge(x, V, t, idx);
+    if (t == floor || t == -FLT_MAX || (by_k && n >= top_k)) break;
+    if (by_p) {
+      double mass = 0.0;
+      for (int64_t j = 0; j < n; j++) mass += std::exp(x[idx[j]] - m);
+      if (mass >= top_p * z) break;
+    }
+  }
+  if (by_p) n = nucleus(x, idx, n, m, top_p * z);
+  int64_t keep = n;
+  if (by_k && n > top_k) {
+    std::partial_sort(idx, idx + top_k, idx + n,
+                      [x](int32_t a, int32_t b) { return x[a] > x[b] || (x[a] == x[b] && a < b); });
+    keep = top_k;
+  }
+  double total = 0.0;
+  for (int64_t j = 0; j < keep; j++) total += w[j] = std::exp((x[idx[j]] - m) * k);
+  return (uint32_t)idx[pick(w, keep, u * total)];
+}
+
+}  // namespace
+
+void Sample::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& enc = prepare(inputs, outputs);
+  auto out = mx::array::unsafe_weak_copy(outputs[0]);
+  enc.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]), u = mx::array::unsafe_weak_copy(inputs[1]), out,
+                t = temperature_, p = top_p_, mp = min_p_, k = top_k_]() mutable {
+    const int64_t V = x.shape().back(), rows = V ? x.size() / V : 0;
+    const float* xp = row_major(x, tl_a);
+    const float* up = row_major(u, tl_b);
+    const Impl* impl = active_impl();
+    row_chunks(rows, 1, [&](int64_t r, int64_t) {
+      out.data<uint32_t>()[r] = sample_row(impl, xp + r * V, V, t, p, mp, k, up[r]);
     });
   });
 }
@@ -219,6 +341,27 @@ mx::array logsumexp(const mx::array& x_in, bool keepdims, mx::StreamOrDevice s) 
   mx::array y(shape, mx::float32, std::make_shared<LogSumExp>(stream), {f32(x_in, stream)});
   if (!keepdims) y = mx::squeeze(y, -1, stream);
   return dtype == mx::float32 ? y : mx::astype(y, dtype, stream);
+}
+
+mx::array argmax(const mx::array& x_in, mx::StreamOrDevice s) {
+  auto stream = cpu_stream(s, "argmax");
+  check(x_in.ndim() >= 1 && x_in.shape().back() > 0, "argmax: x must have a non-empty last axis");
+  auto shape = x_in.shape();
+  shape.pop_back();
+  return mx::array(shape, mx::uint32, std::make_shared<Argmax>(stream), {f32(x_in, stream)});
+}
+
+mx::array sample(const mx::array& x_in, const mx::array& u, float temperature, float top_p, float min_p, int top_k,
+                 mx::StreamOrDevice s) {
+  auto stream = cpu_stream(s, "sample");
+  check(x_in.ndim() >= 1 && x_in.shape().back() > 0, "sample: x must have a non-empty last axis");
+  auto rows = x_in.shape();
+  rows.pop_back();
+  check(u.shape() == rows, "sample: u must have one value per row of x");
+  check(x_in.shape().back() <= INT32_MAX, "sample: the last axis is too long");
+  check(top_k >= 0 && min_p >= 0.f && min_p <= 1.f, "sample: top_k must be >= 0 and min_p in [0, 1]");
+  return mx::array(rows, mx::uint32, std::make_shared<Sample>(stream, temperature, top_p, min_p, top_k),
+                   {f32(x_in, stream), f32(u, stream)});
 }
 
 mx::array rope(const mx::array& x_in, int dims, bool traditional, std::optional<float> base, float scale,

@@ -458,3 +458,77 @@ void attend_rows(const AttentionArgs& a, int64_t b, int64_t h, int64_t l0, int64
 
 }  // namespace GMLX_ISA
 }  // namespace gmlx_kernels
+
+// ---- sampling: row reductions over a vocabulary ----
+
+namespace gmlx_kernels {
+namespace GMLX_ISA {
+
+int64_t argmax_row(const float* x, int64_t n) {
+  const int64_t nv = n / FW * FW;
+  int64_t best = 0;
+  float m = n ? x[0] : 0.f;
+  if (nv) {  // per lane: its maximum and where it first occurs
+    fvec vm = vld(x);
+    ivec vi, lane;
+    for (int c = 0; c < FW; c++) lane[c] = c;
+    vi = lane;
+    for (int64_t i = FW; i < nv; i += FW) {
+      const fvec v = vld(x + i);
+      const ivec gt = v > vm;
+      vm = gt ? v : vm;
+      vi = gt ? lane + (int32_t)i : vi;
+    }
+    m = vm[0];
+    best = vi[0];
+    for (int c = 1; c < FW; c++)
+      if (vm[c] > m || (vm[c] == m && vi[c] < best)) {
+        m = vm[c];
+        best = vi[c];
+      }
+  }
+  for (int64_t i = nv; i < n; i++)
+    if (x[i] > m) {
+      m = x[i];
+      best = i;
+    }
+  return best;
+}
+
+float exp_sum(const float* x, int64_t n, float m, float k, float* w) {
+  const int64_t nv = n / FW * FW;
+  fvec acc = vset(0.f);
+  for (int64_t i = 0; i < nv; i += FW) {
+    const fvec e = vexp((vld(x + i) - m) * k);
+    if (w) vst(w + i, e);
+    acc += e;
+  }
+  float sum = hsum(acc);
+  for (int64_t i = nv; i < n; i++) {
+    const float e = expf((x[i] - m) * k);
+    if (w) w[i] = e;
+    sum += e;
+  }
+  return sum;
+}
+
+int64_t gather_ge(const float* x, int64_t n, float t, int32_t* idx) {
+  // few pass: a vector of FW at a time, looked into only when one of them does
+  const int64_t nv = n / FW * FW;
+  int64_t count = 0;
+  const fvec vt = vset(t);
+  for (int64_t i = 0; i < nv; i += FW) {
+    const ivec ge = vld(x + i) >= vt;
+    int32_t any = 0;
+    for (int c = 0; c < FW; c++) any |= ge[c];
+    if (!any) continue;
+    for (int c = 0; c < FW; c++)
+      if (ge[c]) idx[count++] = (int32_t)(i + c);
+  }
+  for (int64_t i = nv; i < n; i++)
+    if (x[i] >= t) idx[count++] = (int32_t)i;
+  return count;
+}
+
+}  // namespace GMLX_ISA
+}  // namespace gmlx_kernels

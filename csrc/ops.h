@@ -53,6 +53,13 @@ const float* row_major(const mx::array& a, std::vector<float>& buf);
 mx::array rms_norm(const mx::array& x, const std::optional<mx::array>& w, float eps, mx::StreamOrDevice s = {});
 // log(sum(exp(x), -1)) over the last axis; keepdims keeps it as size 1.
 mx::array logsumexp(const mx::array& x, bool keepdims, mx::StreamOrDevice s = {});
+// Index of each row's maximum over the last axis (the first where tied), uint32.
+mx::array argmax(const mx::array& x, mx::StreamOrDevice s = {});
+// One token per row of x (..., V), drawn with u (...) uniform in [0, 1) from softmax(x / temperature)
+// restricted as mlx_lm's filters restrict it, in its order: top_p of the temperature-1 distribution
+// (ties at its edge kept), min_p, top_k. temperature <= 0 or top_k == 1: the argmax.
+mx::array sample(const mx::array& x, const mx::array& u, float temperature, float top_p, float min_p, int top_k,
+                 mx::StreamOrDevice s = {});
 // mx.fast.rope's contract: x (B, ..., L, D), positions offset + l (offset an int, or an int array
 // of one value or one per B), angular frequencies base^(-2i/dims) or 1 / freqs.
 mx::array rope(const mx::array& x, int dims, bool traditional, std::optional<float> base, float scale,
@@ -158,6 +165,38 @@ class LogSumExp : public CPUPrimitive {
     shape.back() = 1;
     return {shape};
   }
+};
+
+// Over the last axis of (..., V) logits: the first maximum's index (uint32, the last axis dropped).
+class Argmax : public CPUPrimitive {
+ public:
+  using CPUPrimitive::CPUPrimitive;
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "GmlxArgmax"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    auto shape = inputs[0].shape();
+    shape.pop_back();
+    return {shape};
+  }
+};
+
+// Inputs x (R, V) and u (R): a token per row, drawn with u from the filtered distribution.
+class Sample : public CPUPrimitive {
+ public:
+  Sample(mx::Stream s, float temperature, float top_p, float min_p, int top_k)
+      : CPUPrimitive(s), temperature_(temperature), top_p_(top_p), min_p_(min_p), top_k_(top_k) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "GmlxSample"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const Sample&>(other);
+    return temperature_ == o.temperature_ && top_p_ == o.top_p_ && min_p_ == o.min_p_ && top_k_ == o.top_k_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[1].shape()}; }
+
+ private:
+  float temperature_, top_p_, min_p_;
+  int top_k_;
 };
 
 class RoPE : public CPUPrimitive {

@@ -19,10 +19,9 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.sample_utils import greedy_sampler
 
 from gmlx.engine.prompt_cache import MISS, Hit, PromptCache
-from gmlx.engine.sampling import Sampler, SamplingParams, make_sampler
+from gmlx.engine.sampling import Sampler, SamplingParams, greedy, make_sampler
 from gmlx.engine.speculative import SpeculativeCounters, SpeculativeStream, can_speculate
 from gmlx.engine.stops import StopMatcher
 from gmlx.models.loader import LoadedModel
@@ -451,7 +450,7 @@ class Engine:
         step would fail every request in it. Greedy requests keep the shared function object,
         so a batch of them still samples in one call."""
         sampler = make_sampler(req.sampling)
-        if sampler is greedy_sampler:
+        if sampler is greedy:
             return sampler
 
         def sample(logprobs: mx.array) -> mx.array:
@@ -460,7 +459,7 @@ class Engine:
             except Exception as e:
                 log.exception("request %s: sampling failed", req.id)
                 self._sampling_failed.append((req, str(e)))
-                return greedy_sampler(logprobs)  # a placeholder token, never emitted
+                return greedy(logprobs)  # a placeholder token, never emitted
 
         return sample
 

@@ -1,4 +1,10 @@
-"""Per-request samplers: each stream samples with its own parameters and its own random key."""
+"""Per-request samplers: each stream samples with its own parameters and its own random key.
+
+On the CPU a sampler is one gmlx.kernels node (an argmax, or a draw with the filters of
+mlx_lm.sample_utils applied in its order, the same distribution): MLX's CPU sort, cumsum and
+categorical are scalar and single-threaded, and over gemma3's 262,144-token vocabulary they
+took 4.4 ms a row at a temperature and 26 ms with top_p, beside a 5 ms decode step per row.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, greedy_sampler
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+from gmlx import kernels
 
 Sampler = Callable[[mx.array], mx.array]
 
@@ -25,17 +33,29 @@ class SamplingParams:
         return self.temperature <= 0 or self.top_k == 1
 
 
+def greedy(logprobs: mx.array) -> mx.array:
+    """The most likely token of each row (over the last axis)."""
+    if kernels.available():
+        return kernels.extension().argmax(logprobs, stream=mx.cpu)
+    return mx.argmax(logprobs, axis=-1)
+
+
 def make_sampler(p: SamplingParams) -> Sampler:
     """A sampler over log-probabilities. Greedy requests share one function object,
     so a batch of them samples in one call; others carry their own key, so a seeded
     request repeats whatever else runs beside it."""
     if p.greedy:
-        return greedy_sampler
+        return greedy
     key = mx.random.key(p.seed if p.seed is not None else secrets.randbits(63))
+    fused = kernels.available()
 
     def sample(logprobs: mx.array) -> mx.array:
         nonlocal key
         key, step_key = mx.random.split(key)
+        if fused:
+            u = mx.random.uniform(shape=logprobs.shape[:-1], key=step_key)
+            return kernels.extension().sample(logprobs, u, temperature=p.temperature, top_p=p.top_p, min_p=p.min_p,
+                                              top_k=p.top_k, stream=mx.cpu)
         if 0 < p.top_p < 1:
             logprobs = apply_top_p(logprobs, p.top_p)
         if p.min_p > 0:

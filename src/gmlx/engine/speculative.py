@@ -25,9 +25,8 @@ from typing import Any
 import mlx.core as mx
 from mlx import nn
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache, trim_prompt_cache
-from mlx_lm.sample_utils import greedy_sampler
 
-from gmlx.engine.sampling import Sampler
+from gmlx.engine.sampling import Sampler, greedy
 
 DEFAULT_NUM_DRAFT = 3
 
@@ -127,7 +126,7 @@ class SpeculativeStream:
         self.cache = cache
         self.history: list[int] = list(history)
         self.pending: list[int] = list(pending)
-        self.sampler = sampler or greedy_sampler
+        self.sampler = sampler or greedy
         self.draft_sampler = draft_sampler or self.sampler
         self.num_draft = num_draft
         self.prefill_step = prefill_step
@@ -303,5 +302,5 @@ class SpeculativeStream:
 def plain_round(model: nn.Module, cache: list[Any], pending: Sequence[int], sampler: Sampler | None = None) -> int:
     """One ordinary decode step on a single stream (no drafter): feed pending, sample one token."""
     logits = model(mx.array(pending, dtype=mx.uint32)[None], cache=cache)[:, -1, :]
-    y = (sampler or greedy_sampler)(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    y = (sampler or greedy)(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
     return int(y.item())
