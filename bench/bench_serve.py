@@ -2,6 +2,7 @@
 
     python bench/bench_serve.py                       # starts `gmlx serve` on the default model
     python bench/bench_serve.py --url http://127.0.0.1:8080 --widths 1 4 8 --max-tokens 128
+    python bench/bench_serve.py --temperature 0.7 --top-p 0.9   # sampled, not greedy
 
 Prints one JSON object. Each width's throughput is also given as a ratio to width 1 from the
 same run (the peer), which is what holds on a shared, noisy machine.
@@ -28,9 +29,9 @@ PROMPTS = [
 ]
 
 
-async def one_stream(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> dict:
+async def one_stream(client: httpx.AsyncClient, prompt: str, max_tokens: int, sampling: dict | None = None) -> dict:
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "stream": True, "stream_options": {"include_usage": True}, **(sampling or {})}
     start = time.perf_counter()
     first = last = None
     usage = {}
@@ -52,10 +53,10 @@ async def one_stream(client: httpx.AsyncClient, prompt: str, max_tokens: int) ->
             "decode_tok_s": (tokens - 1) / (last - first) if first and last and last > first else None}
 
 
-async def run_width(url: str, width: int, max_tokens: int) -> dict:
+async def run_width(url: str, width: int, max_tokens: int, sampling: dict | None = None) -> dict:
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         await one_stream(client, "Hello", 4)  # warm-up: caches and kernels
-        results = await asyncio.gather(*(one_stream(client, PROMPTS[i % len(PROMPTS)], max_tokens)
+        results = await asyncio.gather(*(one_stream(client, PROMPTS[i % len(PROMPTS)], max_tokens, sampling)
                                          for i in range(width)))
     starts = [r["first"] for r in results if r["first"]]
     ends = [r["last"] for r in results if r["last"]]
@@ -97,7 +98,10 @@ def main() -> None:
     ap.add_argument("--widths", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--port", type=int, default=8099)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    ap.add_argument("--top-p", type=float, default=1.0)
     args = ap.parse_args()
+    sampling = {"temperature": args.temperature, "top_p": args.top_p}
 
     server = None
     url = args.url
@@ -108,7 +112,7 @@ def main() -> None:
         server = subprocess.Popen(cmd, env={**os.environ, "GMLX_API_KEY": ""})
     try:
         wait_ready(url)
-        rows = [asyncio.run(run_width(url, w, args.max_tokens)) for w in args.widths]
+        rows = [asyncio.run(run_width(url, w, args.max_tokens, sampling)) for w in args.widths]
     finally:
         if server:
             server.terminate()
@@ -117,7 +121,7 @@ def main() -> None:
     for row in rows:
         rate = row["aggregate_decode_tok_s"]
         row["vs_width_1"] = round(rate / base, 2) if rate and base else None
-    print(json.dumps({"url": url, "max_tokens": args.max_tokens, "results": rows}, indent=2))
+    print(json.dumps({"url": url, "max_tokens": args.max_tokens, "sampling": sampling, "results": rows}, indent=2))
 
 
 if __name__ == "__main__":

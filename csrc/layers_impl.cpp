@@ -372,6 +372,19 @@ float exp_row(float* s, int64_t width, float m) {
   return sum;
 }
 
+// The mask excludes every key t0 .. t0 + n from every query l0 .. l1 (of head h, batch row b).
+bool masked_out(const AttentionArgs& a, int64_t b, int64_t h, int64_t l0, int64_t l1, int64_t t0, int64_t n) {
+  for (int64_t l = l0; l < l1; l++) {
+    const int64_t base = b * a.ms[0] + h * a.ms[1] + l * a.ms[2] + t0 * a.ms[3];
+    for (int64_t j = 0; j < n; j++) {
+      const bool open = a.mask_bool ? ((const uint8_t*)a.mask)[base + j * a.ms[3]] != 0
+                                    : ((const float*)a.mask)[base + j * a.ms[3]] != -INFINITY;
+      if (open) return false;
+    }
+  }
+  return true;
+}
+
 }  // namespace
 
 void attend(const AttentionArgs& a, int64_t b, int64_t h0, int64_t h1, float* scores) {
@@ -422,6 +435,7 @@ void attend_rows(const AttentionArgs& a, int64_t b, int64_t h, int64_t l0, int64
   const int64_t t_end = a.causal ? T - L + l1 : T;
   for (int64_t t0 = 0; t0 < t_end; t0 += ATTN_KEYS) {
     const int64_t n = t_end - t0 < ATTN_KEYS ? t_end - t0 : ATTN_KEYS;
+    if (a.mask && masked_out(a, b, h, l0, l1, t0, n)) continue;  // a sliding window's far keys
     for (int64_t j = 0; j < n; j++) {
       const float* kr = kb + (t0 + j) * a.ks[2];
       for (int64_t d = 0; d < D; d++) Kt[d * ATTN_KEYS + j] = kr[d];

@@ -75,8 +75,11 @@ def test_attention_over_a_cache_view(rng, hq, hkv, L, D, isa):
     q = randn(rng, B, hq, L, D)
     kbuf, vbuf = randn(rng, B, hkv, T + 27, D), randn(rng, B, hkv, T + 27, D)
     k, v = kbuf[:, :, :T], vbuf[:, :, :T]  # what a KV cache hands back: a view of its buffer
+    pos, key = np.arange(L)[:, None] + T - L, np.arange(T)[None]
+    window = (key <= pos) & (key > pos - 40)  # a sliding window: whole tiles of keys closed to a block
     masks = [None, "causal", mx.array(rng.random((B, 1, L, T)) > 0.3),
-             randn(rng, L, T), mx.array(rng.random((T,)) > 0.5)]
+             randn(rng, L, T), mx.array(rng.random((T,)) > 0.5), mx.array(window),
+             mx.array(np.where(window, 0.0, -np.inf).astype(np.float32))]
     for mask in masks:
         got = mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5, mask=mask)
         want = fast.ORIGINAL["scaled_dot_product_attention"](q, k, v, scale=D**-0.5, mask=mask)
