@@ -104,6 +104,7 @@ def _worker(model: str, mode: str) -> None:
         mx.eval(model_(toks[:, -1:], cache=cache))
         return PREFILL / (time.perf_counter() - t)
 
+    prefill()  # warm-up, untimed: one-time buffers (llama-server allocates its own at start, and is sent a warm-up)
     for line in sys.stdin:
         cmd = line.split()
         if cmd[0] == "decode":
