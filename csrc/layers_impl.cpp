@@ -1,7 +1,7 @@
-// CPU kernels for the transformer ops MLX's CPU backend composes from many small graph
-// nodes (RMSNorm, RoPE, attention for a few query rows): each here is one node. Compiled
-// once per ISA like kernels_impl.cpp; the loops are written in 8-lane blocks so the
-// compiler vectorizes them for the ISA's flags. Plain C maths only (see kernels_impl.cpp).
+// CPU kernels for the ops MLX's CPU backend composes from many small graph nodes or runs
+// scalar (RMSNorm, RoPE, attention, logsumexp, sampling's row reductions): each here is one
+// node. Compiled once per ISA like kernels_impl.cpp, with GCC's vector types of the ISA's
+// width. Plain C maths only (see kernels_impl.cpp).
 
 #include "gguf_kernels.h"
 
@@ -31,154 +31,7 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t n
   return s;
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-// e^x for 8 floats: 2^n * p(r) with x = n ln2 + r, |r| <= ln2/2, p of degree 6 (relative error
-// about 2e-7); inputs below -87 give 0.
-inline __m256 exp8(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.3f), hi = _mm256_set1_ps(88.3f);
-  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
-  __m256 p = _mm256_set1_ps(1.f / 720);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
-}
-#endif
-
-// sum over i of e^(x[i] - mx)
-inline float sum_exp(const float* x, int64_t n, float mx) {
-  float s = 0.f;
-  int64_t i = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-  __m256 acc = _mm256_setzero_ps();
-  const __m256 m = _mm256_set1_ps(mx);
-  for (; i + 8 <= n; i += 8) acc = _mm256_add_ps(acc, exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), m)));
-  float lanes[8];
-  _mm256_storeu_ps(lanes, acc);
-  for (int j = 0; j < 8; j++) s += lanes[j];
-#endif
-  for (; i < n; i++) s += expf(x[i] - mx);
-  return s;
-}
-
-}  // namespace
-
-void logsumexp_rows(const float* x, float* y, int64_t rows, int64_t N) {
-  for (int64_t r = 0; r < rows; r++) {
-    const float* xr = x + r * N;
-    float m[8] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
-    int64_t i = 0;
-    for (; i + 8 <= N; i += 8)
-      for (int j = 0; j < 8; j++) m[j] = xr[i + j] > m[j] ? xr[i + j] : m[j];
-    float mx = m[0];
-    for (int j = 1; j < 8; j++) mx = m[j] > mx ? m[j] : mx;
-    for (; i < N; i++) mx = xr[i] > mx ? xr[i] : mx;
-    // all -inf: -inf (as MLX); an inf or NaN maximum passes through
-    y[r] = isfinite(mx) ? mx + logf(sum_exp(xr, N, mx)) : mx;
-  }
-}
-
-void gated_act(const float* g, const float* u, float* h, int64_t n, int act) {
-  // gelu_approx: 0.5 x (1 + tanh(c (x + 0.044715 x^3))), tanh(z) = 1 - 2 / (e^2z + 1)
-  const float c = 0.7978845608028654f, k3 = 0.044715f;
-  int64_t i = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-  const __m256 one = _mm256_set1_ps(1.f), two = _mm256_set1_ps(2.f), half = _mm256_set1_ps(0.5f);
-  for (; i + 8 <= n; i += 8) {
-    const __m256 x = _mm256_loadu_ps(g + i);
-    __m256 a;
-    if (act == GATED_SILU) {
-      a = _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
-    } else {
-      const __m256 x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
-      const __m256 z = _mm256_mul_ps(_mm256_set1_ps(2.f * c), _mm256_fmadd_ps(_mm256_set1_ps(k3), x3, x));
-      const __m256 t = _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(exp8(z), one)));
-      a = _mm256_mul_ps(_mm256_mul_ps(half, x), _mm256_add_ps(one, t));
-    }
-    _mm256_storeu_ps(h + i, _mm256_mul_ps(a, _mm256_loadu_ps(u + i)));
-  }
-#endif
-  for (; i < n; i++) {
-    const float x = g[i];
-    const float a = act == GATED_SILU ? x / (1.f + expf(-x)) : 0.5f * x * (1.f + tanhf(c * (x + k3 * x * x * x)));
-    h[i] = a * u[i];
-  }
-}
-
-void rms_norm_rows(const float* x, const float* w, float* y, int64_t rows, int64_t D, float eps) {
-  for (int64_t r = 0; r < rows; r++) {
-    const float* xr = x + r * D;
-    float* yr = y + r * D;
-    const float inv = 1.f / sqrtf(dot(xr, xr, D) / (float)D + eps);
-    if (w)
-      for (int64_t d = 0; d < D; d++) yr[d] = xr[d] * inv * w[d];
-    else
-      for (int64_t d = 0; d < D; d++) yr[d] = xr[d] * inv;
-  }
-}
-
-void rope_rows(const RopeArgs& a, int64_t r0, int64_t r1, float* cs) {
-  const int64_t half = a.dims / 2;
-  float* c = cs;
-  float* s = cs + half;
-  int64_t last_pos_row = -1;
-  for (int64_t r = r0; r < r1; r++) {
-    // row r of (N, L, D): position offset(n) + l, the same for every head of a batch row
-    const int64_t n = r / a.L, l = r % a.L;
-    const int64_t b = n / a.heads;
-    const int64_t pos_row = b * a.L + l;
-    if (pos_row != last_pos_row) {
-      const float pos = ((float)l + (float)(a.offsets ? a.offsets[a.offsets_per_batch ? b : 0] : a.offset)) * a.scale;
-      for (int64_t i = 0; i < half; i++) {
-        const float theta = pos * a.inv_freq[i];
-        c[i] = cosf(theta);
-        s[i] = sinf(theta);
-      }
-      last_pos_row = pos_row;
-    }
-    const float* xr = a.x + r * a.D;
-    float* yr = a.y + r * a.D;
-    if (a.traditional) {
-      for (int64_t i = 0; i < half; i++) {
-        const float x0 = xr[2 * i], x1 = xr[2 * i + 1];
-        yr[2 * i] = x0 * c[i] - x1 * s[i];
-        yr[2 * i + 1] = x0 * s[i] + x1 * c[i];
-      }
-    } else {
-      for (int64_t i = 0; i < half; i++) {
-        const float x0 = xr[i], x1 = xr[i + half];
-        yr[i] = x0 * c[i] - x1 * s[i];
-        yr[i + half] = x0 * s[i] + x1 * c[i];
-      }
-    }
-    for (int64_t d = a.dims; d < a.D; d++) yr[d] = xr[d];
-  }
-}
-
-}  // namespace GMLX_ISA
-}  // namespace gmlx_kernels
-
-// ---- attention for many query rows (prefill): flash attention over tiles of keys ----
-//
-// Per tile of ATTN_KEYS keys: S = (scale q) K^T and O += softmax-so-far(S) V as register-blocked
-// outer products (ATTN_MR rows by two vectors), with each row's running maximum and sum
-// rescaling O, so the work memory is a few tiles whatever the context and a causal block
-// stops at its last row's keys. GCC's vector types give each ISA its own width.
-
-namespace gmlx_kernels {
-namespace GMLX_ISA {
-
-namespace {
-
+// Vectors of the ISA's width (GCC's vector types): FW floats.
 #if defined(__AVX512F__)
 constexpr int FW = 16;
 #elif defined(__AVX2__)
@@ -198,7 +51,8 @@ inline fvec vld(const float* p) {
 inline void vst(float* p, fvec v) { memcpy(p, &v, sizeof v); }
 inline fvec vset(float x) { return fvec{} + x; }
 
-// e^x as exp8 does (inputs below -87 give 0, -inf included)
+// e^x: 2^n p(r) with x = n ln2 + r, |r| <= ln2/2, p of degree 6 (relative error about 2e-7);
+// inputs below -87 give 0, -inf included
 inline fvec vexp(fvec x) {
   const fvec lo = vset(-87.3f), hi = vset(88.3f), round = vset(12582912.f);  // + 1.5 * 2^23 rounds
   const ivec under = x < lo;
@@ -218,70 +72,6 @@ inline fvec vexp(fvec x) {
   return under ? vset(0.f) : p * (fvec)e;
 }
 
-// S (rows x ATTN_KEYS) = Q (rows x D) Kt (D x ATTN_KEYS); rows a multiple of ATTN_MR
-void qk_tile(const float* Q, int64_t rows, int64_t D, const float* Kt, float* S) {
-  for (int64_t i = 0; i < rows; i += ATTN_MR)
-    for (int64_t j = 0; j < ATTN_KEYS; j += 2 * FW) {
-      fvec acc[ATTN_MR][2] = {};
-      for (int64_t d = 0; d < D; d++) {
-        const fvec k0 = vld(Kt + d * ATTN_KEYS + j), k1 = vld(Kt + d * ATTN_KEYS + j + FW);
-        for (int r = 0; r < ATTN_MR; r++) {
-          const float q = Q[(i + r) * D + d];
-          acc[r][0] += q * k0;
-          acc[r][1] += q * k1;
-        }
-      }
-      for (int r = 0; r < ATTN_MR; r++) {
-        vst(S + (i + r) * ATTN_KEYS + j, acc[r][0]);
-        vst(S + (i + r) * ATTN_KEYS + j + FW, acc[r][1]);
-      }
-    }
-}
-
-// O[:, d .. d + NV * FW) += P V for MR rows: P (MR x n, row stride ldp), V (n rows of stride vs)
-template <int MR, int NV>
-void pv_cols(const float* P, int64_t ldp, const float* V, int64_t vs, int64_t n, int64_t D, int64_t d, float* O) {
-  fvec acc[MR][NV];
-  for (int r = 0; r < MR; r++)
-    for (int c = 0; c < NV; c++) acc[r][c] = vld(O + r * D + d + c * FW);
-  for (int64_t t = 0; t < n; t++) {
-    fvec v[NV];
-    for (int c = 0; c < NV; c++) v[c] = vld(V + t * vs + d + c * FW);
-    for (int r = 0; r < MR; r++) {
-      const float p = P[r * ldp + t];
-      for (int c = 0; c < NV; c++) acc[r][c] += p * v[c];
-    }
-  }
-  for (int r = 0; r < MR; r++)
-    for (int c = 0; c < NV; c++) vst(O + r * D + d + c * FW, acc[r][c]);
-}
-
-template <int MR>
-void pv_rows(const float* P, int64_t ldp, const float* V, int64_t vs, int64_t n, int64_t D, float* O) {
-  int64_t d = 0;
-  for (; d + 2 * FW <= D; d += 2 * FW) pv_cols<MR, 2>(P, ldp, V, vs, n, D, d, O);
-  for (; d + FW <= D; d += FW) pv_cols<MR, 1>(P, ldp, V, vs, n, D, d, O);
-  for (; d < D; d++)
-    for (int r = 0; r < MR; r++)
-      for (int64_t t = 0; t < n; t++) O[r * D + d] += P[r * ldp + t] * V[t * vs + d];
-}
-
-// O (rows x D) += P (rows x n, stride ldp) V: ATTN_MR rows at a time, then the rest
-void pv(const float* P, int64_t ldp, int64_t rows, const float* V, int64_t vs, int64_t n, int64_t D, float* O) {
-  int64_t r = 0;
-  for (; r + ATTN_MR <= rows; r += ATTN_MR) pv_rows<ATTN_MR>(P + r * ldp, ldp, V, vs, n, D, O + r * D);
-  const float* Pr = P + r * ldp;
-  float* Or = O + r * D;
-  switch (rows - r) {
-    case 1: pv_rows<1>(Pr, ldp, V, vs, n, D, Or); break;
-    case 2: pv_rows<2>(Pr, ldp, V, vs, n, D, Or); break;
-    case 3: pv_rows<3>(Pr, ldp, V, vs, n, D, Or); break;
-    case 4: pv_rows<4>(Pr, ldp, V, vs, n, D, Or); break;
-    case 5: pv_rows<5>(Pr, ldp, V, vs, n, D, Or); break;
-    default: break;
-  }
-}
-
 inline float hsum(fvec v) {
 #if defined(__AVX512F__)
   return _mm512_reduce_add_ps((__m512)v);
@@ -292,191 +82,9 @@ inline float hsum(fvec v) {
 #endif
 }
 
-// S (R x T) = scale Q K^T for few rows (decode), K's rows read as they lie: two query rows by
-// NK keys a step, so 2 NK independent accumulators hide the FMA's latency, each reduced once.
-void qk_rows(const float* Q, int64_t R, int64_t D, const float* K, int64_t ks, int64_t T, float scale, float* S) {
-  const int64_t Dv = D / FW * FW;
-  auto keys = [&]<int NK>(int64_t t) {
-    for (int64_t r = 0; r < R; r += 2) {
-      const float* q0 = Q + r * D;
-      const float* q1 = r + 1 < R ? q0 + D : q0;
-      fvec acc[2][NK] = {};
-      for (int64_t d = 0; d < Dv; d += FW) {
-        const fvec a0 = vld(q0 + d), a1 = vld(q1 + d);
-        for (int j = 0; j < NK; j++) {
-          const fvec kv = vld(K + (t + j) * ks + d);
-          acc[0][j] += a0 * kv;
-          acc[1][j] += a1 * kv;
-        }
-      }
-      for (int j = 0; j < NK; j++) {
-        const float* kt = K + (t + j) * ks;
-        float s0 = hsum(acc[0][j]), s1 = hsum(acc[1][j]);
-        for (int64_t d = Dv; d < D; d++) {
-          s0 += q0[d] * kt[d];
-          s1 += q1[d] * kt[d];
-        }
-        S[r * T + t + j] = s0 * scale;
-        if (r + 1 < R) S[(r + 1) * T + t + j] = s1 * scale;
-      }
-    }
-  };
-  int64_t t = 0;
-  for (; t + 4 <= T; t += 4) keys.template operator()<4>(t);
-  for (; t < T; t++) keys.template operator()<1>(t);
-}
-
-// Row s of the scores of query (b, h, l) against keys t0 .. t0 + width: -inf past the first
-// `seen` and where the mask excludes a key, the mask's value added where it is float; returns the
-// row's maximum.
-float mask_row(const AttentionArgs& a, int64_t b, int64_t h, int64_t l, int64_t t0, int64_t seen, int64_t width,
-               float* s) {
-  for (int64_t j = seen; j < width; j++) s[j] = -INFINITY;
-  if (a.mask) {
-    const int64_t base = b * a.ms[0] + h * a.ms[1] + l * a.ms[2] + t0 * a.ms[3];
-    if (a.mask_bool) {
-      const uint8_t* m = (const uint8_t*)a.mask + base;
-      for (int64_t j = 0; j < seen; j++)
-        if (!m[j * a.ms[3]]) s[j] = -INFINITY;
-    } else {
-      const float* m = (const float*)a.mask + base;
-      for (int64_t j = 0; j < seen; j++) s[j] += m[j * a.ms[3]];
-    }
-  }
-  const int64_t wv = width / FW * FW;
-  fvec vmax = vset(-INFINITY);
-  for (int64_t j = 0; j < wv; j += FW) {
-    const fvec v = vld(s + j);
-    vmax = v > vmax ? v : vmax;
-  }
-  float m = vmax[0];
-  for (int c = 1; c < FW; c++) m = vmax[c] > m ? vmax[c] : m;
-  for (int64_t j = wv; j < width; j++) m = s[j] > m ? s[j] : m;
-  return m;
-}
-
-// s[j] = e^(s[j] - m) for j < width; returns their sum
-float exp_row(float* s, int64_t width, float m) {
-  const int64_t wv = width / FW * FW;
-  fvec acc = vset(0.f);
-  for (int64_t j = 0; j < wv; j += FW) {
-    const fvec p = vexp(vld(s + j) - m);
-    vst(s + j, p);
-    acc += p;
-  }
-  float sum = hsum(acc);
-  for (int64_t j = wv; j < width; j++) {
-    s[j] = expf(s[j] - m);
-    sum += s[j];
-  }
-  return sum;
-}
-
-// The mask excludes every key t0 .. t0 + n from every query l0 .. l1 (of head h, batch row b).
-bool masked_out(const AttentionArgs& a, int64_t b, int64_t h, int64_t l0, int64_t l1, int64_t t0, int64_t n) {
-  for (int64_t l = l0; l < l1; l++) {
-    const int64_t base = b * a.ms[0] + h * a.ms[1] + l * a.ms[2] + t0 * a.ms[3];
-    for (int64_t j = 0; j < n; j++) {
-      const bool open = a.mask_bool ? ((const uint8_t*)a.mask)[base + j * a.ms[3]] != 0
-                                    : ((const float*)a.mask)[base + j * a.ms[3]] != -INFINITY;
-      if (open) return false;
-    }
-  }
-  return true;
-}
-
 }  // namespace
 
-void attend(const AttentionArgs& a, int64_t b, int64_t h0, int64_t h1, float* scores) {
-  // Query heads h0..h1 share one KV head: each key and value row is read once for all of them.
-  const int64_t L = a.L, T = a.T, D = a.D, rows = (h1 - h0) * L;
-  const int64_t kvh = h0 / (a.Hq / a.Hkv);
-  const float* kb = a.k + b * a.ks[0] + kvh * a.ks[1];
-  const float* vb = a.v + b * a.vs[0] + kvh * a.vs[1];
-  float* out = a.out + (b * a.Hq + h0) * L * D;
-  qk_rows(a.q + (b * a.Hq + h0) * L * D, rows, D, kb, a.ks[2], T, a.scale, scores);
-  for (int64_t r = 0; r < rows; r++) {
-    const int64_t l = r % L;
-    float* s = scores + r * T;
-    // the last query row sees every key; row l sees the first T - L + 1 + l
-    const float m = mask_row(a, b, h0 + r / L, l, 0, a.causal ? T - L + 1 + l : T, T, s);
-    if (m == -INFINITY) {  // nothing to attend to (a padding row): zeros, not NaN
-      memset(s, 0, sizeof(float) * T);
-      continue;
-    }
-    const float inv = 1.f / exp_row(s, T, m);
-    for (int64_t t = 0; t < T; t++) s[t] *= inv;
-  }
-  memset(out, 0, sizeof(float) * rows * D);
-  pv(scores, T, rows, vb, a.vs[2], T, D, out);
-}
-
-void attend_rows(const AttentionArgs& a, int64_t b, int64_t h, int64_t l0, int64_t l1, float* work) {
-  const int64_t D = a.D, T = a.T, L = a.L, R = l1 - l0;
-  const int64_t Rp = (R + ATTN_MR - 1) / ATTN_MR * ATTN_MR;  // padding rows: zero queries
-  float* Q = work;               // Rp x D, times scale
-  float* O = Q + Rp * D;         // Rp x D
-  float* S = O + Rp * D;         // Rp x ATTN_KEYS: scores, then their exponentials
-  float* Kt = S + Rp * ATTN_KEYS;  // D x ATTN_KEYS
-  float* mrow = Kt + D * ATTN_KEYS;  // per row: the running maximum and sum
-  float* lrow = mrow + Rp;
-  const float* q = a.q + ((b * a.Hq + h) * L + l0) * D;
-  for (int64_t i = 0; i < R * D; i++) Q[i] = q[i] * a.scale;
-  memset(Q + R * D, 0, sizeof(float) * (Rp - R) * D);
-  memset(O, 0, sizeof(float) * Rp * D);
-  for (int64_t i = 0; i < Rp; i++) {
-    mrow[i] = -INFINITY;
-    lrow[i] = 0.f;
-  }
-  const int64_t kvh = h / (a.Hq / a.Hkv);
-  const float* kb = a.k + b * a.ks[0] + kvh * a.ks[1];
-  const float* vb = a.v + b * a.vs[0] + kvh * a.vs[1];
-  // query l sees keys t <= T - L + l when causal: the block's last row bounds the tiles
-  const int64_t t_end = a.causal ? T - L + l1 : T;
-  for (int64_t t0 = 0; t0 < t_end; t0 += ATTN_KEYS) {
-    const int64_t n = t_end - t0 < ATTN_KEYS ? t_end - t0 : ATTN_KEYS;
-    if (a.mask && masked_out(a, b, h, l0, l1, t0, n)) continue;  // a sliding window's far keys
-    for (int64_t j = 0; j < n; j++) {
-      const float* kr = kb + (t0 + j) * a.ks[2];
-      for (int64_t d = 0; d < D; d++) Kt[d * ATTN_KEYS + j] = kr[d];
-    }
-    if (n < ATTN_KEYS)
-      for (int64_t d = 0; d < D; d++) memset(Kt + d * ATTN_KEYS + n, 0, sizeof(float) * (ATTN_KEYS - n));
-    qk_tile(Q, Rp, D, Kt, S);
-    for (int64_t i = 0; i < R; i++) {
-      float* s = S + i * ATTN_KEYS;
-      const int64_t l = l0 + i;
-      int64_t seen = a.causal ? T - L + l + 1 - t0 : n;  // keys of this tile row i sees
-      seen = seen < 0 ? 0 : seen > n ? n : seen;
-      const float tmax = mask_row(a, b, h, l, t0, seen, ATTN_KEYS, s);
-      if (tmax == -INFINITY) {  // nothing in this tile for the row: no weight
-        memset(s, 0, sizeof(float) * ATTN_KEYS);
-        continue;
-      }
-      const float mnew = tmax > mrow[i] ? tmax : mrow[i];
-      const float c = expf(mrow[i] - mnew);  // 0 for the row's first keys
-      const float sum = exp_row(s, ATTN_KEYS, mnew);
-      lrow[i] = lrow[i] * c + sum;
-      if (c != 1.f)
-        for (int64_t d = 0; d < D; d++) O[i * D + d] *= c;
-      mrow[i] = mnew;
-    }
-    pv(S, ATTN_KEYS, Rp, vb + t0 * a.vs[2], a.vs[2], n, D, O);
-  }
-  float* out = a.out + ((b * a.Hq + h) * L + l0) * D;
-  for (int64_t i = 0; i < R; i++) {  // a row that saw no key (all masked) gives zeros, not NaN
-    const float inv = lrow[i] > 0.f ? 1.f / lrow[i] : 0.f;
-    for (int64_t d = 0; d < D; d++) out[i * D + d] = O[i * D + d] * inv;
-  }
-}
-
-}  // namespace GMLX_ISA
-}  // namespace gmlx_kernels
-
 // ---- sampling: row reductions over a vocabulary ----
-
-namespace gmlx_kernels {
-namespace GMLX_ISA {
 
 int64_t argmax_row(const float* x, int64_t n) {
   const int64_t nv = n / FW * FW;
@@ -544,5 +152,327 @@ int64_t gather_ge(const float* x, int64_t n, float t, int32_t* idx) {
   return count;
 }
 
+void logsumexp_rows(const float* x, float* y, int64_t rows, int64_t N) {
+  for (int64_t r = 0; r < rows; r++) {
+    const float* xr = x + r * N;
+    float m[8] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    int64_t i = 0;
+    for (; i + 8 <= N; i += 8)
+      for (int j = 0; j < 8; j++) m[j] = xr[i + j] > m[j] ? xr[i + j] : m[j];
+    float mx = m[0];
+    for (int j = 1; j < 8; j++) mx = m[j] > mx ? m[j] : mx;
+    for (; i < N; i++) mx = xr[i] > mx ? xr[i] : mx;
+    // all -inf: -inf (as MLX); an inf or NaN maximum passes through
+    y[r] = isfinite(mx) ? mx + logf(exp_sum(xr, N, mx, 1.f, nullptr)) : mx;
+  }
+}
+
+void gated_act(const float* g, const float* u, float* h, int64_t n, int act) {
+  // gelu_approx: 0.5 x (1 + tanh(c (x + 0.044715 x^3))), tanh(z) = 1 - 2 / (e^2z + 1)
+  const float c = 0.7978845608028654f, k3 = 0.044715f;
+  const int64_t nv = n / FW * FW;
+  for (int64_t i = 0; i < nv; i += FW) {
+    const fvec x = vld(g + i);
+    fvec a;
+    if (act == GATED_SILU) {
+      a = x / (1.f + vexp(-x));
+    } else {
+      const fvec t = 1.f - 2.f / (vexp((2.f * c) * (x + k3 * (x * x * x))) + 1.f);
+      a = 0.5f * x * (1.f + t);
+    }
+    vst(h + i, a * vld(u + i));
+  }
+  for (int64_t i = nv; i < n; i++) {
+    const float x = g[i];
+    const float a = act == GATED_SILU ? x / (1.f + expf(-x)) : 0.5f * x * (1.f + tanhf(c * (x + k3 * x * x * x)));
+    h[i] = a * u[i];
+  }
+}
+
+void rms_norm_rows(const float* x, const float* w, float* y, int64_t rows, int64_t D, float eps) {
+  for (int64_t r = 0; r < rows; r++) {
+    const float* xr = x + r * D;
+    float* yr = y + r * D;
+    const float inv = 1.f / sqrtf(dot(xr, xr, D) / (float)D + eps);
+    if (w)
+      for (int64_t d = 0; d < D; d++) yr[d] = xr[d] * inv * w[d];
+    else
+      for (int64_t d = 0; d < D; d++) yr[d] = xr[d] * inv;
+  }
+}
+
+void rope_rows(const RopeArgs& a, int64_t r0, int64_t r1, float* cs) {
+  const int64_t half = a.dims / 2;
+  float* c = cs;
+  float* s = cs + half;
+  int64_t last_pos_row = -1;
+  for (int64_t r = r0; r < r1; r++) {
+    // row r of (N, L, D): position offset(n) + l, the same for every head of a batch row
+    const int64_t n = r / a.L, l = r % a.L;
+    const int64_t b = n / a.heads;
+    const int64_t pos_row = b * a.L + l;
+    if (pos_row != last_pos_row) {
+      const float pos = ((float)l + (float)(a.offsets ? a.offsets[a.offsets_per_batch ? b : 0] : a.offset)) * a.scale;
+      for (int64_t i = 0; i < half; i++) {
+        const float theta = pos * a.inv_freq[i];
+        c[i] = cosf(theta);
+        s[i] = sinf(theta);
+      }
+      last_pos_row = pos_row;
+    }
+    const float* xr = a.x + r * a.D;
+    float* yr = a.y + r * a.D;
+    if (a.traditional) {
+      for (int64_t i = 0; i < half; i++) {
+        const float x0 = xr[2 * i], x1 = xr[2 * i + 1];
+        yr[2 * i] = x0 * c[i] - x1 * s[i];
+        yr[2 * i + 1] = x0 * s[i] + x1 * c[i];
+      }
+    } else {
+      for (int64_t i = 0; i < half; i++) {
+        const float x0 = xr[i], x1 = xr[i + half];
+        yr[i] = x0 * c[i] - x1 * s[i];
+        yr[i + half] = x0 * s[i] + x1 * c[i];
+      }
+    }
+    for (int64_t d = a.dims; d < a.D; d++) yr[d] = xr[d];
+  }
+}
+
+// ---- attention for many query rows (prefill): flash attention over tiles of keys ----
+//
+// Per tile of ATTN_KEYS keys: S = (scale q) K^T and O += softmax-so-far(S) V as register-blocked
+// outer products (ATTN_MR rows by two vectors), with each row's running maximum and sum
+// rescaling O, so the work memory is a few tiles whatever the context and a causal block
+// stops at its last row's keys.
+
+namespace {
+
+// S (rows x ATTN_KEYS) = Q (rows x D) Kt (D x ATTN_KEYS); rows a multiple of ATTN_MR
+void qk_tile(const float* Q, int64_t rows, int64_t D, const float* Kt, float* S) {
+  for (int64_t i = 0; i < rows; i += ATTN_MR)
+    for (int64_t j = 0; j < ATTN_KEYS; j += 2 * FW) {
+      fvec acc[ATTN_MR][2] = {};
+      for (int64_t d = 0; d < D; d++) {
+        const fvec k0 = vld(Kt + d * ATTN_KEYS + j), k1 = vld(Kt + d * ATTN_KEYS + j + FW);
+        for (int r = 0; r < ATTN_MR; r++) {
+          const float q = Q[(i + r) * D + d];
+          acc[r][0] += q * k0;
+          acc[r][1] += q * k1;
+        }
+      }
+      for (int r = 0; r < ATTN_MR; r++) {
+        vst(S + (i + r) * ATTN_KEYS + j, acc[r][0]);
+        vst(S + (i + r) * ATTN_KEYS + j + FW, acc[r][1]);
+      }
+    }
+}
+
+// O[:, d .. d + NV * FW) += P V for MR rows: P (MR x n, row stride ldp), V (n rows of stride vs)
+template <int MR, int NV>
+void pv_cols(const float* P, int64_t ldp, const float* V, int64_t vs, int64_t n, int64_t D, int64_t d, float* O) {
+  fvec acc[MR][NV];
+  for (int r = 0; r < MR; r++)
+    for (int c = 0; c < NV; c++) acc[r][c] = vld(O + r * D + d + c * FW);
+  for (int64_t t = 0; t < n; t++) {
+    fvec v[NV];
+    for (int c = 0; c < NV; c++) v[c] = vld(V + t * vs + d + c * FW);
+    for (int r = 0; r < MR; r++) {
+      const float p = P[r * ldp + t];
+      for (int c = 0; c < NV; c++) acc[r][c] += p * v[c];
+    }
+  }
+  for (int r = 0; r < MR; r++)
+    for (int c = 0; c < NV; c++) vst(O + r * D + d + c * FW, acc[r][c]);
+}
+
+template <int MR>
+void pv_rows(const float* P, int64_t ldp, const float* V, int64_t vs, int64_t n, int64_t D, float* O) {
+  int64_t d = 0;
+  for (; d + 2 * FW <= D; d += 2 * FW) pv_cols<MR, 2>(P, ldp, V, vs, n, D, d, O);
+  for (; d + FW <= D; d += FW) pv_cols<MR, 1>(P, ldp, V, vs, n, D, d, O);
+  for (; d < D; d++)
+    for (int r = 0; r < MR; r++)
+      for (int64_t t = 0; t < n; t++) O[r * D + d] += P[r * ldp + t] * V[t * vs + d];
+}
+
+// O (rows x D) += P (rows x n, stride ldp) V: ATTN_MR rows at a time, then the rest
+void pv(const float* P, int64_t ldp, int64_t rows, const float* V, int64_t vs, int64_t n, int64_t D, float* O) {
+  int64_t r = 0;
+  for (; r + ATTN_MR <= rows; r += ATTN_MR) pv_rows<ATTN_MR>(P + r * ldp, ldp, V, vs, n, D, O + r * D);
+  const float* Pr = P + r * ldp;
+  float* Or = O + r * D;
+  switch (rows - r) {
+    case 1: pv_rows<1>(Pr, ldp, V, vs, n, D, Or); break;
+    case 2: pv_rows<2>(Pr, ldp, V, vs, n, D, Or); break;
+    case 3: pv_rows<3>(Pr, ldp, V, vs, n, D, Or); break;
+    case 4: pv_rows<4>(Pr, ldp, V, vs, n, D, Or); break;
+    case 5: pv_rows<5>(Pr, ldp, V, vs, n, D, Or); break;
+    default: break;
+  }
+}
+
+// S (R x T) = scale Q K^T for few rows (decode), K's rows read as they lie: two query rows by
+// NK keys a step, so 2 NK independent accumulators hide the FMA's latency, each reduced once.
+void qk_rows(const float* Q, int64_t R, int64_t D, const float* K, int64_t ks, int64_t T, float scale, float* S) {
+  const int64_t Dv = D / FW * FW;
+  auto keys = [&]<int NK>(int64_t t) {
+    for (int64_t r = 0; r < R; r += 2) {
+      const float* q0 = Q + r * D;
+      const float* q1 = r + 1 < R ? q0 + D : q0;
+      fvec acc[2][NK] = {};
+      for (int64_t d = 0; d < Dv; d += FW) {
+        const fvec a0 = vld(q0 + d), a1 = vld(q1 + d);
+        for (int j = 0; j < NK; j++) {
+          const fvec kv = vld(K + (t + j) * ks + d);
+          acc[0][j] += a0 * kv;
+          acc[1][j] += a1 * kv;
+        }
+      }
+      for (int j = 0; j < NK; j++) {
+        const float* kt = K + (t + j) * ks;
+        float s0 = hsum(acc[0][j]), s1 = hsum(acc[1][j]);
+        for (int64_t d = Dv; d < D; d++) {
+          s0 += q0[d] * kt[d];
+          s1 += q1[d] * kt[d];
+        }
+        S[r * T + t + j] = s0 * scale;
+        if (r + 1 < R) S[(r + 1) * T + t + j] = s1 * scale;
+      }
+    }
+  };
+  int64_t t = 0;
+  for (; t + 4 <= T; t += 4) keys.template operator()<4>(t);
+  for (; t < T; t++) keys.template operator()<1>(t);
+}
+
+// Row s of the scores of query (b, h, l) against keys t0 .. t0 + width: -inf past the first
+// `seen` and where the mask excludes a key, the mask's value added where it is float; returns the
+// row's maximum.
+float mask_row(const AttentionArgs& a, int64_t b, int64_t h, int64_t l, int64_t t0, int64_t seen, int64_t width,
+               float* s) {
+  for (int64_t j = seen; j < width; j++) s[j] = -INFINITY;
+  if (a.mask) {
+    const int64_t base = b * a.ms[0] + h * a.ms[1] + l * a.ms[2] + t0 * a.ms[3];
+    if (a.mask_bool) {
+      const uint8_t* m = (const uint8_t*)a.mask + base;
+      for (int64_t j = 0; j < seen; j++)
+        if (!m[j * a.ms[3]]) s[j] = -INFINITY;
+    } else {
+      const float* m = (const float*)a.mask + base;
+      for (int64_t j = 0; j < seen; j++) s[j] += m[j * a.ms[3]];
+    }
+  }
+  const int64_t wv = width / FW * FW;
+  fvec vmax = vset(-INFINITY);
+  for (int64_t j = 0; j < wv; j += FW) {
+    const fvec v = vld(s + j);
+    vmax = v > vmax ? v : vmax;
+  }
+  float m = vmax[0];
+  for (int c = 1; c < FW; c++) m = vmax[c] > m ? vmax[c] : m;
+  for (int64_t j = wv; j < width; j++) m = s[j] > m ? s[j] : m;
+  return m;
+}
+
+// The mask excludes every key t0 .. t0 + n from every query l0 .. l1 (of head h, batch row b).
+bool masked_out(const AttentionArgs& a, int64_t b, int64_t h, int64_t l0, int64_t l1, int64_t t0, int64_t n) {
+  for (int64_t l = l0; l < l1; l++) {
+    const int64_t base = b * a.ms[0] + h * a.ms[1] + l * a.ms[2] + t0 * a.ms[3];
+    for (int64_t j = 0; j < n; j++) {
+      const bool open = a.mask_bool ? ((const uint8_t*)a.mask)[base + j * a.ms[3]] != 0
+                                    : ((const float*)a.mask)[base + j * a.ms[3]] != -INFINITY;
+      if (open) return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+void attend(const AttentionArgs& a, int64_t b, int64_t h0, int64_t h1, float* scores) {
+  // Query heads h0..h1 share one KV head: each key and value row is read once for all of them.
+  const int64_t L = a.L, T = a.T, D = a.D, rows = (h1 - h0) * L;
+  const int64_t kvh = h0 / (a.Hq / a.Hkv);
+  const float* kb = a.k + b * a.ks[0] + kvh * a.ks[1];
+  const float* vb = a.v + b * a.vs[0] + kvh * a.vs[1];
+  float* out = a.out + (b * a.Hq + h0) * L * D;
+  qk_rows(a.q + (b * a.Hq + h0) * L * D, rows, D, kb, a.ks[2], T, a.scale, scores);
+  for (int64_t r = 0; r < rows; r++) {
+    const int64_t l = r % L;
+    float* s = scores + r * T;
+    // the last query row sees every key; row l sees the first T - L + 1 + l
+    const float m = mask_row(a, b, h0 + r / L, l, 0, a.causal ? T - L + 1 + l : T, T, s);
+    if (m == -INFINITY) {  // nothing to attend to (a padding row): zeros, not NaN
+      memset(s, 0, sizeof(float) * T);
+      continue;
+    }
+    const float inv = 1.f / exp_sum(s, T, m, 1.f, s);
+    for (int64_t t = 0; t < T; t++) s[t] *= inv;
+  }
+  memset(out, 0, sizeof(float) * rows * D);
+  pv(scores, T, rows, vb, a.vs[2], T, D, out);
+}
+
+void attend_rows(const AttentionArgs& a, int64_t b, int64_t h, int64_t l0, int64_t l1, float* work) {
+  const int64_t D = a.D, T = a.T, L = a.L, R = l1 - l0;
+  const int64_t Rp = (R + ATTN_MR - 1) / ATTN_MR * ATTN_MR;  // padding rows: zero queries
+  float* Q = work;               // Rp x D, times scale
+  float* O = Q + Rp * D;         // Rp x D
+  float* S = O + Rp * D;         // Rp x ATTN_KEYS: scores, then their exponentials
+  float* Kt = S + Rp * ATTN_KEYS;  // D x ATTN_KEYS
+  float* mrow = Kt + D * ATTN_KEYS;  // per row: the running maximum and sum
+  float* lrow = mrow + Rp;
+  const float* q = a.q + ((b * a.Hq + h) * L + l0) * D;
+  for (int64_t i = 0; i < R * D; i++) Q[i] = q[i] * a.scale;
+  memset(Q + R * D, 0, sizeof(float) * (Rp - R) * D);
+  memset(O, 0, sizeof(float) * Rp * D);
+  for (int64_t i = 0; i < Rp; i++) {
+    mrow[i] = -INFINITY;
+    lrow[i] = 0.f;
+  }
+  const int64_t kvh = h / (a.Hq / a.Hkv);
+  const float* kb = a.k + b * a.ks[0] + kvh * a.ks[1];
+  const float* vb = a.v + b * a.vs[0] + kvh * a.vs[1];
+  // query l sees keys t <= T - L + l when causal: the block's last row bounds the tiles
+  const int64_t t_end = a.causal ? T - L + l1 : T;
+  for (int64_t t0 = 0; t0 < t_end; t0 += ATTN_KEYS) {
+    const int64_t n = t_end - t0 < ATTN_KEYS ? t_end - t0 : ATTN_KEYS;
+    if (a.mask && masked_out(a, b, h, l0, l1, t0, n)) continue;  // a sliding window's far keys
+    for (int64_t j = 0; j < n; j++) {
+      const float* kr = kb + (t0 + j) * a.ks[2];
+      for (int64_t d = 0; d < D; d++) Kt[d * ATTN_KEYS + j] = kr[d];
+    }
+    if (n < ATTN_KEYS)
+      for (int64_t d = 0; d < D; d++) memset(Kt + d * ATTN_KEYS + n, 0, sizeof(float) * (ATTN_KEYS - n));
+    qk_tile(Q, Rp, D, Kt, S);
+    for (int64_t i = 0; i < R; i++) {
+      float* s = S + i * ATTN_KEYS;
+      const int64_t l = l0 + i;
+      int64_t seen = a.causal ? T - L + l + 1 - t0 : n;  // keys of this tile row i sees
+      seen = seen < 0 ? 0 : seen > n ? n : seen;
+      const float tmax = mask_row(a, b, h, l, t0, seen, ATTN_KEYS, s);
+      if (tmax == -INFINITY) {  // nothing in this tile for the row: no weight
+        memset(s, 0, sizeof(float) * ATTN_KEYS);
+        continue;
+      }
+      const float mnew = tmax > mrow[i] ? tmax : mrow[i];
+      const float c = expf(mrow[i] - mnew);  // 0 for the row's first keys
+      const float sum = exp_sum(s, ATTN_KEYS, mnew, 1.f, s);
+      lrow[i] = lrow[i] * c + sum;
+      if (c != 1.f)
+        for (int64_t d = 0; d < D; d++) O[i * D + d] *= c;
+      mrow[i] = mnew;
+    }
+    pv(S, ATTN_KEYS, Rp, vb + t0 * a.vs[2], a.vs[2], n, D, O);
+  }
+  float* out = a.out + ((b * a.Hq + h) * L + l0) * D;
+  for (int64_t i = 0; i < R; i++) {  // a row that saw no key (all masked) gives zeros, not NaN
+    const float inv = lrow[i] > 0.f ? 1.f / lrow[i] : 0.f;
+    for (int64_t d = 0; d < D; d++) out[i * D + d] = O[i * D + d] * inv;
+  }
+}
+
 }  // namespace GMLX_ISA
 }  // namespace gmlx_kernels
+
