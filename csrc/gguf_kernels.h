@@ -23,6 +23,8 @@ int type_size(int type);
 
 // Rows of W dequantized together: the unit of work handed to a thread.
 constexpr int ROW_TILE = 16;
+// Activation rows the integer (decode) path takes in one pass over the weights.
+constexpr int INT_ROWS = 8;
 
 struct MatmulArgs {
   int type;              // GGML type of W

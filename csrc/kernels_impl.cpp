@@ -357,7 +357,7 @@ void quantize_row(const float* x, int64_t K, float qmax, int16_t* q, float* d, f
   }
 }
 
-constexpr int MMAX = 8;  // activation rows the integer path takes at once
+constexpr int MMAX = INT_ROWS;
 
 struct XQ {
   const int16_t* q;  // M rows of K codes

@@ -19,7 +19,7 @@ namespace mx = mlx::core;
 const Impl* active_impl();
 // Use the widest ISA at most `want` that this processor has ("" = the widest); returns its name.
 std::string set_isa(const std::string& want);
-// Decode path (<= 8 activation rows, AVX2): bits of each activation's integer code: 16 (default,
+// Integer path (< 64 activation rows, 8 at a time; AVX2, AVX-512): bits of each activation's integer code: 16 (default,
 // near float), 8 (llama.cpp's Q8_0 activations), 0 (the float path always).
 void set_act_bits(int bits);
 // Prefill (>= 64 rows) through the process's optimized BLAS (OpenBLAS preloaded by gmlx), if any.

@@ -2,11 +2,11 @@
 
 Reference: gguf.quants.dequantize (gguf's own numpy code) in float64, times float64
 activations. Bounds, per output y[m, n]:
-- float path (any batch; the only path of the generic ISA, and of every ISA for more than
-  8 activation rows; from 64 rows through OpenBLAS's sgemm on dequantized panels where gmlx
+- float path (any batch; the only path of the generic ISA, and of every ISA from
+  INT_PATH_ROWS activation rows, through OpenBLAS's sgemm on dequantized panels where gmlx
   preloaded it): |y - ref| <= BOUND * sum_k |x_k| |w_k| (float32 products summed in
   float32; measured max about 1e-7 for K up to 4096);
-- integer decode path (AVX2/AVX-512, at most INT_MAX_ROWS activation rows): each activation
+- integer path (AVX2/AVX-512, fewer than INT_PATH_ROWS activation rows, 8 at a time): each activation
   is coded as an integer of `bits` bits with one scale per 32-block (8: llama.cpp's Q8_0
   activations; 16: the default). Add sum over blocks b of (max_b |x| / (2^(bits-1) - 1) / 2)
   * sum_{k in b} |w_k|.
@@ -34,7 +34,7 @@ def _needs_kernels(request):
 
 BOUND = 1e-6
 QUANTIZABLE = {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0}  # gguf.quants.quantize implements these
-INT_MAX_ROWS = 8
+INT_PATH_ROWS = 64  # fewer activation rows than this take the integer path, 8 at a time
 
 
 def random_weights(t: T, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -68,9 +68,10 @@ def activation_rounding_bound(x: np.ndarray, wd: np.ndarray, bits: int) -> np.nd
 
 
 # (N output rows, K, M activation rows): ragged against the 16-row tile, the 4-row and
-# 3-row micro-kernel and the single-thread cutoff; K a single block up to 4096.
+# 3-row micro-kernel, the integer path's 8-row passes and its end, and the single-thread cutoff;
+# K a single block up to 4096.
 SHAPES = [(1, 256, 1), (5, 256, 2), (17, 512, 3), (37, 768, 4), (64, 256, 8), (33, 1024, 13),
-          (100, 512, 64), (19, 256, 300), (130, 4096, 7)]
+          (23, 512, 63), (100, 512, 64), (19, 256, 300), (130, 4096, 7)]
 # K not a multiple of 256 (32-block types only): the AVX-512 decode path takes 8 blocks at a time,
 # then 4, then one by one (K = 640 is gemma3-270m's: 8 + 8 + 4 blocks)
 SHAPES_32 = [(21, 96, 1), (40, 640, 8), (7, 352, 2), (18, 640, 5), (9, 224, 3)]
@@ -99,7 +100,7 @@ def test_matmul_matches_float64_reference(t, isa, act_bits, blas):
         y = np.array(gk.matmul(mx.array(x), mx.array(w), t, n, k))
         assert y.shape == (m, n) and y.dtype == np.float32
         bound = BOUND * (np.abs(x).astype(np.float64) @ np.abs(wd).T)
-        if act_bits and isa != "generic" and m <= INT_MAX_ROWS:
+        if act_bits and isa != "generic" and m < INT_PATH_ROWS:
             bound = bound + activation_rounding_bound(x, wd, act_bits)
         worst = np.max(np.abs(y - ref) - bound)
         assert worst <= 0, f"{t.name} {isa} N={n} K={k} M={m}: error over bound by {worst}"
