@@ -12,7 +12,7 @@ from gmlx.capacity.budget import (
     parse_bytes,
     prefill_working_bytes,
 )
-from gmlx.capacity.estimate import estimate
+from gmlx.capacity.estimate import PrefillFit, estimate, fit_prefill
 from gmlx.capacity.memory import (
     FP16,
     FP32,
@@ -346,6 +346,22 @@ def test_estimate_fields() -> None:
         "est_ttft_s": 1.0,  # 0.5 s queue + 200 cold tokens at 400 tok/s
         "resident": True,
     }
+
+
+def test_prefill_fit_recovers_a_fixed_cost_and_a_rate() -> None:
+    # served chunks of 12 to 512 tokens at 20 ms each plus 1 ms a token, with a little noise
+    chunks = [(12, 0.0321), (64, 0.0838), (256, 0.2762), (512, 0.5318), (40, 0.0598)]
+    fit = fit_prefill(chunks)
+    assert fit is not None and abs(fit.fixed_s - 0.02) < 0.002 and abs(fit.per_token_s - 0.001) < 2e-5
+    assert fit.seconds(0, 512) == 0.0
+    assert fit.seconds(1100, 512) == 3 * fit.fixed_s + 1100 * fit.per_token_s  # three chunks
+    assert fit_prefill([(256, 0.3), (300, 0.34)]) is None  # lengths too alike to tell fixed from rate
+    assert fit_prefill([(12, 0.5), (512, 0.1)]) is None  # longer, faster: not a prefill
+    assert fit_prefill([(12, 0.03)]) is None
+    e = estimate(GEMMA3, prompt_tokens=300, max_tokens=None, context_limit=32768, prefill_bytes=0, free_now_bytes=None,
+                 free_drained_bytes=None, prefill_tok_s=400.0, queue_wait_s=0.5, first_step_s=0.02,
+                 prefill_fit=PrefillFit(0.02, 0.001), prefill_step=512, warm_tokens=100)
+    assert e["est_ttft_s"] == 0.74  # the queue, one chunk of 200 cold tokens by the fit (not the rate), a step
 
 
 def test_joining_a_batch_pads_to_its_longest_row() -> None:

@@ -2,9 +2,39 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
 from gmlx.capacity.memory import FP16, KVFormat, stream_bytes
 from gmlx.capacity.table import CapacityTable
 from gmlx.gguf.header import ModelGeometry
+
+
+@dataclass(frozen=True)
+class PrefillFit:
+    """Prefill time as served: `fixed_s` a chunk plus `per_token_s` a token. A single rate
+    misjudges short prompts, whose chunk pays a fixed cost, and the prompts it was not measured on."""
+
+    fixed_s: float
+    per_token_s: float
+
+    def seconds(self, tokens: int, chunk: int) -> float:
+        return math.ceil(tokens / chunk) * self.fixed_s + tokens * self.per_token_s if tokens > 0 else 0.0
+
+
+def fit_prefill(chunks: Iterable[tuple[int, float]]) -> PrefillFit | None:
+    """Least squares of seconds = fixed + tokens x per_token over served prefill chunks (tokens,
+    seconds); None until the chunks span at least 2x in length, or when the fit is not physical."""
+    rows = [(float(n), t) for n, t in chunks if n > 0 and t > 0]
+    if len(rows) < 2 or max(n for n, _ in rows) < 2 * min(n for n, _ in rows):
+        return None
+    mn, mt = sum(n for n, _ in rows) / len(rows), sum(t for _, t in rows) / len(rows)
+    slope = sum((n - mn) * (t - mt) for n, t in rows) / sum((n - mn) ** 2 for n, _ in rows)
+    fixed = mt - slope * mn
+    if slope <= 0:
+        return None
+    return PrefillFit(max(fixed, 0.0), slope)
 
 
 def estimate(
@@ -18,6 +48,8 @@ def estimate(
     free_drained_bytes: int | None,
     prefill_tok_s: float | None,
     queue_wait_s: float,
+    prefill_fit: PrefillFit | None = None,
+    prefill_step: int = 512,
     first_step_s: float = 0.0,
     warm_tokens: int = 0,
     cache_tier: str = "miss",
@@ -32,8 +64,9 @@ def estimate(
     mlx_lm allocates it, and its logits rows) for the prompt and `max_tokens` more when set. context_ok asks only that the prompt leave
     room for one generated token (prompt_tokens < context_limit); a max_tokens that reaches
     past the window does not make it false. est_ttft_s is the queue wait, plus the cold
-    prompt tokens at the measured prefill rate, plus one decode step (`first_step_s`: mlx_lm
-    runs the prompt's last token as the first generation step); null without a rate.
+    prompt tokens' prefill (by `prefill_fit` over chunks of `prefill_step` where the server has
+    one, else at the measured prefill rate), plus one decode step (`first_step_s`: mlx_lm runs
+    the prompt's last token as the first generation step); null without either.
 
     need_now_bytes is what joining the batch now costs, which fits_now is judged on: mlx_lm's
     batched caches pad every row to the longest, so beside `running` streams whose longest is
@@ -48,7 +81,9 @@ def estimate(
         need_now = (prefill_bytes + (running + 1) * stream_bytes(g, joined, kv)
                     - running * stream_bytes(g, longest, kv))
     cold = max(0, prompt_tokens - warm_tokens)
-    ttft = round(queue_wait_s + cold / prefill_tok_s + first_step_s, 3) if prefill_tok_s else None
+    prefill_s = (prefill_fit.seconds(cold, prefill_step) if prefill_fit
+                 else cold / prefill_tok_s if prefill_tok_s else None)
+    ttft = round(queue_wait_s + prefill_s + first_step_s, 3) if prefill_s is not None else None
     return {
         "prompt_tokens": prompt_tokens,
         "warm_tokens": warm_tokens,

@@ -109,6 +109,7 @@ class EngineStats:
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
     recent_steps: deque = field(default_factory=lambda: deque(maxlen=4096))  # (t, decode tokens)
+    recent_prefills: deque = field(default_factory=lambda: deque(maxlen=64))  # (tokens, seconds) a chunk
     # Per finished request: (decode tok/s, prefill tok/s), for the means over recent requests.
     recent_requests: deque = field(default_factory=lambda: deque(maxlen=_RECENT_REQUESTS))
     decode_rate_sum: float = 0.0  # over finished requests that decoded, for the lifetime mean
@@ -546,6 +547,8 @@ class Engine:
         st = self.stats
         st.prefill_tokens += s.prompt_tokens
         st.prefill_seconds += s.prompt_time
+        if s.prompt_tokens:
+            st.recent_prefills.append((s.prompt_tokens, s.prompt_time))
         if self.draft is not None and len(generation_responses) > 1:  # decoding together, without the drafter
             for r in generation_responses:
                 if (req := self._active.get(r.uid)) is not None and req.speculative is not None:

@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gmlx import platform
-from gmlx.capacity.estimate import estimate, estimate_not_loaded
+from gmlx.capacity.estimate import estimate, estimate_not_loaded, fit_prefill
 from gmlx.capacity.plan import LiveState, plan
 from gmlx.capacity.table import header_table
 from gmlx.engine.prompt_cache import MISS
@@ -128,6 +128,7 @@ async def _served_estimate(state: ServerState, p: openai_api.GenerationParams) -
     out = estimate(loaded.geometry, prompt_tokens=len(prompt_ids), max_tokens=p.max_tokens,
                    context_limit=loaded.context_length, prefill_bytes=budget.prefill_bytes,
                    free_now_bytes=free_now, free_drained_bytes=budget.drained_bytes, prefill_tok_s=prefill_rate,
+                   prefill_fit=fit_prefill(list(stats.recent_prefills)), prefill_step=state.engine.prefill_step,
                    queue_wait_s=queue_wait_s(state), first_step_s=1 / measured.decode_tok_s if measured else 0.0,
                    kv=table.kv, **_batch(state), **_prompt_cache_hit(state, prompt_ids))
     return {**out, "model": state.model_id}
