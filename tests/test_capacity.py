@@ -181,6 +181,8 @@ def test_prefill_working_bytes() -> None:
     mistral = dataclasses.replace(LLAMA, sliding_window=4096, sliding_layers=(True,) * 32)
     expected = 4 * (512 * (4096 * 4 + 14336 * 3) + 32 * 512 * (4096 - 1 + 512) + 128256)
     assert prefill_working_bytes(mistral, 512, 32768) == expected
+    # gmlx's CPU kernels attend over tiles of keys: no layer's scores are ever whole
+    assert prefill_working_bytes(GEMMA3, chunk, context, tiled_attention=True) == 4 * (hidden + 262144)
 
 
 @pytest.mark.parametrize(

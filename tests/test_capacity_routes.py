@@ -14,6 +14,7 @@ from gmlx.capacity.budget import PROMPT_CACHE_SHARE, default_prompt_cache_bytes
 from gmlx.capacity.memory import KVFormat
 from gmlx.capacity.table import capacity_table
 from gmlx.gguf.header import read_header
+from gmlx.kernels import fast
 from gmlx.models.weights_mode import resident_bytes
 
 PLAN = "/v1/capacity/plan"
@@ -29,7 +30,7 @@ def offline_table(path: Path, memory: int, decode_batch: int = 4, context_length
                           prefill_step=512, kv=KVFormat(float_bytes=4), memory=memory,
                           reserve_fraction=0.10, reserve_floor=512 * MiB, context_length=context_length,
                           prompt_cache_bytes=default_prompt_cache_bytes(memory) if prompt_cache_bytes is None
-                          else prompt_cache_bytes)
+                          else prompt_cache_bytes, tiled_attention=fast.enabled())
 
 
 @pytest.fixture

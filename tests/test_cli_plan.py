@@ -15,6 +15,7 @@ from gmlx.capacity.memory import KVFormat
 from gmlx.capacity.table import capacity_table
 from gmlx.cli.main import app
 from gmlx.gguf.header import read_header
+from gmlx.kernels import fast
 from gmlx.models.weights_mode import resident_bytes
 
 runner = CliRunner()
@@ -56,7 +57,8 @@ def small_memory_model(tmp_path: Path) -> tuple[Path, int]:
     path = write_model(tmp_path / "cap.gguf", "llama", context=4096)
     h = read_header(path)
     probe = capacity_table(h.geometry, weight_bytes=resident_bytes(h, "float"), decode_batch=4, prefill_step=512,
-                           kv=KVFormat(float_bytes=4), memory=10**12, context_length=4096)
+                           kv=KVFormat(float_bytes=4), memory=10**12, context_length=4096,
+                           tiled_attention=fast.enabled())
     kv_per_token = probe.stream_bytes(256) // 256
     b = probe.budget
     # The prompt cache's default share of memory comes off the top too.

@@ -50,7 +50,7 @@ class MemoryBudget:
                 "prompt_cache_bytes": self.prompt_cache_bytes, "kv_bytes": self.kv_bytes}
 
 
-def prefill_working_bytes(g: ModelGeometry, chunk_tokens: int, context_tokens: int) -> int:
+def prefill_working_bytes(g: ModelGeometry, chunk_tokens: int, context_tokens: int, tiled_attention: bool = False) -> int:
     """An estimate of the float32 activations one prefill chunk holds at its peak.
 
     With C = min(chunk_tokens, context_tokens) tokens in the chunk and K keys it attends to
@@ -62,13 +62,16 @@ def prefill_working_bytes(g: ModelGeometry, chunk_tokens: int, context_tokens: i
             + vocab_size )                    logits of the last position only
 
     Layers run one after another, so one layer's scores count, not all of them; mlx_lm
-    evaluates only the cache during prefill, so the LM head runs for one position.
+    evaluates only the cache during prefill, so the LM head runs for one position. With
+    `tiled_attention` (gmlx's CPU kernels: flash attention over tiles of 128 keys) no layer's
+    scores are ever whole, and the few hundred KB of tiles a thread holds are left out.
     """
     chunk = min(chunk_tokens, context_tokens)
     keys = context_tokens
     if g.sliding_window and g.sliding_layers and all(g.sliding_layers):
         keys = min(context_tokens, g.sliding_window - 1 + chunk)
-    elements = chunk * (g.n_embd * 4 + g.n_ff * 3) + g.n_heads * chunk * keys + g.vocab_size
+    scores = 0 if tiled_attention else g.n_heads * chunk * keys
+    elements = chunk * (g.n_embd * 4 + g.n_ff * 3) + scores + g.vocab_size
     return elements * FLOAT32_BYTES
 
 

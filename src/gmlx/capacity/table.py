@@ -128,13 +128,15 @@ def capacity_table(
     reserve_floor: int = 512 * 2**20,
     context_length: int | None = None,
     prompt_cache_bytes: int = 0,
+    tiled_attention: bool = False,
 ) -> CapacityTable:
     """The table the server builds at start and `gmlx plan` builds offline, from the same budget arithmetic.
 
-    The prefill working set is one `prefill_step` chunk attending across the whole window.
+    The prefill working set is one `prefill_step` chunk attending across the whole window
+    (its scores whole, unless `tiled_attention`: gmlx's CPU kernels).
     """
     window = g.context_length if context_length is None else min(context_length, g.context_length)
-    budget = MemoryBudget(memory, weight_bytes, prefill_working_bytes(g, prefill_step, window),
+    budget = MemoryBudget(memory, weight_bytes, prefill_working_bytes(g, prefill_step, window, tiled_attention),
                           reserve_floor, reserve_fraction, prompt_cache_bytes)
     return build_table(g, budget, decode_batch, kv, window)
 
@@ -156,8 +158,8 @@ class TableSettings(Protocol):
     def prompt_cache_limit(self, memory: int) -> int: ...
 
 
-def header_table(h: GGUFHeader, s: TableSettings, *, mode: str, memory: int,
-                 float_bytes: int = FLOAT32_BYTES) -> tuple[CapacityTable, KVQuantPlan | None]:
+def header_table(h: GGUFHeader, s: TableSettings, *, mode: str, memory: int, float_bytes: int = FLOAT32_BYTES,
+                 tiled_attention: bool = False) -> tuple[CapacityTable, KVQuantPlan | None]:
     """The table a server with settings `s` would build for this file, from its header alone (no
     weights): its weights as `mode` loads them, and the KV quantization plan it would make (None
     when off). `gmlx plan`/`gmlx estimate` and /v1/estimate for a model not loaded use it.
@@ -171,5 +173,6 @@ def header_table(h: GGUFHeader, s: TableSettings, *, mode: str, memory: int,
     kv = kv_plan.kv_format(float_bytes) if kv_plan is not None else KVFormat(float_bytes=float_bytes)
     table = capacity_table(g, weight_bytes=weight_bytes, decode_batch=s.decode_batch, prefill_step=s.prefill_step,
                            kv=kv, memory=memory, reserve_fraction=s.reserve_fraction,
-                           reserve_floor=s.reserve_floor, context_length=window, prompt_cache_bytes=cache_bytes)
+                           reserve_floor=s.reserve_floor, context_length=window, prompt_cache_bytes=cache_bytes,
+                           tiled_attention=tiled_attention)
     return table, kv_plan

@@ -87,7 +87,8 @@ def offline(model: str | None, memory: str | None, weights: str | None,
         h = read_header(path)
     mode = choose_mode(s.weights, h)  # type: ignore[arg-type]
     total = s.memory or platform.total_memory_bytes()
-    table, kv_plan = header_table(h, s, mode=mode, memory=total)
+    tiled = _tiled_attention()
+    table, kv_plan = header_table(h, s, mode=mode, memory=total, tiled_attention=tiled)
     if s.memory is not None:
         memory_from = _from(s, "memory")
     elif platform.backend() == "cuda":
@@ -105,11 +106,23 @@ def offline(model: str | None, memory: str | None, weights: str | None,
         "decode_batch": {"value": s.decode_batch, "from": _from(s, "decode_batch")},
         "prompt_cache_bytes": {"value": s.prompt_cache_limit(total), "from": _from(s, "prompt_cache_bytes")},
         "prefill_step": {"value": s.prefill_step, "from": _from(s, "prefill_step")},
+        "prefill_bytes": {"value": table.budget.prefill_bytes,
+                          "from": "one chunk's activations" + (", attention in tiles (gmlx's CPU kernels)" if tiled
+                                                               else " and one layer's attention scores")},
         "reserve_bytes": {"value": table.budget.reserve_bytes,
                           "from": f"max({human_bytes(s.reserve_floor)}, {s.reserve_fraction:g} x memory)"},
         "context_length": {"value": table.context_length, "from": _window_from(s, h.geometry.context_length)},
     }
     return Offline(path, h, table, assumptions)
+
+
+def _tiled_attention() -> bool:
+    """Whether the server would prefill attention in tiles (gmlx.kernels.fast on the CPU)."""
+    if platform.backend() != "cpu":
+        return False
+    from gmlx.kernels import fast  # imports mlx: after the platform's bring-up
+
+    return fast.enabled()
 
 
 def _window_from(s: Settings, trained: int) -> str:

@@ -19,6 +19,7 @@ from gmlx.capacity.estimate import estimate, estimate_not_loaded, fit_prefill
 from gmlx.capacity.plan import LiveState, plan
 from gmlx.capacity.table import header_table
 from gmlx.engine.prompt_cache import MISS
+from gmlx.kernels import fast as kernels_fast
 from gmlx.gguf.header import GGUFError, GGUFHeader, read_header
 from gmlx.gguf.tokenizer import load_tokenizer
 from gmlx.models.weights_mode import choose_mode
@@ -160,7 +161,8 @@ def _not_loaded_estimate(state: ServerState, path: Path, p: openai_api.Generatio
         log.warning("cannot estimate for %s: %s", path, e)
         raise APIError(404, f"model {p.model!r} in the models directory cannot be read", "model_not_found") from None
     s = state.settings
-    table, _ = header_table(h, s, mode=choose_mode(s.weights, h), memory=s.memory or platform.total_memory_bytes())
+    table, _ = header_table(h, s, mode=choose_mode(s.weights, h), memory=s.memory or platform.total_memory_bytes(),
+                            tiled_attention=kernels_fast.installed())
     return {**estimate_not_loaded(table, prompt_tokens=len(ids), max_tokens=p.max_tokens, free_now_bytes=None),
             "model": p.model}
 

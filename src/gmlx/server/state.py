@@ -11,6 +11,7 @@ from gmlx import platform
 from gmlx.capacity.memory import KVFormat
 from gmlx.capacity.table import CapacityTable, capacity_table
 from gmlx.engine.engine import Engine
+from gmlx.kernels import fast as kernels_fast
 from gmlx.server import openai_api
 from gmlx.server.admission import AdmissionGate
 from gmlx.server.errors import APIError
@@ -84,7 +85,8 @@ class ServerState:
                 loaded.geometry, weight_bytes=self.weight_bytes(), decode_batch=s.decode_batch,
                 prefill_step=s.prefill_step, kv=self.kv_format(measured.kv_dtype_bytes),
                 memory=memory, reserve_fraction=s.reserve_fraction, reserve_floor=s.reserve_floor,
-                context_length=loaded.context_length, prompt_cache_bytes=s.prompt_cache_limit(memory))
+                context_length=loaded.context_length, prompt_cache_bytes=s.prompt_cache_limit(memory),
+                tiled_attention=kernels_fast.installed())
         return self._table
 
     def kv_format(self, float_bytes: int) -> KVFormat:
