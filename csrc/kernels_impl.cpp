@@ -614,13 +614,15 @@ inline void row_dot(const uint8_t* w, const XQ& x, int M_, float* out) {
     }
   }
   float tail[MR] = {};
-  for (; b < nb32; b++) {  // the last nb32 % 4 blocks of one-block types
-    B::decode(w, b, wb);
-    const __m512i wv = _mm512_cvtepi8_epi16(wb[0].q);
-    for (int m = 0; m < M; m++) {
-      const __m512i p = _mm512_madd_epi16(wv, _mm512_loadu_si512(x.q + m * K + b * 32));
-      acc[0][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(wb[0].d * x.d[m * nb32 + b]), acc[0][m]);
-      if constexpr (has_min(TYPE)) tail[m] += wb[0].m * x.s[m * nb32 + b];
+  if constexpr (B::NB == 1) {
+    for (; b < nb32; b++) {  // the last nb32 % 4 blocks (super-block types have none: K % 256 == 0)
+      B::decode(w, b, wb);
+      const __m512i wv = _mm512_cvtepi8_epi16(wb[0].q);
+      for (int m = 0; m < M; m++) {
+        const __m512i p = _mm512_madd_epi16(wv, _mm512_loadu_si512(x.q + m * K + b * 32));
+        acc[0][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(wb[0].d * x.d[m * nb32 + b]), acc[0][m]);
+        if constexpr (has_min(TYPE)) tail[m] += wb[0].m * x.s[m * nb32 + b];
+      }
     }
   }
   for (int m = 0; m < M; m++) {

@@ -145,34 +145,35 @@ int64_t pick(const float* w, int64_t n, double target) {
 }
 
 // top_p's kept set among n candidates idx that hold it (every token outside ranks below them all):
-// the tokens with less than `target` of the mass e^(x - m) above them, and any tied with the last
+// the tokens with less than `target` of the mass e (e^(x - m)) above them, and any tied with the last
 // of those. A quickselect on the mass, O(n) expected where sorting a flat distribution's
 // candidates (most of the vocabulary) would cost far more; moves them to idx[0 .. returned).
-int64_t nucleus(const float* x, int32_t* idx, int64_t n, float m, double target) {
-  auto mass = [&](const int32_t* a, const int32_t* b) {
-    double s = 0.0;
-    for (; a < b; a++) s += std::exp(x[*a] - m);
-    return s;
-  };
+double mass(const float* e, const int32_t* a, const int32_t* b) {  // of the tokens a .. b, e their e^(x - m)
+  double s = 0.0;
+  for (; a < b; a++) s += e[*a];
+  return s;
+}
+
+int64_t nucleus(const float* x, const float* e, int32_t* idx, int64_t n, double target) {
   int32_t *lo = idx, *hi = idx + n;  // the edge of the kept set lies in [lo, hi); [idx, lo) is kept
   double above = 0.0;                // the mass of [idx, lo)
   while (hi - lo > 32) {
     const float pivot = x[lo[(hi - lo) / 2]];
     int32_t* gt = std::partition(lo, hi, [&](int32_t i) { return x[i] > pivot; });
     int32_t* eq = std::partition(gt, hi, [&](int32_t i) { return x[i] == pivot; });
-    const double m_gt = mass(lo, gt);
+    const double m_gt = mass(e, lo, gt);
     if (above + m_gt >= target) {
       hi = gt;
       continue;
     }
-    const double m_eq = mass(gt, eq);
+    const double m_eq = mass(e, gt, eq);
     if (above + m_gt + m_eq >= target) return eq - idx;  // the edge is the pivot's ties: all kept
     above += m_gt + m_eq;
     lo = eq;
   }
   std::sort(lo, hi, [x](int32_t a, int32_t b) { return x[a] > x[b]; });
   int32_t* j = lo;
-  for (; j < hi && above < target; j++) above += std::exp(x[*j] - m);
+  for (; j < hi && above < target; j++) above += e[*j];
   while (j < hi && j > idx && x[*j] == x[j[-1]]) j++;
   return j - idx;
 }
@@ -193,19 +194,16 @@ uint32_t sample_row(const Impl* impl, const float* x, int64_t V, float temperatu
   if (tl_index.size() < (size_t)V) tl_index.resize(V);
   int32_t* idx = tl_index.data();
   const float floor = by_min ? m + std::log(min_p) : -FLT_MAX;  // min_p's bound
-  const double z = by_p ? impl->exp_sum(x, V, m, 1.f, nullptr) : 0.0;  // the mass top_p measures
+  // the mass top_p measures, w[i] = e^(x[i] - m) at temperature 1 (overwritten only below)
+  const double z = by_p ? impl->exp_sum(x, V, m, 1.f, w) : 0.0;
   int64_t n = 0;
-  for (float drop = 2.f;; drop *= 2.f) {
+  for (float drop = by_p || by_k ? 2.f : INFINITY;; drop *= 2.f) {  // min_p alone: its bound at once
     const float t = std::max(drop > 256.f ? -FLT_MAX : m - drop, floor);
     n = impl->gather_ge(x, V, t, idx);
     if (t == floor || t == -FLT_MAX || (by_k && n >= top_k)) break;
-    if (by_p) {
-      double mass = 0.0;
-      for (int64_t j = 0; j < n; j++) mass += std::exp(x[idx[j]] - m);
-      if (mass >= top_p * z) break;
-    }
+    if (by_p && mass(w, idx, idx + n) >= top_p * z) break;
   }
-  if (by_p) n = nucleus(x, idx, n, m, top_p * z);
+  if (by_p) n = nucleus(x, w, idx, n, top_p * z);
   int64_t keep = n;
   if (by_k && n > top_k) {
     std::partial_sort(idx, idx + top_k, idx + n,

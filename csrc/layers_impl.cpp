@@ -8,8 +8,8 @@
 #include <math.h>
 #include <string.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>  // _mm512_reduce_add_ps
 #endif
 
 #ifndef GMLX_ISA
@@ -346,6 +346,11 @@ void qk_rows(const float* Q, int64_t R, int64_t D, const float* K, int64_t ks, i
   for (; t < T; t++) keys.template operator()<1>(t);
 }
 
+// Whether the mask lets a query see the key at element i of the mask: true, or a float above -inf.
+inline bool mask_at(const AttentionArgs& a, int64_t i) {
+  return a.mask_bool ? ((const uint8_t*)a.mask)[i] != 0 : ((const float*)a.mask)[i] != -INFINITY;
+}
+
 // Row s of the scores of query (b, h, l) against keys t0 .. t0 + width: -inf past the first
 // `seen` and where the mask excludes a key, the mask's value added where it is float; returns the
 // row's maximum.
@@ -354,13 +359,11 @@ float mask_row(const AttentionArgs& a, int64_t b, int64_t h, int64_t l, int64_t 
   for (int64_t j = seen; j < width; j++) s[j] = -INFINITY;
   if (a.mask) {
     const int64_t base = b * a.ms[0] + h * a.ms[1] + l * a.ms[2] + t0 * a.ms[3];
-    if (a.mask_bool) {
-      const uint8_t* m = (const uint8_t*)a.mask + base;
-      for (int64_t j = 0; j < seen; j++)
-        if (!m[j * a.ms[3]]) s[j] = -INFINITY;
-    } else {
-      const float* m = (const float*)a.mask + base;
-      for (int64_t j = 0; j < seen; j++) s[j] += m[j * a.ms[3]];
+    for (int64_t j = 0; j < seen; j++) {
+      if (a.mask_bool)
+        s[j] = mask_at(a, base + j * a.ms[3]) ? s[j] : -INFINITY;
+      else
+        s[j] += ((const float*)a.mask)[base + j * a.ms[3]];
     }
   }
   const int64_t wv = width / FW * FW;
@@ -379,11 +382,8 @@ float mask_row(const AttentionArgs& a, int64_t b, int64_t h, int64_t l, int64_t 
 bool masked_out(const AttentionArgs& a, int64_t b, int64_t h, int64_t l0, int64_t l1, int64_t t0, int64_t n) {
   for (int64_t l = l0; l < l1; l++) {
     const int64_t base = b * a.ms[0] + h * a.ms[1] + l * a.ms[2] + t0 * a.ms[3];
-    for (int64_t j = 0; j < n; j++) {
-      const bool open = a.mask_bool ? ((const uint8_t*)a.mask)[base + j * a.ms[3]] != 0
-                                    : ((const float*)a.mask)[base + j * a.ms[3]] != -INFINITY;
-      if (open) return false;
-    }
+    for (int64_t j = 0; j < n; j++)
+      if (mask_at(a, base + j * a.ms[3])) return false;
   }
   return true;
 }
@@ -464,7 +464,7 @@ void attend_rows(const AttentionArgs& a, int64_t b, int64_t h, int64_t l0, int64
         for (int64_t d = 0; d < D; d++) O[i * D + d] *= c;
       mrow[i] = mnew;
     }
-    pv(S, ATTN_KEYS, Rp, vb + t0 * a.vs[2], a.vs[2], n, D, O);
+    pv(S, ATTN_KEYS, R, vb + t0 * a.vs[2], a.vs[2], n, D, O);  // the padding rows add nothing
   }
   float* out = a.out + ((b * a.Hq + h) * L + l0) * D;
   for (int64_t i = 0; i < R; i++) {  // a row that saw no key (all masked) gives zeros, not NaN
