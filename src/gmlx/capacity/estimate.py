@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -29,9 +30,7 @@ def fit_prefill(chunks: Iterable[tuple[int, float]]) -> PrefillFit | None:
     rows = [(float(n), t) for n, t in chunks if n > 0 and t > 0]
     if len(rows) < 2 or max(n for n, _ in rows) < 2 * min(n for n, _ in rows):
         return None
-    mn, mt = sum(n for n, _ in rows) / len(rows), sum(t for _, t in rows) / len(rows)
-    slope = sum((n - mn) * (t - mt) for n, t in rows) / sum((n - mn) ** 2 for n, _ in rows)
-    fixed = mt - slope * mn
+    slope, fixed = statistics.linear_regression([n for n, _ in rows], [t for _, t in rows])
     if slope <= 0:
         return None
     return PrefillFit(max(fixed, 0.0), slope)

@@ -155,7 +155,7 @@ def _serve(settings: Settings) -> int:
     engine.start()
     threading.Thread(target=report_load, name="load-report", daemon=True).start()
     server.run()
-    engine.stop()
+    engine.stop()  # the app's lifespan stops it too; this covers a server that never started
     return EXIT_BAD_MODEL if engine.load_error else 0
 
 

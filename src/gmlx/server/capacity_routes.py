@@ -19,14 +19,15 @@ from gmlx.capacity.estimate import estimate, estimate_not_loaded, fit_prefill
 from gmlx.capacity.plan import LiveState, plan
 from gmlx.capacity.table import header_table
 from gmlx.engine.prompt_cache import MISS
-from gmlx.kernels import fast as kernels_fast
 from gmlx.gguf.header import GGUFError, GGUFHeader, read_header
 from gmlx.gguf.tokenizer import load_tokenizer
+from gmlx.kernels import fast as kernels_fast
 from gmlx.models.weights_mode import choose_mode
 from gmlx.server import openai_api
 from gmlx.server.errors import APIError, bad_request
 from gmlx.server.http import read_json
 from gmlx.server.state import ServerState
+from gmlx.server.system import models_dir_files
 
 log = logging.getLogger("gmlx.capacity")
 _READERS = 4  # other models' tokenizers kept in memory
@@ -138,9 +139,7 @@ async def _served_estimate(state: ServerState, p: openai_api.GenerationParams) -
 def _models_dir_file(state: ServerState, model: str) -> Path | None:
     """The models directory's `<model>.gguf`, matched by listing (as /system lists it), so a name
     cannot reach outside the directory."""
-    folder = state.settings.models_dir
-    files = Path(folder).glob("*.gguf") if folder else ()
-    return next((f for f in files if f.stem == model and f.is_file()), None)
+    return models_dir_files(state.settings.models_dir).get(model)
 
 
 @functools.lru_cache(maxsize=_READERS)

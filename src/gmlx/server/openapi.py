@@ -132,7 +132,7 @@ SCHEMAS: dict[str, dict] = {
             "fits_now": {"type": ["boolean", "null"]}, "fits_drained": {"type": ["boolean", "null"]},
             "context_ok": {"type": "boolean"}, "context_limit": {"type": "integer"},
             "est_ttft_s": {"type": ["number", "null"]}, "resident": {"type": "boolean"},
-            "model": {"type": "string"}, "estimated": {"type": "boolean"}, "note": {"type": "string"}},
+            "model": {"type": "string"}, "estimated": {"type": "boolean"}},
     },
     "Plan": {
         "type": "object",

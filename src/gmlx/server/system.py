@@ -90,10 +90,15 @@ def available_models(state: ServerState) -> list[dict]:
     loaded = state.engine.loaded
     served = loaded.header.path if loaded is not None else None
     models = [{"name": state.model_id, "size_bytes": _size(served) if served else None}]
-    if state.settings.models_dir:  # pathlib's glob skips what it cannot read; /system is polled, so no log
-        files = sorted(Path(state.settings.models_dir).glob("*.gguf"))
-        models += [{"name": f.stem, "size_bytes": _size(f)} for f in files if f.stem != state.model_id and f.is_file()]
+    others = models_dir_files(state.settings.models_dir)
+    models += [{"name": name, "size_bytes": _size(f)} for name, f in sorted(others.items()) if name != state.model_id]
     return models
+
+
+def models_dir_files(folder: str | None) -> dict[str, Path]:
+    """The models directory's *.gguf files by model id (their stem). pathlib's glob skips what it
+    cannot read; /system is polled, so no log."""
+    return {f.stem: f for f in Path(folder).glob("*.gguf") if f.is_file()} if folder else {}
 
 
 def _size(path: Path) -> int | None:
