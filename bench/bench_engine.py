@@ -24,13 +24,13 @@ import json
 import pstats
 import threading
 import time
-from pathlib import Path
 
 import gmlx  # noqa: F401  (BLAS bring-up before mlx)
 import numpy as np
 
 from bench.bench_kernels import step_decode
 from bench.bench_serve import run_width
+from gmlx.default_model import resolve_model
 from gmlx.engine.engine import Chunk, Engine, Event, Finished, Request
 from gmlx.engine.sampling import SamplingParams
 from gmlx.server.build import build_engine
@@ -114,12 +114,7 @@ def main() -> None:
                     help="gmlx servers to measure too, each round (as bench_serve does); start them with "
                          "--decode-batch at the widest width and --prompt-cache-bytes 0")
     args = ap.parse_args()
-    if args.model:
-        path = Path(args.model)
-    else:
-        from gmlx.default_model import default_model_path
-
-        path = default_model_path()
+    path = resolve_model(args.model)
     settings = resolve_settings({"decode_batch": max(args.widths), "prompt_cache_bytes": 0,
                                  "log_level": "warning"}, env={})
     engine = build_engine(settings, path)

@@ -369,19 +369,19 @@ def main() -> None:
         (result["gmlx"][name] if name in result["gmlx"] else result["llama_cpp"]).update(best[name])
     result["load_average_1m_end"] = os.getloadavg()[0]
 
+    def ratio(g: dict, ref: dict) -> dict:
+        return {**{f"decode_b{b}": round(g["decode_tok_s"][str(b)] / ref["decode_tok_s"][str(b)], 2) for b in BATCHES},
+                "prefill_512": round(g["prefill_512_tok_s"] / ref["prefill_512_tok_s"], 2)}
+
     ratios = {}
     g = result["gmlx"].get("gguf", {})
     for peer, ref in (("float", result["gmlx"].get("float", {})), ("llama_cpp", result.get("llama_cpp", {}))):
         if "decode_tok_s" in g and "decode_tok_s" in ref:
-            ratios[f"gguf_vs_{peer}"] = {
-                **{f"decode_b{b}": round(g["decode_tok_s"][str(b)] / ref["decode_tok_s"][str(b)], 2) for b in BATCHES},
-                "prefill_512": round(g["prefill_512_tok_s"] / ref["prefill_512_tok_s"], 2)}
-    modes = list(result["gmlx"])
-    for mode in modes[1:]:
-        g, ref = result["gmlx"][mode], result["gmlx"][modes[0]]
-        ratios[f"{mode}_vs_{modes[0]}"] = {
-            **{f"decode_b{b}": round(g["decode_tok_s"][str(b)] / ref["decode_tok_s"][str(b)], 2) for b in BATCHES},
-            "prefill_512": round(g["prefill_512_tok_s"] / ref["prefill_512_tok_s"], 2)}
+            ratios[f"gguf_vs_{peer}"] = ratio(g, ref)
+    if ":" in args.modes:  # ISAs side by side: each later mode against the first
+        modes = list(result["gmlx"])
+        for mode in modes[1:]:
+            ratios[f"{mode}_vs_{modes[0]}"] = ratio(result["gmlx"][mode], result["gmlx"][modes[0]])
     result["ratios"] = ratios
     RESULTS.mkdir(exist_ok=True)
     # an ISA comparison keeps its own file beside the modes' comparison

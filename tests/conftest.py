@@ -19,6 +19,8 @@ from tiny_models import write_model
 
 import gmlx  # noqa: F401  (preloads the BLAS before anything imports mlx)
 
+MiB = 2**20
+
 
 def _isas() -> list[str]:
     """Every ISA of gmlx.kernels this host runs (set_isa falls back to a narrower one where one is missing)."""
@@ -163,3 +165,63 @@ class ServeProcess:
 
     def log(self) -> str:
         return self._log.read_text(errors="replace")[-4000:]
+
+
+@pytest.fixture
+def no_settings_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CLI commands read the server's settings from the environment; the tests start from defaults."""
+    for name in os.environ:
+        if name.startswith("GMLX_") or name in ("MAX_CONCURRENCY", "QUEUE_SIZE", "QUEUE_TIMEOUT_S", "PORT"):
+            monkeypatch.delenv(name)
+
+
+def invoke(*args: object):
+    """A gmlx command run in-process, as typer's test runner runs it."""
+    from typer.testing import CliRunner
+
+    from gmlx.cli.main import app
+
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def invoke_json(*args: object, code: int | None = 0) -> dict:
+    import json
+
+    r = invoke(*args, "--json")
+    assert r.exit_code == code if code is not None else r.exit_code in (0, 1), r.output
+    return json.loads(r.stdout)
+
+
+def offline_table(path: Path, memory: int, decode_batch: int = 4, context_length: int | None = None,
+                  prompt_cache_bytes: int | None = None):
+    """The table a float-weights server with these settings builds for the file (the server's defaults otherwise)."""
+    from gmlx.capacity.budget import default_prompt_cache_bytes
+    from gmlx.capacity.memory import KVFormat
+    from gmlx.capacity.table import capacity_table
+    from gmlx.gguf.header import read_header
+    from gmlx.kernels import fast
+    from gmlx.models.weights_mode import resident_bytes
+
+    h = read_header(path)
+    return capacity_table(h.geometry, weight_bytes=resident_bytes(h, "float"), decode_batch=decode_batch,
+                          prefill_step=512, kv=KVFormat(float_bytes=4), memory=memory,
+                          reserve_fraction=0.10, reserve_floor=512 * MiB, context_length=context_length,
+                          prompt_cache_bytes=default_prompt_cache_bytes(memory) if prompt_cache_bytes is None
+                          else prompt_cache_bytes, tiled_attention=fast.enabled())
+
+
+@pytest.fixture
+def small_memory_model(tmp_path: Path) -> tuple[Path, int]:
+    """A tiny model with a 4096-token window on a budget that holds about 1500 tokens of KV.
+    (So small a budget is below the test process's own resident memory, which would turn the
+    governor red; the servers on it run without one, as these tests are about the arithmetic.)"""
+    from gmlx.capacity.budget import PROMPT_CACHE_SHARE
+
+    path = write_model(tmp_path / "cap.gguf", "llama", context=4096)
+    probe = offline_table(path, 10**12)
+    kv_per_token = probe.stream_bytes(256) // 256
+    budget = probe.budget
+    # The prompt cache's default share of memory comes off the top too.
+    memory = int((budget.weight_bytes + budget.prefill_bytes + 512 * MiB + 1500 * kv_per_token)
+                 / (1 - 1 / PROMPT_CACHE_SHARE) / 0.999)
+    return path, memory

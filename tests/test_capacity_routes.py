@@ -8,46 +8,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import LiveServer
+from conftest import LiveServer, offline_table
 
-from gmlx.capacity.budget import PROMPT_CACHE_SHARE, default_prompt_cache_bytes
-from gmlx.capacity.memory import KVFormat
-from gmlx.capacity.table import capacity_table
-from gmlx.gguf.header import read_header
-from gmlx.kernels import fast
-from gmlx.models.weights_mode import resident_bytes
 
 PLAN = "/v1/capacity/plan"
 FIELDS = ["width", "depth", "ok", "max_context_at_width", "max_width_at_depth", "model", "band",
           "decode_batch", "in_flight", "waiting", "slots", "admit_now", "reason"]
-MiB = 2**20
-
-
-def offline_table(path: Path, memory: int, decode_batch: int = 4, context_length: int | None = None,
-                  prompt_cache_bytes: int | None = None):
-    h = read_header(path)
-    return capacity_table(h.geometry, weight_bytes=resident_bytes(h, "float"), decode_batch=decode_batch,
-                          prefill_step=512, kv=KVFormat(float_bytes=4), memory=memory,
-                          reserve_fraction=0.10, reserve_floor=512 * MiB, context_length=context_length,
-                          prompt_cache_bytes=default_prompt_cache_bytes(memory) if prompt_cache_bytes is None
-                          else prompt_cache_bytes, tiled_attention=fast.enabled())
-
-
-@pytest.fixture
-def small_memory_model(tmp_path: Path) -> tuple[Path, int]:
-    """A tiny model with a 4096-token window on a budget that holds about 1500 tokens of KV.
-    (So small a budget is below the test process's own resident memory, which would turn the
-    governor red; the servers on it run without one, as these tests are about the arithmetic.)"""
-    from tiny_models import write_model
-
-    path = write_model(tmp_path / "cap.gguf", "llama", context=4096)
-    probe = offline_table(path, 10**12)
-    kv_per_token = probe.stream_bytes(256) // 256
-    budget = probe.budget
-    # The prompt cache's default share of memory comes off the top too.
-    memory = int((budget.weight_bytes + budget.prefill_bytes + 512 * MiB + 1500 * kv_per_token)
-                 / (1 - 1 / PROMPT_CACHE_SHARE) / 0.999)
-    return path, memory
 
 
 def test_plan_fields_and_memory_answer(small_memory_model: tuple[Path, int]) -> None:

@@ -3,67 +3,21 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
-from conftest import LiveServer
-from typer.testing import CliRunner
+from conftest import MiB, LiveServer, invoke, invoke_json
 
-from gmlx.capacity.budget import PROMPT_CACHE_SHARE
-from gmlx.capacity.memory import KVFormat
-from gmlx.capacity.table import capacity_table
-from gmlx.cli.main import app
-from gmlx.gguf.header import read_header
-from gmlx.kernels import fast
-from gmlx.models.weights_mode import resident_bytes
-
-runner = CliRunner()
-MiB = 2**20
+pytestmark = pytest.mark.usefixtures("no_settings_env")
 PLAN_FIELDS = ["width", "depth", "ok", "max_context_at_width", "max_width_at_depth", "model", "band",
                "decode_batch", "in_flight", "waiting", "slots", "admit_now", "reason"]
 SAME_AS_SERVER = ("ok", "max_context_at_width", "max_width_at_depth")
-
-
-@pytest.fixture(autouse=True)
-def _no_settings_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The commands read the server's settings from the environment; the tests start from defaults."""
-    for name in os.environ:
-        if name.startswith("GMLX_") or name in ("MAX_CONCURRENCY", "QUEUE_SIZE", "QUEUE_TIMEOUT_S", "PORT"):
-            monkeypatch.delenv(name)
-
-
-def invoke(*args: object):
-    return runner.invoke(app, [str(a) for a in args])
-
-
-def invoke_json(*args: object, code: int | None = 0) -> dict:
-    r = invoke(*args, "--json")
-    assert r.exit_code == code if code is not None else r.exit_code in (0, 1), r.output
-    return json.loads(r.stdout)
 
 
 def one_line_error(r, code: int = 2) -> str:
     assert r.exit_code == code, r.output
     assert r.stderr.startswith("error:") and len(r.stderr.strip().splitlines()) == 1, r.stderr
     return r.stderr
-
-
-@pytest.fixture
-def small_memory_model(tmp_path: Path) -> tuple[Path, int]:
-    """A tiny model with a 4096-token window on a budget that holds about 1500 tokens of KV."""
-    from tiny_models import write_model
-
-    path = write_model(tmp_path / "cap.gguf", "llama", context=4096)
-    h = read_header(path)
-    probe = capacity_table(h.geometry, weight_bytes=resident_bytes(h, "float"), decode_batch=4, prefill_step=512,
-                           kv=KVFormat(float_bytes=4), memory=10**12, context_length=4096,
-                           tiled_attention=fast.enabled())
-    kv_per_token = probe.stream_bytes(256) // 256
-    b = probe.budget
-    # The prompt cache's default share of memory comes off the top too.
-    return path, int((b.weight_bytes + b.prefill_bytes + 512 * MiB + 1500 * kv_per_token)
-                     / (1 - 1 / PROMPT_CACHE_SHARE) / 0.999)
 
 
 def test_plan_ok(tiny_models: dict[str, Path]) -> None:

@@ -6,10 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import LiveServer
-from test_cli_plan import _no_settings_env, invoke_json  # noqa: F401 (autouse: the CLI reads GMLX_* settings)
+from conftest import LiveServer, invoke_json
 from tiny_models import write_model
 
+pytestmark = pytest.mark.usefixtures("no_settings_env")  # the CLI reads GMLX_* settings
 MEMORY = 4 * 2**30
 BODY = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"}],
         "max_tokens": 100}

@@ -240,11 +240,12 @@ def test_system_is_open_and_has_no_content(tiny_models: dict[str, Path]) -> None
 
 def test_poll_routes_never_wait_on_the_engine(live_server: LiveServer) -> None:
     """With the engine thread stuck in a request's callback, every poll route still answers at once."""
-    stuck, release = threading.Event(), threading.Event()
+    stuck, release, returned = threading.Event(), threading.Event(), threading.Event()
 
     def hold(_: object) -> None:  # runs on the engine thread, which stays here until released
         stuck.set()
         release.wait(30)
+        returned.set()
 
     live_server.engine.submit(Request("stuck", [1], 0, emit=hold))  # max_tokens 0: failed at once, in emit
     assert stuck.wait(10)
@@ -254,6 +255,6 @@ def test_poll_routes_never_wait_on_the_engine(live_server: LiveServer) -> None:
                 start = time.perf_counter()
                 assert c.get(route).status_code == 200, route
                 assert time.perf_counter() - start < 0.5, route
-        assert live_server.engine.alive and not release.is_set()  # still stuck the whole time
+        assert live_server.engine.alive and not returned.is_set()  # still stuck the whole time
     finally:
         release.set()
