@@ -222,18 +222,13 @@ class _Llama:
     def __init__(self, model: Path):
         import httpx
 
-        from bench.peers import cores, llama_server_path
+        from bench.peers import peer
 
-        binary = llama_server_path()  # raises Missing
         port = 18000 + os.getpid() % 1000
-        env = {**os.environ, "LD_LIBRARY_PATH": os.pathsep.join(filter(None, [str(binary.parent),
-                                                                               os.environ.get("LD_LIBRARY_PATH")]))}
-        argv = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-np", "8",
-                "-t", str(cores()), "-c", str(8 * 1024), "--cont-batching", "--no-cache-prompt", "--no-webui",
-                "--log-disable"]
-        ver = subprocess.run([str(binary), "--version"], capture_output=True, text=True, env=env)
-        self.version = next((ln for ln in (ver.stdout + ver.stderr).splitlines() if ln.startswith("version")), "")
-        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        p = peer("llama-cpp", model, port, 1024)  # serve's command line (-np 8, 1024 tokens a slot); raises Missing
+        self.version = p.version
+        self.proc = subprocess.Popen(p.argv, env={**os.environ, **p.env}, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
         self.url = f"http://127.0.0.1:{port}"
         self.client = httpx.Client(timeout=300)
         for _ in range(600):
