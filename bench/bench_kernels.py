@@ -54,8 +54,10 @@ def step_decode(model, b: int, steps: int, rng: np.random.Generator) -> float:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    def step(y, cache):
-        return model(y, cache=cache)[:, -1].argmax(-1)[:, None]
+    from gmlx.engine.sampling import greedy
+
+    def step(y, cache):  # the engine's greedy sampler (gmlx's argmax node where the kernels run)
+        return greedy(model(y, cache=cache)[:, -1])[:, None]
 
     cache = make_prompt_cache(model)
     y = step(mx.array(rng.integers(1000, 20000, (b, PROMPT))), cache)
@@ -124,6 +126,7 @@ def _profile(model, steps: int) -> dict:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
+    from gmlx.engine.sampling import greedy
     from gmlx.kernels import GGUFEmbedding, GGUFLinear
 
     def timed(fn, reps):
@@ -134,12 +137,12 @@ def _profile(model, steps: int) -> dict:
         return (time.perf_counter() - t) / reps * 1e3
 
     cache = make_prompt_cache(model)
-    y = model(mx.array([[1000 + i for i in range(PROMPT)]]), cache=cache)[:, -1].argmax(-1)[:, None]
+    y = greedy(model(mx.array([[1000 + i for i in range(PROMPT)]]), cache=cache)[:, -1])[:, None]
     mx.eval(y)
 
     def one_step():
         nonlocal y
-        y = model(y, cache=cache)[:, -1].argmax(-1)[:, None]
+        y = greedy(model(y, cache=cache)[:, -1])[:, None]
         mx.eval(y)
 
     total = timed(one_step, steps)

@@ -1,8 +1,8 @@
 // Quantized matrix multiply over GGUF (GGML) block formats, CPU.
 //
-// The same source (kernels_impl.cpp) is compiled once per instruction set
-// (generic, AVX2+FMA+F16C, AVX-512) into its own namespace; ops.cpp picks one
-// at run time with __builtin_cpu_supports. Nothing from the C++ standard
+// The same source (kernels_impl.cpp) is compiled once per instruction set (generic,
+// AVX2+FMA+F16C, AVX-512, AVX-512 with AMX's int8 tiles) into its own namespace; ops.cpp
+// picks one at run time with __builtin_cpu_supports (and cpuid, for AMX). Nothing from the C++ standard
 // library crosses this interface, so no inline function compiled for a wider
 // ISA can leak into code that runs on a narrower one.
 #pragma once
@@ -73,7 +73,9 @@ struct Impl {
   // out[r, :] = dequant(rows[r]) for r < n_rows
   void (*dequant_rows)(int type, const uint8_t* rows, int64_t n_rows, int64_t K, int64_t row_bytes, float* out);
   // Decode path (few activation rows): x coded as int16 per element with one scale per 32
-  // (|code| <= 2^(bits-1) - 1), then integer dot products. Buffers: xq M*K, xd and xs M*K/32.
+  // (|code| <= 2^(bits-1) - 1), then integer dot products. Buffers: xq M*K, xd and xs M*K/32,
+  // in a layout of the ISA's own, each pass of INT_ROWS rows at (xq, xd, xs) + its first row's
+  // offset (row m0 at xq + m0 * K, xd + m0 * K/32).
   // int_supported: this ISA has the path for (type, M).
   bool (*int_supported)(int type, int64_t M);
   void (*quantize_x)(const MatmulArgs& a, int bits, int16_t* xq, float* xd, float* xs);
@@ -112,5 +114,6 @@ static inline int64_t attend_rows_work(int64_t rows, int64_t D) {
 namespace generic { extern const Impl impl; }
 namespace avx2 { extern const Impl impl; }
 namespace avx512 { extern const Impl impl; }
+namespace amx { extern const Impl impl; }
 
 }  // namespace gmlx_kernels

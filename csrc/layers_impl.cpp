@@ -13,7 +13,7 @@
 #endif
 
 #ifndef GMLX_ISA
-#error "GMLX_ISA must name the namespace (generic, avx2, avx512)"
+#error "GMLX_ISA must name the namespace (generic, avx2, avx512, amx)"
 #endif
 
 namespace gmlx_kernels {

@@ -14,6 +14,11 @@
 #if defined(__unix__) || defined(__APPLE__)
 #include <dlfcn.h>
 #endif
+#if defined(GMLX_HAVE_AMX) && defined(__linux__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/allocator.h"
@@ -56,6 +61,22 @@ int n_threads() {
 
 namespace {
 
+// AMX's int8 tiles: the CPU has them (cpuid) and Linux lets this process use them (a kernel
+// before 5.16, or a hypervisor that hides them, refuses the request).
+bool amx_usable() {
+#if defined(GMLX_HAVE_AMX) && defined(__linux__)
+  static const bool ok = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25))) return false;
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
 const Impl* choose_impl(std::string want) {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_cpu_init();
@@ -63,11 +84,14 @@ const Impl* choose_impl(std::string want) {
                       __builtin_cpu_supports("avx512vl");
   const bool has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                     __builtin_cpu_supports("f16c");
+#ifdef GMLX_HAVE_AMX
+  if ((want.empty() || want == "amx") && has512 && amx_usable()) return &amx::impl;
+#endif
 #ifdef GMLX_HAVE_AVX512
-  if ((want.empty() || want == "avx512") && has512) return &avx512::impl;
+  if ((want.empty() || want == "avx512" || want == "amx") && has512) return &avx512::impl;
 #endif
 #ifdef GMLX_HAVE_AVX2
-  if ((want.empty() || want == "avx2" || want == "avx512") && has2) return &avx2::impl;
+  if ((want.empty() || want == "avx2" || want == "avx512" || want == "amx") && has2) return &avx2::impl;
 #endif
 #endif
   return &generic::impl;
@@ -216,7 +240,7 @@ std::atomic<const Impl*> g_impl{nullptr};
 const Impl* active_impl() {
   const Impl* impl = g_impl.load(std::memory_order_acquire);
   if (!impl) {
-    const char* force = std::getenv("GMLX_KERNELS_ISA");  // generic, avx2, avx512: tests and benchmarks
+    const char* force = std::getenv("GMLX_KERNELS_ISA");  // generic, avx2, avx512, amx: tests and benchmarks
     impl = choose_impl(force ? force : "");
     g_impl.store(impl, std::memory_order_release);
   }

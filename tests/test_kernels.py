@@ -6,10 +6,10 @@ activations. Bounds, per output y[m, n]:
   INT_PATH_ROWS activation rows, through OpenBLAS's sgemm on dequantized panels where gmlx
   preloaded it): |y - ref| <= BOUND * sum_k |x_k| |w_k| (float32 products summed in
   float32; measured max about 1e-7 for K up to 4096);
-- integer path (AVX2/AVX-512, fewer than INT_PATH_ROWS activation rows, 8 at a time): each activation
-  is coded as an integer of `bits` bits with one scale per 32-block (8: llama.cpp's Q8_0
-  activations; 16: the default). Add sum over blocks b of (max_b |x| / (2^(bits-1) - 1) / 2)
-  * sum_{k in b} |w_k|.
+- integer path (AVX2/AVX-512/AMX, fewer than INT_PATH_ROWS activation rows, 8 at a time): each
+  activation is coded as an integer of `bits` bits with one scale per 32-block (8: llama.cpp's Q8_0
+  activations; 16: the default). Add sum over blocks b of (max_b |x| / qmax / 2) * sum_{k in b} |w_k|,
+  qmax = 2^(bits-1) - 1 (AMX, 16 bits: 32639).
 Dequantized rows must equal gguf's float32 values exactly.
 """
 
@@ -59,10 +59,12 @@ def act_bits(request):
     ext.set_act_bits(16)
 
 
-def activation_rounding_bound(x: np.ndarray, wd: np.ndarray, bits: int) -> np.ndarray:
-    """(m, n): sum over 32-blocks of half an integer code's step of x's block times sum |w| in that block."""
+def activation_rounding_bound(x: np.ndarray, wd: np.ndarray, bits: int, isa: str) -> np.ndarray:
+    """(m, n): sum over 32-blocks of half an integer code's step of x's block times sum |w| in that block.
+    The largest code is 2^(bits - 1) - 1, but 32639 for AMX's 16 bits (two int8 halves, hi = (code + 128) >> 8)."""
     m, k = x.shape
-    step = np.abs(x.astype(np.float64)).reshape(m, k // 32, 32).max(-1) / (2 ** (bits - 1) - 1)
+    qmax = 32639 if isa == "amx" and bits == 16 else 2 ** (bits - 1) - 1
+    step = np.abs(x.astype(np.float64)).reshape(m, k // 32, 32).max(-1) / qmax
     wabs = np.abs(wd).reshape(wd.shape[0], k // 32, 32).sum(-1)
     return 0.5 * step @ wabs.T
 
@@ -101,7 +103,7 @@ def test_matmul_matches_float64_reference(t, isa, act_bits, blas):
         assert y.shape == (m, n) and y.dtype == np.float32
         bound = BOUND * (np.abs(x).astype(np.float64) @ np.abs(wd).T)
         if act_bits and isa != "generic" and m < INT_PATH_ROWS:
-            bound = bound + activation_rounding_bound(x, wd, act_bits)
+            bound = bound + activation_rounding_bound(x, wd, act_bits, isa)
         worst = np.max(np.abs(y - ref) - bound)
         assert worst <= 0, f"{t.name} {isa} N={n} K={k} M={m}: error over bound by {worst}"
 
@@ -125,12 +127,15 @@ def test_leading_dims_dtypes_and_strides():
     x = rng.standard_normal((2, 3, k)).astype(np.float32)
     ref = x @ wd.T
     wm = mx.array(w)
+    flat = np.array(gk.matmul(mx.array(x.reshape(6, k)), wm, t, n, k))
+    bound = BOUND * (np.abs(x) @ np.abs(wd).T).reshape(6, n) + activation_rounding_bound(x.reshape(6, k), wd, 16, gk.isa())
+    assert np.all(np.abs(flat - ref.reshape(6, n)) <= bound)
+    # leading dimensions and a transposed (non-contiguous) input give the same products
     y = gk.matmul(mx.array(x), wm, t, n, k)
     assert y.shape == (2, 3, n)
-    np.testing.assert_allclose(np.array(y), ref, rtol=1e-4, atol=1e-3)
-    # a transposed (non-contiguous) input
+    assert np.array_equal(np.array(y), flat.reshape(2, 3, n))
     xt = mx.array(np.ascontiguousarray(x.reshape(6, k).T)).T
-    np.testing.assert_allclose(np.array(gk.matmul(xt, wm, t, n, k)), ref.reshape(6, n), rtol=1e-4, atol=1e-3)
+    assert np.array_equal(np.array(gk.matmul(xt, wm, t, n, k)), flat)
     for dt in (mx.float16, mx.bfloat16):
         yh = gk.matmul(mx.array(x).astype(dt), wm, t, n, k)
         assert yh.dtype == dt
