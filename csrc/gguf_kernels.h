@@ -23,8 +23,13 @@ int type_size(int type);
 
 // Rows of W dequantized together: the unit of work handed to a thread.
 constexpr int ROW_TILE = 16;
-// Activation rows the integer (decode) path takes in one pass over the weights.
+// Activation rows the integer path takes in one pass over a slice of weights.
 constexpr int INT_ROWS = 8;
+// The int16 (AVX2/AVX-512) integer path takes fewer rows than this; more go to the float path
+// (OpenBLAS's sgemm, faster from here). AMX's takes any number.
+constexpr int64_t INT16_MAX_ROWS = 64;
+// Bytes of scratch per input feature matmul_rows_int needs (AMX: 16 rows' int8 codes and scales).
+constexpr int64_t INT_SCRATCH_PER_K = 20;
 
 struct MatmulArgs {
   int type;              // GGML type of W
@@ -72,15 +77,16 @@ struct Impl {
   void (*matmul_rows)(const MatmulArgs& a, int64_t n0, int64_t n1, float* scratch);
   // out[r, :] = dequant(rows[r]) for r < n_rows
   void (*dequant_rows)(int type, const uint8_t* rows, int64_t n_rows, int64_t K, int64_t row_bytes, float* out);
-  // Decode path (few activation rows): x coded as int16 per element with one scale per 32
-  // (|code| <= 2^(bits-1) - 1), then integer dot products. Buffers: xq M*K, xd and xs M*K/32,
-  // in a layout of the ISA's own, each pass of INT_ROWS rows at (xq, xd, xs) + its first row's
-  // offset (row m0 at xq + m0 * K, xd + m0 * K/32).
-  // int_supported: this ISA has the path for (type, M).
+  // Integer path: x coded as int16 per element with one scale per 32 (|code| <= 2^(bits-1) - 1),
+  // then integer dot products. Buffers: xq M*K, xd and xs M*K/32, in a layout of the ISA's own,
+  // each pass of INT_ROWS rows at (xq, xd, xs) + its first row's offset (row m0 at xq + m0 * K,
+  // xd + m0 * K/32): quantize_x may code any whole passes of rows apart.
+  // int_supported: this ISA has the path for (type, M). matmul_rows_int takes every row of x,
+  // INT_ROWS at a time; scratch holds INT_SCRATCH_PER_K * K bytes, 64-byte aligned.
   bool (*int_supported)(int type, int64_t M);
   void (*quantize_x)(const MatmulArgs& a, int bits, int16_t* xq, float* xd, float* xs);
   void (*matmul_rows_int)(const MatmulArgs& a, const int16_t* xq, const float* xd, const float* xs,
-                          int64_t n0, int64_t n1);
+                          int64_t n0, int64_t n1, void* scratch);
   // y[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w (w may be null), rows of D floats
   void (*rms_norm_rows)(const float* x, const float* w, float* y, int64_t rows, int64_t D, float eps);
   // h[i] = act(g[i]) * u[i] for i < n; act GATED_SILU or GATED_GELU_APPROX (h may be g)

@@ -737,8 +737,6 @@ void rows_int(const MatmulArgs& a, const XQ& x, int64_t n0, int64_t n1) {
   }
 }
 
-bool int_supported(int type, int64_t M) { return M >= 1 && M <= MMAX && block_size(type) > 0; }
-
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
 // ---- AMX (Intel Sapphire Rapids on): the decode path as int8 tile products ----
 //
@@ -789,13 +787,11 @@ struct TileConfig {
   uint8_t rows[16];
 };
 
-constexpr int64_t AMX_SLAB = 1024;  // codes of 16 weight rows unpacked at a time (16 KB)
-
-// The float scales wd (and minimum multipliers wm) of the sub-blocks of 16 weight rows from
-// row pointer w (rows rb bytes apart; lanes past `valid` are 0) covering codes k0 .. k0 + kn:
-// [t][i] for sub-block t of the slab and row i, gathered from the rows' bytes 16 lanes at once.
+// The float scales wd (and minimum multipliers wm) of every sub-block of 16 weight rows from
+// row pointer w (rows rb bytes apart; lanes past `valid` are 0): [t][i] for sub-block t and row
+// i, gathered from the rows' bytes 16 lanes at once.
 template <int TYPE>
-void amx_scales(const uint8_t* w, int64_t rb, __mmask16 valid, int64_t k0, int64_t kn, float* wd, float* wm) {
+void amx_scales(const uint8_t* w, int64_t rb, __mmask16 valid, int64_t K, float* wd, float* wm) {
   using B = Blocks<TYPE>;
   const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                           _mm512_set1_epi32((int)rb));
@@ -803,25 +799,25 @@ void amx_scales(const uint8_t* w, int64_t rb, __mmask16 valid, int64_t k0, int64
   auto gather = [&](const uint8_t* p) { return _mm512_mask_i32gather_epi32(zero, valid, rows, p, 1); };
   auto half = [](__m512i v) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)); };  // the low 16 bits as fp16
   if constexpr (B::NB == 1) {
-    for (int64_t b = k0 / 32, t = 0; t < kn / 32; b++, t++) {
+    for (int64_t b = 0; b < K / 32; b++) {
       const __m512i g = gather(w + b * B::TS);
-      _mm512_store_ps(wd + 16 * t, half(g));
-      if constexpr (has_min(TYPE)) _mm512_store_ps(wm + 16 * t, half(_mm512_srli_epi32(g, 16)));
+      _mm512_store_ps(wd + 16 * b, half(g));
+      if constexpr (has_min(TYPE)) _mm512_store_ps(wm + 16 * b, half(_mm512_srli_epi32(g, 16)));
     }
   } else if constexpr (TYPE == Q6_K) {
-    for (int64_t c = k0 / 256, t = 0; t < kn / 16; c++, t += 16) {
+    for (int64_t c = 0; c < K / 256; c++) {
       const uint8_t* p = w + c * B::TS;
       const __m512 d = half(_mm512_srli_epi32(gather(p + 206), 16));  // d: the last 2 bytes
       for (int q = 0; q < 4; q++) {
         const __m512i v = gather(p + 192 + 4 * q);  // int8 scales 4q .. 4q + 3
-        const __m512i s[4] = {_mm512_srai_epi32(_mm512_slli_epi32(v, 24), 24), _mm512_srai_epi32(_mm512_slli_epi32(v, 16), 24),
-                              _mm512_srai_epi32(_mm512_slli_epi32(v, 8), 24), _mm512_srai_epi32(v, 24)};
-        for (int j = 0; j < 4; j++) _mm512_store_ps(wd + 16 * (t + 4 * q + j), _mm512_mul_ps(d, _mm512_cvtepi32_ps(s[j])));
+        const __m512i sc[4] = {_mm512_srai_epi32(_mm512_slli_epi32(v, 24), 24), _mm512_srai_epi32(_mm512_slli_epi32(v, 16), 24),
+                               _mm512_srai_epi32(_mm512_slli_epi32(v, 8), 24), _mm512_srai_epi32(v, 24)};
+        for (int j = 0; j < 4; j++) _mm512_store_ps(wd + 16 * (16 * c + 4 * q + j), _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc[j])));
       }
     }
   } else {  // Q4_K, Q5_K: d, dmin, then 12 bytes of 6-bit scales and minima (scale_min_k4)
     const __m512i lo6 = _mm512_set1_epi32(63), lo4 = _mm512_set1_epi32(15), lo2 = _mm512_set1_epi32(3);
-    for (int64_t c = k0 / 256, t = 0; t < kn / 32; c++, t += 8) {
+    for (int64_t c = 0; c < K / 256; c++) {
       const uint8_t* p = w + c * B::TS;
       const __m512i g = gather(p), u0 = gather(p + 4), u1 = gather(p + 8), u2 = gather(p + 12);
       const __m512 d = half(g), dmin = _mm512_sub_ps(_mm512_setzero_ps(), half(_mm512_srli_epi32(g, 16)));
@@ -831,117 +827,121 @@ void amx_scales(const uint8_t* w, int64_t rb, __mmask16 valid, int64_t k0, int64
           sc = _mm512_and_si512(_mm512_srli_epi32(u0, 8 * j), lo6);
           mn = _mm512_and_si512(_mm512_srli_epi32(u1, 8 * j), lo6);
         } else {
-          const int s = 8 * (j - 4);
-          sc = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, s), lo4),
-                               _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u0, s + 6), lo2), 4));
-          mn = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, s + 4), lo4),
-                               _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u1, s + 6), lo2), 4));
+          const int sh = 8 * (j - 4);
+          sc = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, sh), lo4),
+                               _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u0, sh + 6), lo2), 4));
+          mn = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, sh + 4), lo4),
+                               _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u1, sh + 6), lo2), 4));
         }
-        _mm512_store_ps(wd + 16 * (t + j), _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)));
-        _mm512_store_ps(wm + 16 * (t + j), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mn)));
+        _mm512_store_ps(wd + 16 * (8 * c + j), _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)));
+        _mm512_store_ps(wm + 16 * (8 * c + j), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mn)));
       }
     }
   }
 }
 
-// The int8 codes of `valid` weight rows (16 - valid rows left as they are) for codes k0 .. k0 + kn,
-// row i at out + i * AMX_SLAB.
+// The int8 codes of `valid` weight rows, row i at out + i * K (the other rows left as they are).
 template <int TYPE>
-void amx_codes(const uint8_t* w, int64_t rb, int valid, int64_t k0, int64_t kn, int8_t* out) {
+void amx_codes(const uint8_t* w, int64_t rb, int valid, int64_t K, int8_t* out) {
   using B = Blocks<TYPE>;
   W32 wb[B::NB];
   for (int i = 0; i < valid; i++) {
-    const uint8_t* row = w + i * rb;
-    int8_t* o = out + i * AMX_SLAB;
-    for (int64_t c = k0 / (32 * B::NB); c < (k0 + kn) / (32 * B::NB); c++) {
-      B::decode(row, c, wb);
+    int8_t* o = out + i * K;
+    for (int64_t c = 0; c < K / (32 * B::NB); c++) {
+      B::decode(w + i * rb, c, wb);
       for (int j = 0; j < B::NB; j++, o += 32) _mm256_storeu_si256((__m256i*)o, wb[j].q);
     }
   }
 }
 
-// y[:, n0:n1] for a pass of M <= INT_ROWS rows laid out by quantize_x.
+// y[:, n0:n1] for every row of x, INT_ROWS at a time as quantize_x laid them out: each group of
+// 16 weight rows is unpacked once (codes and scales into scratch) and meets every pass.
 template <int TYPE>
-void rows_amx(const MatmulArgs& a, const uint8_t* xb, const float* xd, const float* xs, int64_t n0, int64_t n1) {
+void rows_amx(const MatmulArgs& a, const uint8_t* xq, const float* xd, const float* xs, int64_t n0, int64_t n1,
+              void* scratch) {
   constexpr int S = TYPE == Q6_K ? 16 : 32;  // codes per scale
   constexpr bool MIN = has_min(TYPE);
-  const int mp = (int)a.M;
-  const int64_t K = a.K, rb = a.row_bytes;
-  TileConfig cfg = {};
-  cfg.palette = 1;
-  for (int t = 0; t < 6; t += 3) {  // A, B, C; tiles 3-5 the same for odd sub-blocks
-    cfg.rows[t] = 16, cfg.colsb[t] = S;
-    cfg.rows[t + 1] = S / 4, cfg.colsb[t + 1] = (uint16_t)(8 * mp);
-    cfg.rows[t + 2] = 16, cfg.colsb[t + 2] = (uint16_t)(8 * mp);
-  }
-  _tile_loadconfig(&cfg);
-  alignas(64) int8_t codes[16 * AMX_SLAB];
-  alignas(64) float wd[16 * (AMX_SLAB / S)], wm[MIN ? 16 * (AMX_SLAB / S) : 1];
+  const int64_t K = a.K, rb = a.row_bytes, ns = K / S, nb = K / 32;
+  int8_t* codes = (int8_t*)scratch;      // 16 x K
+  float* wd = (float*)(codes + 16 * K);  // 16 x ns
+  float* wm = wd + 16 * ns;              // 16 x nb, types with a minimum
   alignas(64) int32_t cbuf[2][16 * 16 + 32];  // C of the even and odd sub-block; +32: reads past a pair
-  // mp >= 2: a vector holds 2 weight rows' 8 lanes of activation rows; lanes past mp repeat the last
-  __m512i ihi, ilo, pair[8];
-  __m512 acc[8];
-  __m512 acc1 = _mm512_setzero_ps();
-  {
-    alignas(64) int32_t h[16], p[16];
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  __m512i pair[8];  // lanes 0-7: weight row 2j, 8-15: row 2j + 1
+  for (int j = 0; j < 8; j++)
+    pair[j] = _mm512_inserti64x4(_mm512_set1_epi32(2 * j), _mm256_set1_epi32(2 * j + 1), 1);
+  int mp = 0;  // rows of the pass the tiles are configured for
+  __m512i ihi = even, ilo = odd;
+  __mmask8 mlanes = 0;
+  auto configure = [&](int rows) {  // A, B, C; tiles 3-5 the same for odd sub-blocks
+    mp = rows;
+    TileConfig cfg = {};
+    cfg.palette = 1;
+    for (int t = 0; t < 6; t += 3) {
+      cfg.rows[t] = 16, cfg.colsb[t] = S;
+      cfg.rows[t + 1] = S / 4, cfg.colsb[t + 1] = (uint16_t)(8 * mp);
+      cfg.rows[t + 2] = 16, cfg.colsb[t + 2] = (uint16_t)(8 * mp);
+    }
+    _tile_loadconfig(&cfg);
+    // mp >= 2: a vector holds 2 weight rows' 8 lanes of activation rows; lanes past mp repeat the last
+    alignas(64) int32_t h[16];
     for (int l = 0; l < 16; l++) h[l] = (l / 8) * 2 * mp + (l % 8 < mp ? l % 8 : mp - 1);
     ihi = _mm512_load_si512(h);
     ilo = _mm512_add_epi32(ihi, _mm512_set1_epi32(mp));
-    for (int j = 0; j < 8; j++) {
-      for (int l = 0; l < 16; l++) p[l] = 2 * j + l / 8;
-      pair[j] = _mm512_load_si512(p);
-    }
-  }
-  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-  const __mmask8 mlanes = (__mmask8)((1u << mp) - 1);
+    mlanes = (__mmask8)((1u << mp) - 1);
+  };
   for (int64_t n = n0; n < n1; n += 16) {
     const int valid = n1 - n < 16 ? (int)(n1 - n) : 16;
     const uint8_t* w = a.w + n * rb;
     const bool in_place = TYPE == Q8_0 && valid == 16;  // Q8_0: 2-byte scale, then the 32 codes
-    if (valid < 16) memset(codes, 0, sizeof(codes));
-    for (int j = 0; j < 8; j++) acc[j] = _mm512_setzero_ps();
-    acc1 = _mm512_setzero_ps();
-    for (int64_t k0 = 0; k0 < K; k0 += AMX_SLAB) {
-      const int64_t kn = K - k0 < AMX_SLAB ? K - k0 : AMX_SLAB;
-      amx_scales<TYPE>(w, rb, (__mmask16)((1u << valid) - 1), k0, kn, wd, wm);
-      if (!in_place) amx_codes<TYPE>(w, rb, valid, k0, kn, codes);
-      const int64_t ns = kn / S, t0 = k0 / S;  // sub-blocks in the slab, and the first's index in the row
-      const int64_t astride = in_place ? rb : AMX_SLAB;
-      auto asrc = [&](int64_t t) -> const void* { return in_place ? (const void*)(w + (t0 + t) * 34 + 2) : codes + t * S; };
-      auto bsrc = [&](int64_t t) -> const void* {
-        const int64_t sb = t0 + t;
-        return xb + (sb * S / 32) * 64 * mp + (sb * S % 32) / 4 * 8 * mp;
-      };
+    amx_scales<TYPE>(w, rb, (__mmask16)((1u << valid) - 1), K, wd, wm);
+    if (!in_place) {
+      if (valid < 16) memset(codes, 0, 16 * K);
+      amx_codes<TYPE>(w, rb, valid, K, codes);
+    }
+    const int64_t astride = in_place ? rb : K;
+    for (int64_t m0 = 0; m0 < a.M; m0 += INT_ROWS) {
+      if (const int rows = a.M - m0 < INT_ROWS ? (int)(a.M - m0) : INT_ROWS; rows != mp) configure(rows);
+      const uint8_t* xb = xq + 2 * m0 * K;  // this pass's B tiles
+      const float* pd = xd + m0 * nb;
+      const float* ps = xs + m0 * nb;
+      __m512 acc[8];
+      for (int j = 0; j < 8; j++) acc[j] = _mm512_setzero_ps();
+      __m512 acc1 = _mm512_setzero_ps();
+      auto asrc = [&](int64_t t) -> const void* { return in_place ? (const void*)(w + t * 34 + 2) : codes + t * S; };
+      auto bsrc = [&](int64_t t) -> const void* { return xb + (t * S / 32) * 64 * mp + (t * S % 32) / 4 * 8 * mp; };
       auto post = [&](int64_t t, const int32_t* c) {
-        // the next 16 rows' bytes of this sub-block, prefetched along the way: all at once they
-        // would fill the core's line buffers and stall it (past the tensor's end: dropped)
-        const char* ahead = (const char*)w + 16 * rb + (t0 + t) * S * rb / K;
-        for (int i = 0; i < 16; i++) _mm_prefetch(ahead + i * rb, _MM_HINT_T0);
-        const int64_t b = (t0 + t) * S / 32;  // the activations' 32-block
+        if (m0 == 0) {
+          // the next 16 rows' bytes of this sub-block, prefetched along the first pass: all at once
+          // they would fill the core's line buffers and stall it (past the tensor's end: dropped)
+          const char* ahead = (const char*)w + 16 * rb + t * S * rb / K;
+          for (int i = 0; i < 16; i++) _mm_prefetch(ahead + i * rb, _MM_HINT_T0);
+        }
+        const int64_t b = t * S / 32;  // the activations' 32-block
         const __m512 wdv = _mm512_load_ps(wd + 16 * t);
         if (mp == 1) {  // lanes: the 16 weight rows
           const __m512i c0 = _mm512_load_si512(c), c1 = _mm512_load_si512(c + 16);
           const __m512i v = _mm512_add_epi32(_mm512_slli_epi32(_mm512_permutex2var_epi32(c0, even, c1), 8),
                                              _mm512_permutex2var_epi32(c0, odd, c1));
-          acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(wdv, _mm512_set1_ps(xd[b])), acc1);
-          if constexpr (MIN) acc1 = _mm512_fmadd_ps(_mm512_load_ps(wm + 16 * t), _mm512_set1_ps(xs[b]), acc1);
+          acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(wdv, _mm512_set1_ps(pd[b])), acc1);
+          if constexpr (MIN) acc1 = _mm512_fmadd_ps(_mm512_load_ps(wm + 16 * b), _mm512_set1_ps(ps[b]), acc1);
           return;
         }
         auto twice = [&](const float* p) {  // p[0 .. mp) in lanes 0-7 and again in 8-15
           const __m512 v = _mm512_castps256_ps512(_mm256_maskz_loadu_ps(mlanes, p));
           return _mm512_shuffle_f32x4(v, v, 0x44);
         };
-        const __m512 xdv = twice(xd + b * mp);
+        const __m512 xdv = twice(pd + b * mp);
         __m512 xsv;
-        if constexpr (MIN) xsv = twice(xs + b * mp);
+        if constexpr (MIN) xsv = twice(ps + b * mp);
 #pragma GCC unroll 8
         for (int j = 0; j < 8; j++) {  // weight rows 2j, 2j + 1
           const __m512i c0 = _mm512_loadu_si512(c + 4 * mp * j), c1 = _mm512_loadu_si512(c + 4 * mp * j + 16);
           const __m512i v = _mm512_add_epi32(_mm512_slli_epi32(_mm512_permutex2var_epi32(c0, ihi, c1), 8),
                                              _mm512_permutex2var_epi32(c0, ilo, c1));
           acc[j] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(v), xdv), _mm512_permutexvar_ps(pair[j], wdv), acc[j]);
-          if constexpr (MIN) acc[j] = _mm512_fmadd_ps(xsv, _mm512_permutexvar_ps(pair[j], _mm512_load_ps(wm + 16 * t)), acc[j]);
+          if constexpr (MIN) acc[j] = _mm512_fmadd_ps(xsv, _mm512_permutexvar_ps(pair[j], _mm512_load_ps(wm + 16 * b)), acc[j]);
         }
       };
       // tiles A, B, C for sub-block t, its C stored to out (tile numbers must be literals)
@@ -964,51 +964,68 @@ void rows_amx(const MatmulArgs& a, const uint8_t* xb, const float* xd, const flo
         }
       }
 #undef GMLX_TILE_STEP
-    }
-    if (mp == 1) {
-      _mm512_mask_storeu_ps(a.y + n, (__mmask16)((1u << valid) - 1), acc1);
-    } else {
-      alignas(64) float out[8][16];
-      for (int j = 0; j < 8; j++) _mm512_store_ps(out[j], acc[j]);
-      for (int m = 0; m < mp; m++)
-        for (int i = 0; i < valid; i++) a.y[m * a.N + n + i] = out[i / 2][(i % 2) * 8 + m];
+      float* y = a.y + m0 * a.N + n;
+      if (mp == 1) {
+        _mm512_mask_storeu_ps(y, (__mmask16)((1u << valid) - 1), acc1);
+      } else {
+        alignas(64) float out[8][16];
+        for (int j = 0; j < 8; j++) _mm512_store_ps(out[j], acc[j]);
+        for (int m = 0; m < mp; m++)
+          for (int i = 0; i < valid; i++) y[m * a.N + i] = out[i / 2][(i % 2) * 8 + m];
+      }
     }
   }
   _tile_release();
 }
 
-void matmul_rows_int(const MatmulArgs& a, const int16_t* xq, const float* xd, const float* xs, int64_t n0, int64_t n1) {
+bool int_supported(int type, int64_t M) { return M >= 1 && block_size(type) > 0; }
+
+void matmul_rows_int(const MatmulArgs& a, const int16_t* xq, const float* xd, const float* xs, int64_t n0, int64_t n1,
+                     void* scratch) {
   const uint8_t* xb = (const uint8_t*)xq;
   switch (a.type) {
-    case Q8_0: rows_amx<Q8_0>(a, xb, xd, xs, n0, n1); break;
-    case Q4_0: rows_amx<Q4_0>(a, xb, xd, xs, n0, n1); break;
-    case Q4_1: rows_amx<Q4_1>(a, xb, xd, xs, n0, n1); break;
-    case Q5_0: rows_amx<Q5_0>(a, xb, xd, xs, n0, n1); break;
-    case Q5_1: rows_amx<Q5_1>(a, xb, xd, xs, n0, n1); break;
-    case Q4_K: rows_amx<Q4_K>(a, xb, xd, xs, n0, n1); break;
-    case Q5_K: rows_amx<Q5_K>(a, xb, xd, xs, n0, n1); break;
-    case Q6_K: rows_amx<Q6_K>(a, xb, xd, xs, n0, n1); break;
+    case Q8_0: rows_amx<Q8_0>(a, xb, xd, xs, n0, n1, scratch); break;
+    case Q4_0: rows_amx<Q4_0>(a, xb, xd, xs, n0, n1, scratch); break;
+    case Q4_1: rows_amx<Q4_1>(a, xb, xd, xs, n0, n1, scratch); break;
+    case Q5_0: rows_amx<Q5_0>(a, xb, xd, xs, n0, n1, scratch); break;
+    case Q5_1: rows_amx<Q5_1>(a, xb, xd, xs, n0, n1, scratch); break;
+    case Q4_K: rows_amx<Q4_K>(a, xb, xd, xs, n0, n1, scratch); break;
+    case Q5_K: rows_amx<Q5_K>(a, xb, xd, xs, n0, n1, scratch); break;
+    case Q6_K: rows_amx<Q6_K>(a, xb, xd, xs, n0, n1, scratch); break;
     default: break;
   }
 }
 #else
+bool int_supported(int type, int64_t M) { return M >= 1 && M < INT16_MAX_ROWS && block_size(type) > 0; }
+
 void quantize_x(const MatmulArgs& a, int bits, int16_t* xq, float* xd, float* xs) {
   const int64_t nb = a.K / 32;
   const float qmax = (float)((1 << (bits - 1)) - 1);
   for (int64_t m = 0; m < a.M; m++) quantize_row(a.x + m * a.K, a.K, qmax, xq + m * a.K, xd + m * nb, xs + m * nb);
 }
 
-void matmul_rows_int(const MatmulArgs& a, const int16_t* xq, const float* xd, const float* xs, int64_t n0, int64_t n1) {
-  const XQ x{xq, xd, xs, a.K};
+template <int TYPE>
+void rows_int_passes(const MatmulArgs& a, const int16_t* xq, const float* xd, const float* xs, int64_t n0, int64_t n1) {
+  const int64_t nb = a.K / 32;
+  for (int64_t m0 = 0; m0 < a.M; m0 += INT_ROWS) {  // each thread's slice of weights stays in cache for the next
+    MatmulArgs g = a;
+    g.M = a.M - m0 < INT_ROWS ? a.M - m0 : INT_ROWS;
+    g.y += m0 * a.N;
+    rows_int<TYPE>(g, XQ{xq + m0 * a.K, xd + m0 * nb, xs + m0 * nb, a.K}, n0, n1);
+  }
+}
+
+void matmul_rows_int(const MatmulArgs& a, const int16_t* xq, const float* xd, const float* xs, int64_t n0, int64_t n1,
+                     void*) {
   switch (a.type) {
-    case Q8_0: rows_int<Q8_0>(a, x, n0, n1); break;
-    case Q4_0: rows_int<Q4_0>(a, x, n0, n1); break;
-    case Q4_1: rows_int<Q4_1>(a, x, n0, n1); break;
-    case Q5_0: rows_int<Q5_0>(a, x, n0, n1); break;
-    case Q5_1: rows_int<Q5_1>(a, x, n0, n1); break;
-    case Q4_K: rows_int<Q4_K>(a, x, n0, n1); break;
-    case Q5_K: rows_int<Q5_K>(a, x, n0, n1); break;
-    case Q6_K: rows_int<Q6_K>(a, x, n0, n1); break;
+    case Q8_0: rows_int_passes<Q8_0>(a, xq, xd, xs, n0, n1); break;
+    case Q4_0: rows_int_passes<Q4_0>(a, xq, xd, xs, n0, n1); break;
+    case Q4_1: rows_int_passes<Q4_1>(a, xq, xd, xs, n0, n1); break;
+    case Q5_0: rows_int_passes<Q5_0>(a, xq, xd, xs, n0, n1); break;
+    case Q5_1: rows_int_passes<Q5_1>(a, xq, xd, xs, n0, n1); break;
+    case Q4_K: rows_int_passes<Q4_K>(a, xq, xd, xs, n0, n1); break;
+    case Q5_K: rows_int_passes<Q5_K>(a, xq, xd, xs, n0, n1); break;
+    case Q6_K: rows_int_passes<Q6_K>(a, xq, xd, xs, n0, n1); break;
     default: break;
   }
 }
@@ -1016,7 +1033,7 @@ void matmul_rows_int(const MatmulArgs& a, const int16_t* xq, const float* xd, co
 #else
 bool int_supported(int, int64_t) { return false; }
 void quantize_x(const MatmulArgs&, int, int16_t*, float*, float*) {}
-void matmul_rows_int(const MatmulArgs&, const int16_t*, const float*, const float*, int64_t, int64_t) {}
+void matmul_rows_int(const MatmulArgs&, const int16_t*, const float*, const float*, int64_t, int64_t, void*) {}
 #endif
 
 void dequant_rows(int type, const uint8_t* rows, int64_t n_rows, int64_t K, int64_t row_bytes, float* out) {

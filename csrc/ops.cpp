@@ -126,9 +126,10 @@ thread_local std::vector<float> tl_xs;
 // RTLD_GLOBAL on Linux): dequantize a panel of weight rows to float, then one sgemm. Only a
 // BLAS known to be fast is used; MLX's bundled reference BLAS is not.
 typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float*, int, const float*, int, float, float*, int);
-// Fewer rows go the integer way (run_matmuls): up to 64 it was as fast or faster (default model,
-// AVX-512, prefill: 48 rows 1.15x, 64 the same, 80 0.95x).
-constexpr int64_t BLAS_MIN_ROWS = 64;
+// Fewer rows go the int16 way (run_matmuls): up to 64 it was as fast or faster (default model,
+// AVX-512, prefill: 48 rows 1.15x, 64 the same, 80 0.95x); AMX's integer path beat it at every
+// prompt length (512 tokens: 1.3x).
+constexpr int64_t BLAS_MIN_ROWS = INT16_MAX_ROWS;
 constexpr int64_t BLAS_PANEL = 256;
 
 sgemm_fn find_sgemm() {
@@ -182,17 +183,19 @@ void run_float(const MatmulArgs& a) {
   });
 }
 
+thread_local std::vector<uint8_t> tl_int_scratch;
+
 // Weights that multiply one x (q, k and v; gate and up): on the integer path x is coded once
-// and one parallel region covers every weight's rows. Fewer rows than the BLAS takes go the
-// integer way INT_ROWS at a time, each thread's slice of weights still in cache for the next
-// INT_ROWS: prompts of 9 to 63 tokens (and speculative verification) prefilled 1.4x to 1.7x
-// slower through the float kernel's dequantized tiles, which so few rows do not pay for.
+// and one parallel region covers every weight's rows, each thread taking all of x's rows
+// INT_ROWS at a time against its slice of weights, which stays in cache across the passes.
+// AVX2/AVX-512 take fewer than INT16_MAX_ROWS rows this way (prompts of 9 to 63 tokens went
+// 1.4x to 1.7x slower through the float kernel's dequantized tiles); AMX takes every prompt.
 void run_matmuls(const MatmulArgs* parts, int n_parts) {
   const Impl* impl = active_impl();
   const MatmulArgs& a = parts[0];
   const int bits = act_bits();
-  bool integer = bits > 0 && a.M < BLAS_MIN_ROWS;
-  for (int i = 0; i < n_parts; i++) integer = integer && impl->int_supported(parts[i].type, std::min<int64_t>(a.M, INT_ROWS));
+  bool integer = bits > 0;
+  for (int i = 0; i < n_parts; i++) integer = integer && impl->int_supported(parts[i].type, a.M);
   if (!integer) {
     for (int i = 0; i < n_parts; i++) run_float(parts[i]);
     return;
@@ -200,28 +203,31 @@ void run_matmuls(const MatmulArgs* parts, int n_parts) {
   const size_t nq = (size_t)(a.M * a.K), nb = nq / 32;
   if (tl_xq.size() < nq) tl_xq.resize(nq);
   if (tl_xd.size() < nb) { tl_xd.resize(nb); tl_xs.resize(nb); }
-  impl->quantize_x(a, bits, tl_xq.data(), tl_xd.data(), tl_xs.data());
-  const int16_t* xq = tl_xq.data();
-  const float* xd = tl_xd.data();
-  const float* xs = tl_xs.data();
+  int16_t* xq = tl_xq.data();
+  float* xd = tl_xd.data();
+  float* xs = tl_xs.data();
+  const int64_t nb_row = a.K / 32, passes = (a.M + INT_ROWS - 1) / INT_ROWS;
+  parallel_chunks(passes > 1 ? n_threads() : 1, passes, [&](int64_t p) {  // a prompt's rows coded in parallel
+    MatmulArgs rows = a;
+    rows.x += p * INT_ROWS * a.K;
+    rows.M = std::min<int64_t>(INT_ROWS, a.M - p * INT_ROWS);
+    impl->quantize_x(rows, bits, xq + p * INT_ROWS * a.K, xd + p * INT_ROWS * nb_row, xs + p * INT_ROWS * nb_row);
+  });
   int64_t rows = 0;
   for (int i = 0; i < n_parts; i++) rows += parts[i].N;
   int nt = (int)std::min<int64_t>(n_threads(), rows / 64 + 1);
   if (a.M * rows * a.K < (int64_t)1 << 18) nt = 1;
-  const int64_t chunk = std::max<int64_t>(16, rows / (8 * nt));
+  const int64_t chunk = (std::max<int64_t>(16, rows / (8 * nt)) + 15) / 16 * 16;  // whole 16-row groups (AMX)
   struct Chunk { int part; int64_t n0, n1; };
   std::vector<Chunk> chunks;
   for (int i = 0; i < n_parts; i++)
     for (int64_t n0 = 0; n0 < parts[i].N; n0 += chunk) chunks.push_back({i, n0, std::min(n0 + chunk, parts[i].N)});
-  const int64_t nb_row = a.K / 32;
+  const size_t scratch_bytes = (size_t)(INT_SCRATCH_PER_K * a.K) + 64;
   parallel_chunks(nt, (int64_t)chunks.size(), [&](int64_t c) {
+    if (tl_int_scratch.size() < scratch_bytes) tl_int_scratch.resize(scratch_bytes);
+    void* scratch = (void*)(((uintptr_t)tl_int_scratch.data() + 63) & ~(uintptr_t)63);
     const Chunk& ch = chunks[c];
-    for (int64_t m0 = 0; m0 < a.M; m0 += INT_ROWS) {
-      MatmulArgs g = parts[ch.part];
-      g.M = std::min<int64_t>(INT_ROWS, a.M - m0);
-      g.y += m0 * g.N;
-      impl->matmul_rows_int(g, xq + m0 * a.K, xd + m0 * nb_row, xs + m0 * nb_row, ch.n0, ch.n1);
-    }
+    impl->matmul_rows_int(parts[ch.part], xq, xd, xs, ch.n0, ch.n1, scratch);
   });
 }
 

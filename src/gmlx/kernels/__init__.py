@@ -19,8 +19,11 @@ speculative verification), each activation is coded as a 16-bit integer with one
 32-block (error about 1/65000 of the block's max) and each weight block, unpacked once to
 int16, meets 8 rows at a time in integer dot products (AVX2/AVX-512 madd); more rows (prefill)
 go through OpenBLAS's sgemm on dequantized panels, or without it dequantize 16 weight rows at a
-time to float for a register-blocked FMA micro-kernel. Knobs, for tests and benchmarks:
-GMLX_KERNELS_THREADS (default: all cores), GMLX_KERNELS_ISA (generic, avx2, avx512),
+time to float for a register-blocked FMA micro-kernel. Where the CPU has AMX's int8 tiles (Intel
+Sapphire Rapids on) and Linux grants them, every batch takes the integer path as tile products:
+the same 16-bit codes split into two int8 halves, 16 weight rows' blocks against 8 rows of x.
+Knobs, for tests and benchmarks:
+GMLX_KERNELS_THREADS (default: all cores), GMLX_KERNELS_ISA (generic, avx2, avx512, amx),
 GMLX_KERNELS_ACT_BITS (16; 8 = llama.cpp's Q8_0 activations; 0 = float path only),
 GMLX_KERNELS_EXT (load the extension from another build).
 """
