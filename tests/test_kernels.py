@@ -70,9 +70,9 @@ def activation_rounding_bound(x: np.ndarray, wd: np.ndarray, bits: int, isa: str
 
 
 # (N output rows, K, M activation rows): ragged against the 16-row tile, the 4-row and
-# 3-row micro-kernel, the integer path's 8-row passes and its end, and the single-thread cutoff;
-# K a single block up to 4096.
-SHAPES = [(1, 256, 1), (5, 256, 2), (17, 512, 3), (37, 768, 4), (64, 256, 8), (33, 1024, 13),
+# 3-row micro-kernel, the integer path's 8-row passes and its end (a last pass of one row: AMX
+# lays it out apart), and the single-thread cutoff; K a single block up to 4096.
+SHAPES = [(1, 256, 1), (5, 256, 2), (17, 512, 3), (37, 768, 4), (64, 256, 8), (29, 512, 9), (33, 1024, 13),
           (23, 512, 63), (100, 512, 64), (19, 256, 300), (130, 4096, 7)]
 # K not a multiple of 256 (32-block types only): the AVX-512 decode path takes 8 blocks at a time,
 # then 4, then one by one (K = 640 is gemma3-270m's: 8 + 8 + 4 blocks)
