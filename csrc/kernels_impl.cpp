@@ -750,6 +750,7 @@ void rows_int(const MatmulArgs& a, const XQ& x, int64_t n0, int64_t n1) {
 
 // |code| <= 32639 keeps hi = (code + 128) >> 8 within int8 (and lo = code - 256 hi in [-128, 127])
 constexpr float AMX_QMAX16 = 32639.f;
+static_assert(INT_ROWS <= 8, "a C tile holds 8 rows' hi and lo sums (64 bytes a row)");
 
 // A pass of Mp <= INT_ROWS activation rows, at xq + m0 * K (Mp * K int16 worth of bytes): per
 // 32-block b, the 8 rows of its B tile, row r holding the Mp rows' hi bytes of codes 4r..4r+3,
@@ -944,7 +945,9 @@ void rows_amx(const MatmulArgs& a, const uint8_t* xq, const float* xd, const flo
           if constexpr (MIN) acc[j] = _mm512_fmadd_ps(xsv, _mm512_permutexvar_ps(pair[j], _mm512_load_ps(wm + 16 * b)), acc[j]);
         }
       };
-      // tiles A, B, C for sub-block t, its C stored to out (tile numbers must be literals)
+      // tiles A, B, C for sub-block t, its C stored to out (tile numbers must be literals). GCC's
+      // tile loads do not tell the compiler they read memory; the store after each (which does)
+      // is what keeps the codes written to scratch before them.
 #define GMLX_TILE_STEP(A, B, C, t, out)            \
   do {                                             \
     _tile_loadd(A, asrc(t), astride);              \

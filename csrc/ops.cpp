@@ -62,7 +62,8 @@ int n_threads() {
 namespace {
 
 // AMX's int8 tiles: the CPU has them (cpuid) and Linux lets this process use them (a kernel
-// before 5.16, or a hypervisor that hides them, refuses the request).
+// before 5.16, or a hypervisor that hides them, refuses the request). Granted, every signal
+// frame of the process grows by the tiles' 8 KB state, whichever ISA runs after.
 bool amx_usable() {
 #if defined(GMLX_HAVE_AMX) && defined(__linux__)
   static const bool ok = [] {
@@ -207,7 +208,8 @@ void run_matmuls(const MatmulArgs* parts, int n_parts) {
   float* xd = tl_xd.data();
   float* xs = tl_xs.data();
   const int64_t nb_row = a.K / 32, passes = (a.M + INT_ROWS - 1) / INT_ROWS;
-  parallel_chunks(passes > 1 ? n_threads() : 1, passes, [&](int64_t p) {  // a prompt's rows coded in parallel
+  const int coders = a.M * a.K < (int64_t)1 << 16 ? 1 : n_threads();  // a prompt's rows coded in parallel
+  parallel_chunks(coders, passes, [&](int64_t p) {
     MatmulArgs rows = a;
     rows.x += p * INT_ROWS * a.K;
     rows.M = std::min<int64_t>(INT_ROWS, a.M - p * INT_ROWS);
