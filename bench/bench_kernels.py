@@ -376,14 +376,14 @@ def main() -> None:
     for peer, ref in (("float", result["gmlx"].get("float", {})), ("llama_cpp", result.get("llama_cpp", {}))):
         if "decode_tok_s" in g and "decode_tok_s" in ref:
             ratios[f"gguf_vs_{peer}"] = ratio(g, ref)
-    if ":" in args.modes:  # ISAs side by side: each later mode against the first
+    isas = ":" in args.modes  # ISAs side by side: each later mode against the first, in a file of its own
+    if isas:
         modes = list(result["gmlx"])
         for mode in modes[1:]:
             ratios[f"{mode}_vs_{modes[0]}"] = ratio(result["gmlx"][mode], result["gmlx"][modes[0]])
     result["ratios"] = ratios
     RESULTS.mkdir(exist_ok=True)
-    # an ISA comparison keeps its own file beside the modes' comparison
-    path = RESULTS / f"kernels{'-isa' if ':' in args.modes else ''}-{model.stem}.json"
+    path = RESULTS / f"kernels{'-isa' if isas else ''}-{model.stem}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(ratios, indent=2))
     print(f"wrote {path}", file=sys.stderr)

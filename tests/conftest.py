@@ -18,14 +18,15 @@ import uvicorn
 from tiny_models import write_model
 
 import gmlx  # noqa: F401  (preloads the BLAS before anything imports mlx)
+from gmlx import kernels
 
 MiB = 2**20
+
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason=f"gguf kernels unavailable: {kernels.reason()}")
 
 
 def _isas() -> list[str]:
     """Every ISA of gmlx.kernels this host runs (set_isa falls back to a narrower one where one is missing)."""
-    from gmlx import kernels
-
     ext = kernels.extension()
     if ext is None:
         return ["generic"]
@@ -37,8 +38,6 @@ def _isas() -> list[str]:
 @pytest.fixture(params=_isas())
 def isa(request: pytest.FixtureRequest) -> Iterator[str]:
     """The kernels forced to each ISA in turn (tests that use it must skip without the extension)."""
-    from gmlx import kernels
-
     ext = kernels.extension()
     chosen = ext.set_isa(request.param)
     assert chosen == request.param

@@ -137,6 +137,18 @@ def test_kv_quant_plans_with_the_window_in_use() -> None:
     assert "whole 512-token context" in plan_kv_quant(kvarn, small, context_length=10**6).reason
 
 
+def test_prefill_attention_in_tiles_follows_the_kv_plan() -> None:
+    """A uniform cache exposes `bits`, so mlx_lm attends over it through its quantized matmuls,
+    which hold a layer's whole scores: the plan counts them even where gmlx's kernels would tile."""
+    from gmlx.capacity.kv_quant import KVQuantSettings, plan_kv_quant
+    from gmlx.capacity.table import attention_in_tiles
+
+    uniform = plan_kv_quant(KVQuantSettings(bits=8, scheme="uniform"), LLAMA)
+    kvarn = plan_kv_quant(KVQuantSettings(bits=8, scheme="kvarn", tail_tokens=128), LLAMA)
+    assert attention_in_tiles(True, None) and attention_in_tiles(True, kvarn)
+    assert not attention_in_tiles(True, uniform) and not attention_in_tiles(False, None)
+
+
 def test_capacity_imports_no_mlx() -> None:
     import subprocess
 

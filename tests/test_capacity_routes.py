@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 from pathlib import Path
 
 import httpx
@@ -42,14 +41,12 @@ def test_plan_under_overcommit(small_memory_model: tuple[Path, int]) -> None:
     assert r["ok"] is None and r["admit_now"] is True and r["reason"] == "ok"
 
 
+@pytest.mark.usefixtures("no_settings_env")
 def test_overcommit_from_the_environment(small_memory_model: tuple[Path, int], monkeypatch: pytest.MonkeyPatch) -> None:
     """GMLX_OVERCOMMIT=1 in the server's environment, as an operator sets it, not a settings kwarg."""
     import gmlx.server.settings as settings
 
     path, memory = small_memory_model
-    for name in os.environ:
-        if name.startswith("GMLX_"):
-            monkeypatch.delenv(name)
     monkeypatch.setenv("GMLX_OVERCOMMIT", "1")
     # LiveServer resolves against an empty environment; this one reads the real one, as `gmlx serve` does.
     real = settings.resolve_settings

@@ -5,10 +5,11 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import needs_kernels
 
 from gmlx import kernels
 
-pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"gguf kernels unavailable: {kernels.reason()}")
+pytestmark = needs_kernels
 
 if kernels.available():
     from gmlx.kernels import fast

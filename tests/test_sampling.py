@@ -6,11 +6,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+from conftest import needs_kernels
 
 from gmlx import kernels
 from gmlx.engine.sampling import SamplingParams, greedy, make_sampler
 
-needs_kernels = pytest.mark.skipif(not kernels.available(), reason=f"gguf kernels unavailable: {kernels.reason()}")
 
 
 def reference_probs(logprobs: np.ndarray, temperature: float, top_p: float, min_p: float, top_k: int) -> np.ndarray:

@@ -25,8 +25,9 @@ class PrefillFit:
 
 
 def fit_prefill(chunks: Iterable[tuple[int, float]]) -> PrefillFit | None:
-    """Least squares of seconds = fixed + tokens x per_token over served prefill chunks (tokens,
-    seconds); None until the chunks span at least 2x in length, or when the fit is not physical."""
+    """Least squares of seconds = fixed + tokens x per_token over served prefill steps (tokens,
+    seconds; a step prefills a chunk of each prompt it takes); None until the steps span at least
+    2x in length, or when the fit is not physical."""
     rows = [(float(n), t) for n, t in chunks if n > 0 and t > 0]
     if len(rows) < 2 or max(n for n, _ in rows) < 2 * min(n for n, _ in rows):
         return None

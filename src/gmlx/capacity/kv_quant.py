@@ -82,6 +82,12 @@ class KVQuantPlan:
         """Whether one stream's caches are quantized at all (the engine's caches follow this)."""
         return self.verdict != DROPPED
 
+    @property
+    def scores_whole(self) -> bool:
+        """Whether attention over these caches holds a layer's whole scores: a uniform cache
+        exposes `bits`, so mlx_lm attends through its quantized matmuls, never in tiles."""
+        return self.quantizes and self.scheme == "uniform"
+
     def kv_format(self, float_bytes: int) -> KVFormat:
         """The format capacity plans with: float when the verdict is dropped."""
         if not self.quantizes:

@@ -158,12 +158,19 @@ class TableSettings(Protocol):
     def prompt_cache_limit(self, memory: int) -> int: ...
 
 
+def attention_in_tiles(fast_kernels: bool, kv_plan: KVQuantPlan | None) -> bool:
+    """Whether prefill attends over tiles of keys: gmlx's CPU kernels run it, unless the KV plan
+    sends attention through mlx_lm's quantized path."""
+    return fast_kernels and not (kv_plan is not None and kv_plan.scores_whole)
+
+
 def header_table(h: GGUFHeader, s: TableSettings, *, mode: str, memory: int, float_bytes: int = FLOAT32_BYTES,
-                 tiled_attention: bool = False) -> tuple[CapacityTable, KVQuantPlan | None]:
+                 fast_kernels: bool = False) -> tuple[CapacityTable, KVQuantPlan | None]:
     """The table a server with settings `s` would build for this file, from its header alone (no
     weights): its weights as `mode` loads them, and the KV quantization plan it would make (None
     when off). `gmlx plan`/`gmlx estimate` and /v1/estimate for a model not loaded use it.
-    float_bytes 4: the engine computes in float32 (float32 weights or float32 scales)."""
+    float_bytes 4: the engine computes in float32 (float32 weights or float32 scales);
+    fast_kernels: gmlx's CPU kernels run attention (see attention_in_tiles)."""
     g, weight_bytes, cache_bytes = h.geometry, resident_bytes(h, mode), s.prompt_cache_limit(memory)
     window = g.context_length if s.max_kv_size is None else min(g.context_length, s.max_kv_size)
     kv_plan = server_plan(s.kv_quant(), g, memory=memory, weight_bytes=weight_bytes,
@@ -174,5 +181,5 @@ def header_table(h: GGUFHeader, s: TableSettings, *, mode: str, memory: int, flo
     table = capacity_table(g, weight_bytes=weight_bytes, decode_batch=s.decode_batch, prefill_step=s.prefill_step,
                            kv=kv, memory=memory, reserve_fraction=s.reserve_fraction,
                            reserve_floor=s.reserve_floor, context_length=window, prompt_cache_bytes=cache_bytes,
-                           tiled_attention=tiled_attention)
+                           tiled_attention=attention_in_tiles(fast_kernels, kv_plan))
     return table, kv_plan

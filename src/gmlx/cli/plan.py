@@ -15,7 +15,7 @@ from rich.table import Table
 from gmlx import platform
 from gmlx.capacity.estimate import estimate_not_loaded
 from gmlx.capacity.plan import LiveState, plan
-from gmlx.capacity.table import CapacityTable, header_table
+from gmlx.capacity.table import CapacityTable, attention_in_tiles, header_table
 from gmlx.cli.common import (
     EXIT_FAILED,
     EXIT_OK,
@@ -87,8 +87,9 @@ def offline(model: str | None, memory: str | None, weights: str | None,
         h = read_header(path)
     mode = choose_mode(s.weights, h)  # type: ignore[arg-type]
     total = s.memory or platform.total_memory_bytes()
-    tiled = _tiled_attention()
-    table, kv_plan = header_table(h, s, mode=mode, memory=total, tiled_attention=tiled)
+    fast_kernels = _fast_kernels()
+    table, kv_plan = header_table(h, s, mode=mode, memory=total, fast_kernels=fast_kernels)
+    tiled = attention_in_tiles(fast_kernels, kv_plan)
     if s.memory is not None:
         memory_from = _from(s, "memory")
     elif platform.backend() == "cuda":
@@ -116,10 +117,8 @@ def offline(model: str | None, memory: str | None, weights: str | None,
     return Offline(path, h, table, assumptions)
 
 
-def _tiled_attention() -> bool:
-    """Whether the server would prefill attention in tiles (gmlx.kernels.fast on the CPU)."""
-    if platform.backend() != "cpu":
-        return False
+def _fast_kernels() -> bool:
+    """Whether the server would run attention in gmlx's CPU kernels (off on a GPU backend)."""
     from gmlx.kernels import fast  # imports mlx: after the platform's bring-up
 
     return fast.enabled()

@@ -109,7 +109,7 @@ class EngineStats:
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
     recent_steps: deque = field(default_factory=lambda: deque(maxlen=4096))  # (t, decode tokens)
-    recent_prefills: deque = field(default_factory=lambda: deque(maxlen=64))  # (tokens, seconds) a chunk
+    recent_prefills: deque = field(default_factory=lambda: deque(maxlen=64))  # (tokens, seconds) a prefill step
     # Per finished request: (decode tok/s, prefill tok/s), for the means over recent requests.
     recent_requests: deque = field(default_factory=lambda: deque(maxlen=_RECENT_REQUESTS))
     decode_rate_sum: float = 0.0  # over finished requests that decoded, for the lifetime mean

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from gmlx import platform
 from gmlx.capacity.memory import KVFormat
-from gmlx.capacity.table import CapacityTable, capacity_table
+from gmlx.capacity.table import CapacityTable, attention_in_tiles, capacity_table
 from gmlx.engine.engine import Engine
 from gmlx.kernels import fast as kernels_fast
 from gmlx.server import openai_api
@@ -86,7 +86,7 @@ class ServerState:
                 prefill_step=s.prefill_step, kv=self.kv_format(measured.kv_dtype_bytes),
                 memory=memory, reserve_fraction=s.reserve_fraction, reserve_floor=s.reserve_floor,
                 context_length=loaded.context_length, prompt_cache_bytes=s.prompt_cache_limit(memory),
-                tiled_attention=kernels_fast.installed())
+                tiled_attention=attention_in_tiles(kernels_fast.installed(), getattr(self.engine, "kv_quant", None)))
         return self._table
 
     def kv_format(self, float_bytes: int) -> KVFormat:
