@@ -80,7 +80,7 @@ struct Impl {
   // Integer path: x coded as int16 per element with one scale per 32 (|code| <= 2^(bits-1) - 1),
   // then integer dot products. Buffers: xq M*K, xd and xs M*K/32, in a layout of the ISA's own,
   // each pass of INT_ROWS rows at (xq, xd, xs) + its first row's offset (row m0 at xq + m0 * K,
-  // xd + m0 * K/32): quantize_x may code any whole passes of rows apart.
+  // xd + m0 * K/32); quantize_x codes one pass (a.M <= INT_ROWS rows) at a time.
   // int_supported: this ISA has the path for (type, M). matmul_rows_int takes every row of x,
   // INT_ROWS at a time; scratch holds INT_SCRATCH_PER_K * K bytes, 64-byte aligned.
   bool (*int_supported)(int type, int64_t M);

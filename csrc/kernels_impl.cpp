@@ -22,6 +22,9 @@
 #ifndef GMLX_ISA
 #error "GMLX_ISA must name the namespace (generic, avx2, avx512, amx)"
 #endif
+#ifndef GMLX_LAYERS
+#define GMLX_LAYERS GMLX_ISA
+#endif
 
 namespace gmlx_kernels {
 namespace GMLX_ISA {
@@ -357,8 +360,6 @@ void quantize_row(const float* x, int64_t K, float qmax, int16_t* q, float* d, f
   }
 }
 
-constexpr int MMAX = INT_ROWS;
-
 struct XQ {
   const int16_t* q;  // M rows of K codes
   const float* d;    // M rows of K/32 scales
@@ -502,7 +503,7 @@ template <> struct Blocks<Q6_K> {
 
 constexpr bool has_min(int type) { return type == Q4_1 || type == Q5_1 || type == Q4_K || type == Q5_K; }
 
-// One weight row against M (<= MMAX) coded activation rows; writes out[m] for each m.
+// One weight row against M (<= INT_ROWS) coded activation rows; writes out[m] for each m.
 // MC > 0: the row count is the compile-time MC (accumulators stay in registers); else M.
 // Blocks are spread over U accumulators per row: a single chain would wait out the FMA's
 // latency at every block, and for one or two rows (decode) that latency bounds the LM head.
@@ -561,7 +562,7 @@ inline void row_dot(const uint8_t* w, const XQ& x, int M_, float* out) {
   constexpr int G = 8;  // blocks per chunk: one vector of G scales per row
   static_assert(B::NB == 1 || B::NB == G);
   constexpr int U = MC == 1 ? 4 : MC == 2 ? 2 : 1;
-  constexpr int MR = MC > 0 ? MC : MMAX;
+  constexpr int MR = MC > 0 ? MC : INT_ROWS;
   const int M = MC > 0 ? MC : M_;
   const int64_t K = x.K, nb32 = K / 32;
   __m512 acc[U][MR];
@@ -645,7 +646,7 @@ template <int TYPE, int MC>
 inline void row_dot(const uint8_t* w, const XQ& x, int M_, float* out) {
   using B = Blocks<TYPE>;
   constexpr int U = MC == 1 ? 4 : MC == 2 ? 2 : 1;
-  constexpr int MR = MC > 0 ? MC : MMAX;
+  constexpr int MR = MC > 0 ? MC : INT_ROWS;
   const int M = MC > 0 ? MC : M_;
   const int64_t K = x.K, nb32 = K / 32;
   __m256 acc[U][MR];
@@ -715,7 +716,7 @@ constexpr int64_t PREFETCH_AHEAD = 8192;
 
 template <int TYPE, int MC>
 void rows_int_m(const MatmulArgs& a, const XQ& x, int64_t n0, int64_t n1) {
-  float out[MMAX];
+  float out[INT_ROWS];
   const int M = (int)a.M;
   for (int64_t n = n0; n < n1; n++) {
     const uint8_t* ahead = a.w + n * a.row_bytes + PREFETCH_AHEAD;
@@ -752,31 +753,28 @@ void rows_int(const MatmulArgs& a, const XQ& x, int64_t n0, int64_t n1) {
 constexpr float AMX_QMAX16 = 32639.f;
 static_assert(INT_ROWS <= 8, "a C tile holds 8 rows' hi and lo sums (64 bytes a row)");
 
-// A pass of Mp <= INT_ROWS activation rows, at xq + m0 * K (Mp * K int16 worth of bytes): per
-// 32-block b, the 8 rows of its B tile, row r holding the Mp rows' hi bytes of codes 4r..4r+3,
-// then their lo bytes (the tile's dword columns: Mp hi sums, then Mp lo). xd and xs: [b][m].
+// One pass of mp = a.M <= INT_ROWS activation rows (mp * K int16 worth of bytes at xq): per
+// 32-block b, the 8 rows of its B tile, row r holding the mp rows' hi bytes of codes 4r..4r+3,
+// then their lo bytes (the tile's dword columns: mp hi sums, then mp lo). xd and xs: [b][m].
 void quantize_x(const MatmulArgs& a, int bits, int16_t* xq, float* xd, float* xs) {
-  const int64_t K = a.K, nb = K / 32;
+  const int64_t K = a.K, nb = K / 32, mp = a.M;
   const float qmax = bits == 8 ? 127.f : AMX_QMAX16;
-  for (int64_t m0 = 0; m0 < a.M; m0 += INT_ROWS) {
-    const int64_t mp = a.M - m0 < INT_ROWS ? a.M - m0 : INT_ROWS;
-    uint8_t* dst = (uint8_t*)(xq + m0 * K);
-    for (int64_t i = 0; i < mp; i++) {
-      const float* x = a.x + (m0 + i) * K;
-      for (int64_t b = 0; b < nb; b++) {
-        alignas(64) int16_t c[32];
-        quantize_row(x + b * 32, 32, qmax, c, xd + m0 * nb + b * mp + i, xs + m0 * nb + b * mp + i);
-        const __m512i v = _mm512_load_si512(c);
-        const __m512i hi = _mm512_srai_epi16(_mm512_add_epi16(v, _mm512_set1_epi16(128)), 8);
-        const __m512i lo = _mm512_sub_epi16(v, _mm512_slli_epi16(hi, 8));
-        alignas(32) uint8_t h[32], l[32];
-        _mm256_store_si256((__m256i*)h, _mm512_cvtepi16_epi8(hi));
-        _mm256_store_si256((__m256i*)l, _mm512_cvtepi16_epi8(lo));
-        uint8_t* blk = dst + b * 64 * mp;
-        for (int r = 0; r < 8; r++) {
-          memcpy(blk + r * 8 * mp + 4 * i, h + 4 * r, 4);
-          memcpy(blk + r * 8 * mp + 4 * (mp + i), l + 4 * r, 4);
-        }
+  uint8_t* dst = (uint8_t*)xq;
+  for (int64_t i = 0; i < mp; i++) {
+    const float* x = a.x + i * K;
+    for (int64_t b = 0; b < nb; b++) {
+      alignas(64) int16_t c[32];
+      quantize_row(x + b * 32, 32, qmax, c, xd + b * mp + i, xs + b * mp + i);
+      const __m512i v = _mm512_load_si512(c);
+      const __m512i hi = _mm512_srai_epi16(_mm512_add_epi16(v, _mm512_set1_epi16(128)), 8);
+      const __m512i lo = _mm512_sub_epi16(v, _mm512_slli_epi16(hi, 8));
+      alignas(32) uint8_t h[32], l[32];
+      _mm256_store_si256((__m256i*)h, _mm512_cvtepi16_epi8(hi));
+      _mm256_store_si256((__m256i*)l, _mm512_cvtepi16_epi8(lo));
+      uint8_t* blk = dst + b * 64 * mp;
+      for (int r = 0; r < 8; r++) {
+        memcpy(blk + r * 8 * mp + 4 * i, h + 4 * r, 4);
+        memcpy(blk + r * 8 * mp + 4 * (mp + i), l + 4 * r, 4);
       }
     }
   }
@@ -1044,8 +1042,10 @@ void dequant_rows(int type, const uint8_t* rows, int64_t n_rows, int64_t K, int6
 }
 
 }  // namespace
+}  // namespace GMLX_ISA
 
-// layers_impl.cpp, the same ISA
+// layers_impl.cpp, compiled for GMLX_LAYERS: this ISA, or for amx avx512's (they use no tiles)
+namespace GMLX_LAYERS {
 void gated_act(const float* g, const float* u, float* h, int64_t n, int act);
 void rms_norm_rows(const float* x, const float* w, float* y, int64_t rows, int64_t D, float eps);
 void logsumexp_rows(const float* x, float* y, int64_t rows, int64_t N);
@@ -1055,12 +1055,14 @@ void attend_rows(const AttentionArgs& a, int64_t b, int64_t h, int64_t l0, int64
 int64_t argmax_row(const float* x, int64_t n);
 float exp_sum(const float* x, int64_t n, float m, float k, float* w);
 int64_t gather_ge(const float* x, int64_t n, float t, int32_t* idx);
+}  // namespace GMLX_LAYERS
 
+namespace GMLX_ISA {
 #define GMLX_STR2(x) #x
 #define GMLX_STR(x) GMLX_STR2(x)
-const Impl impl = {GMLX_STR(GMLX_ISA), matmul_rows,   dequant_rows,   int_supported, quantize_x,
-                   matmul_rows_int,   rms_norm_rows, gated_act,      logsumexp_rows, rope_rows, attend,
-                   attend_rows,       argmax_row,    exp_sum,        gather_ge};
-
+namespace L = GMLX_LAYERS;
+const Impl impl = {GMLX_STR(GMLX_ISA), matmul_rows,       dequant_rows,   int_supported,     quantize_x,
+                   matmul_rows_int,   L::rms_norm_rows,  L::gated_act,   L::logsumexp_rows, L::rope_rows,
+                   L::attend,         L::attend_rows,    L::argmax_row,  L::exp_sum,        L::gather_ge};
 }  // namespace GMLX_ISA
 }  // namespace gmlx_kernels

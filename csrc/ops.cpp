@@ -85,14 +85,16 @@ const Impl* choose_impl(std::string want) {
                       __builtin_cpu_supports("avx512vl");
   const bool has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                     __builtin_cpu_supports("f16c");
+  // the widest ISA up to the one wanted ('' the best; an unknown name: generic)
+  [[maybe_unused]] const int up_to = want.empty() || want == "amx" ? 3 : want == "avx512" ? 2 : want == "avx2" ? 1 : 0;
 #ifdef GMLX_HAVE_AMX
-  if ((want.empty() || want == "amx") && has512 && amx_usable()) return &amx::impl;
+  if (up_to >= 3 && has512 && amx_usable()) return &amx::impl;
 #endif
 #ifdef GMLX_HAVE_AVX512
-  if ((want.empty() || want == "avx512" || want == "amx") && has512) return &avx512::impl;
+  if (up_to >= 2 && has512) return &avx512::impl;
 #endif
 #ifdef GMLX_HAVE_AVX2
-  if ((want.empty() || want == "avx2" || want == "avx512" || want == "amx") && has2) return &avx2::impl;
+  if (up_to >= 1 && has2) return &avx2::impl;
 #endif
 #endif
   return &generic::impl;
@@ -184,8 +186,6 @@ void run_float(const MatmulArgs& a) {
   });
 }
 
-thread_local std::vector<uint8_t> tl_int_scratch;
-
 // Weights that multiply one x (q, k and v; gate and up): on the integer path x is coded once
 // and one parallel region covers every weight's rows, each thread taking all of x's rows
 // INT_ROWS at a time against its slice of weights, which stays in cache across the passes.
@@ -224,12 +224,11 @@ void run_matmuls(const MatmulArgs* parts, int n_parts) {
   std::vector<Chunk> chunks;
   for (int i = 0; i < n_parts; i++)
     for (int64_t n0 = 0; n0 < parts[i].N; n0 += chunk) chunks.push_back({i, n0, std::min(n0 + chunk, parts[i].N)});
-  const size_t scratch_bytes = (size_t)(INT_SCRATCH_PER_K * a.K) + 64;
+  const size_t scratch_floats = (size_t)(INT_SCRATCH_PER_K * a.K + 64) / sizeof(float);
   parallel_chunks(nt, (int64_t)chunks.size(), [&](int64_t c) {
-    if (tl_int_scratch.size() < scratch_bytes) tl_int_scratch.resize(scratch_bytes);
-    void* scratch = (void*)(((uintptr_t)tl_int_scratch.data() + 63) & ~(uintptr_t)63);
+    void* aligned = (void*)(((uintptr_t)scratch(scratch_floats) + 63) & ~(uintptr_t)63);
     const Chunk& ch = chunks[c];
-    impl->matmul_rows_int(parts[ch.part], xq, xd, xs, ch.n0, ch.n1, scratch);
+    impl->matmul_rows_int(parts[ch.part], xq, xd, xs, ch.n0, ch.n1, aligned);
   });
 }
 
