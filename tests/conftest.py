@@ -14,7 +14,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 from tiny_models import write_model
 
 import gmlx  # noqa: F401  (preloads the BLAS before anything imports mlx)
@@ -68,7 +67,7 @@ class LiveServer:
     def __init__(self, model: Path, **overrides: object):
         from gmlx.server.app import create_app
         from gmlx.server.build import build_engine
-        from gmlx.server.lifecycle import DrainingServer
+        from gmlx.server.lifecycle import build_server
         from gmlx.server.settings import resolve_settings
 
         flags = {"decode_batch": 4, "weights": "float", "log_level": "warning", **overrides}
@@ -76,9 +75,7 @@ class LiveServer:
         self.engine = build_engine(self.settings, model)
         self.app = create_app(self.settings, self.engine, model.stem)
         self.model_id = model.stem
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning", access_log=False,
-                                timeout_graceful_shutdown=2)
-        self.server = DrainingServer(config, self.app.state.gmlx, self.settings.shutdown_timeout)
+        self.server = build_server(self.app, port=0)
         self._thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> LiveServer:

@@ -21,7 +21,7 @@ from gmlx.server import metrics
 from gmlx.server.governor import MemoryReading
 from gmlx.server.metrics import snapshot
 
-SECTIONS = ["concurrency", "queue", "governor", "memory", "capacity", "rates", "totals", "prompt_cache", "requests", "resident_models"]
+SECTIONS = ["concurrency", "queue", "connections", "governor", "memory", "capacity", "rates", "totals", "prompt_cache", "requests", "resident_models"]
 
 
 def prometheus_values(text: str) -> dict[tuple[str, tuple], float]:
@@ -43,7 +43,7 @@ def numeric_leaves(node: Any, path: Leaf = ()) -> dict[Leaf, float | None]:
     return {}
 
 
-MIRRORED = ("concurrency", "queue", "governor", "memory", "rates", "resident_models", "capacity")
+MIRRORED = ("concurrency", "queue", "connections", "governor", "memory", "rates", "resident_models", "capacity")
 ACTION_SAMPLES = {"count": "gmlx_governor_actions_total", "bytes_freed": "gmlx_governor_freed_bytes_total",
                   "last_at": "gmlx_governor_action_last_at_seconds"}
 
@@ -57,6 +57,10 @@ def sample_of(path: Leaf, s: dict) -> tuple[str, tuple]:
             return "gmlx_queue_rejections_total", (("reason", reason),)
         case "queue", ["timeouts"]:
             return "gmlx_queue_timeouts_total", ()
+        case "connections", [("open" | "cap") as field]:
+            return f"gmlx_connections_{field}", ()
+        case "connections", [counter]:
+            return f"gmlx_connections_{counter}_total", ()
         case "governor", ["thresholds", "hysteresis"]:
             return "gmlx_governor_hysteresis", ()
         case "governor", ["thresholds", band]:
@@ -141,7 +145,7 @@ def test_a_failing_probe_nulls_its_section_only(live_server: LiveServer, monkeyp
 
 
 # Figures of configuration, of the machine, or measured once at start: they do not move with load.
-FIXED = [("concurrency", "decode_batch"), ("concurrency", "queue_cap"), ("queue", "cap"),
+FIXED = [("concurrency", "decode_batch"), ("concurrency", "queue_cap"), ("queue", "cap"), ("connections", "cap"),
          ("governor", "thresholds"), ("governor", "interval_s"), ("governor", "limit_bytes"),
          ("memory", "budget_bytes"), ("memory", "system_total_bytes"),
          ("capacity",),  # the table from the budget, and the warm-up measured at start
@@ -152,7 +156,9 @@ FIXED = [("concurrency", "decode_batch"), ("concurrency", "queue_cap"), ("queue"
 NOT_DRIVEN = [("governor", "actions", "stop_stream"),  # red: test_governor's live test
               ("prompt_cache", "hits_by_tier", "block"), ("prompt_cache", "hits_by_tier", "ckpt"),
               ("prompt_cache", "hits_by_tier", "anchor"),  # test_prompt_cache
-              ("rates", "speculative_accept_rate")]  # null without a drafter: test_speculative_engine
+              ("rates", "speculative_accept_rate"),  # null without a drafter: test_speculative_engine
+              ("connections", "refused"), ("connections", "evicted"), ("connections", "header_timeouts"),
+              ("connections", "body_timeouts")]  # slow and surplus clients: test_connections
 
 
 def test_every_numeric_field_follows_what_it_measures(tmp_path: Path) -> None:

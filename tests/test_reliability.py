@@ -18,6 +18,7 @@ import httpx
 import mlx.core as mx
 import pytest
 from conftest import LiveServer, ServeProcess
+from tiny_models import write_model
 
 import gmlx.engine.engine as engine_module
 
@@ -254,6 +255,41 @@ def test_signal_drains_and_exits_0(tiny_models: dict[str, Path], tmp_path: Path,
         assert server.proc.wait(30) == 0, server.log()
     print(f"{sig.name} stream ends:", ends)
     assert len(ends) == streams and set(ends) <= {"finish", "error"}, ends  # never cut without [DONE]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_second_signal_cancels_running_streams_at_once(tiny_models: dict[str, Path], tmp_path: Path,
+                                                        sig: signal.Signals) -> None:
+    """The first signal drains for the shutdown timeout (here 60 s); a second ends the streams now,
+    each with its error event and [DONE], and the process exits 0 with no traceback."""
+    model = write_model(tmp_path / "long.gguf", "llama", context=1 << 15)  # a stream that lasts a minute or more
+    with ServeProcess(model, tmp_path / "serve.log", "--decode-batch", "2", "--shutdown-timeout", "60",
+                      env={"GMLX_GOVERNOR": "0"}) as server:
+        ends: list[str] = []
+        started = threading.Event()
+
+        def stream() -> None:
+            body = chat_body("go", max_tokens=100_000, stream=True)
+            with httpx.stream("POST", server.url + CHAT, json=body, timeout=60) as r:
+                lines = []
+                for line in r.iter_lines():
+                    if line:
+                        lines.append(line)
+                        started.set()
+                ends.append(sse_end(lines))
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert started.wait(30)
+        server.proc.send_signal(sig)
+        time.sleep(0.5)
+        signalled = time.monotonic()
+        server.proc.send_signal(sig)
+        assert server.proc.wait(30) == 0, server.log()
+        t.join(30)
+        assert time.monotonic() - signalled < 8, server.log()
+    assert ends == ["error"]
+    assert "Traceback" not in server.log() and "CancelledError" not in server.log()
 
 
 @pytest.mark.slow

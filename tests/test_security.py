@@ -93,3 +93,13 @@ def test_loopback_by_default_and_a_warning_when_open() -> None:
     assert exposure_warning(resolve_settings({"host": "0.0.0.0", "api_key": "k"}, env={})) is None
     warning = exposure_warning(resolve_settings({"host": "0.0.0.0"}, env={}))
     assert warning and "0.0.0.0" in warning and "API key" in warning
+
+
+def test_two_authorization_headers_are_refused(tiny_models: dict[str, Path]) -> None:
+    """Which of two would count is a guess that proxies make differently: neither order passes."""
+    with LiveServer(tiny_models["llama"], api_key="right-key") as s, s.client() as c:
+        for pair in (["Bearer right-key", "Bearer wrong-key"], ["Bearer wrong-key", "Bearer right-key"],
+                     ["Bearer right-key", "Bearer right-key"]):
+            r = c.get("/v1/models", headers=[("Authorization", v) for v in pair])
+            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request", pair
+        assert c.get("/v1/models", headers={"Authorization": "Bearer right-key"}).status_code == 200

@@ -29,7 +29,6 @@ from gmlx.cli.completions import complete_gguf
 from gmlx.server.settings import Settings, SettingsError, describe, resolve_settings
 
 log = logging.getLogger("gmlx.serve")
-_CONNECTION_CLOSE_S = 3  # after draining, what open connections get before uvicorn cuts them
 _LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 
 
@@ -42,6 +41,10 @@ def serve_command(
     queue_size: int = typer.Option(None, "--queue-size", help="Requests that may wait for a slot.  [default: 2 x decode batch]", show_default=False),
     queue_timeout: float = typer.Option(None, "--queue-timeout", help="Seconds a request may wait for a slot.  [default: 120]", show_default=False),
     max_body_bytes: int = typer.Option(None, "--max-body-bytes", help="Largest request body accepted.  [default: 4 MiB]", show_default=False),
+    max_connections: int = typer.Option(None, "--max-connections", help="Open connections accepted; more get 503.  [default: 1024, below the open-file limit]", show_default=False),
+    header_timeout: float = typer.Option(None, "--header-timeout", help="Seconds a client has to send a request's headers.  [default: 10]", show_default=False),
+    body_timeout: float = typer.Option(None, "--body-timeout", help="Seconds a client has to send a request's body.  [default: 30]", show_default=False),
+    keep_alive_timeout: float = typer.Option(None, "--keep-alive-timeout", help="Seconds an idle connection is kept open.  [default: 5]", show_default=False),
     weights: str = typer.Option(None, help="auto, gguf (gmlx CPU kernels), native (MLX quantized) or float.  [default: auto]", show_default=False),
     prefill_step: int = typer.Option(None, "--prefill-step", help="Prompt tokens per prefill chunk between decode steps.", show_default=False),
     max_tokens: int = typer.Option(None, "--max-tokens", help="max_tokens for a request that sets none.", show_default=False),
@@ -67,7 +70,9 @@ def serve_command(
 ) -> None:
     """Serve a GGUF model over an OpenAI-compatible API with continuous batching."""
     flags = dict(model=model, host=host, port=port, api_key=api_key, decode_batch=decode_batch, queue_size=queue_size,
-                 queue_timeout=queue_timeout, max_body_bytes=max_body_bytes, weights=weights, prefill_step=prefill_step,
+                 queue_timeout=queue_timeout, max_body_bytes=max_body_bytes, max_connections=max_connections,
+                 header_timeout=header_timeout, body_timeout=body_timeout, keep_alive_timeout=keep_alive_timeout,
+                 weights=weights, prefill_step=prefill_step,
                  max_tokens_default=max_tokens, log_input_text=log_input_text, shutdown_timeout=shutdown_timeout,
                  log_level=log_level, max_kv_size=max_kv_size, models_dir=models_dir,
                  memory=memory, prompt_cache_bytes=prompt_cache_bytes,
@@ -104,14 +109,12 @@ def exposure_warning(settings: Settings) -> str | None:
 
 
 def _serve(settings: Settings) -> int:
-    import uvicorn
-
     from gmlx.capacity.memory import kv_bytes_after_prefill
     from gmlx.gguf.header import read_header
     from gmlx.models.loader import architecture_for
     from gmlx.server.app import create_app
     from gmlx.server.build import build_engine
-    from gmlx.server.lifecycle import DrainingServer
+    from gmlx.server.lifecycle import build_server
 
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     path = model_path(settings.model)
@@ -129,9 +132,7 @@ def _serve(settings: Settings) -> int:
 
     engine = build_engine(settings, path)
     app = create_app(settings, engine, path.stem)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            timeout_graceful_shutdown=_CONNECTION_CLOSE_S, access_log=False)
-    server = DrainingServer(config, app.state.gmlx, settings.shutdown_timeout)
+    server = build_server(app)
 
     def report_load() -> None:
         engine.ready.wait()

@@ -47,8 +47,11 @@ class APIKeyMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.expected is None or scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if not hmac.compare_digest(given, self.expected):
+        given = [v for k, v in scope["headers"] if k == b"authorization"]
+        if len(given) > 1:  # which one counts would be the server's guess, and proxies guess differently
+            err = APIError(400, f"send one Authorization header, not {len(given)}", "invalid_request")
+            return await err.response()(scope, receive, send)
+        if not hmac.compare_digest(given[0] if given else b"", self.expected):
             err = APIError(401, "a valid API key is required: Authorization: Bearer KEY", "invalid_api_key")
             return await err.response()(scope, receive, send)
         await self.app(scope, receive, send)
@@ -72,7 +75,7 @@ def _log_end(state: ServerState, req: EngineRequest, end: Finished | Failed | No
 async def generate(request: Request, chat: bool) -> Response:
     state: ServerState = request.app.state.gmlx
     state.require_ready()
-    body = await read_json(request, state.settings.max_body_bytes)
+    body = await read_json(request, state)
     if chat and isinstance(body, dict) and body.get("dry_run") is True:
         return JSONResponse(await estimate_body(state, body))
     p = openai_api.parse(body, chat)
@@ -87,6 +90,9 @@ async def generate(request: Request, chat: bool) -> Response:
     max_tokens = min(p.max_tokens or state.settings.max_tokens_default, context - len(prompt_ids))
 
     rid = openai_api.new_id(chat)
+    if await request.is_disconnected():  # gone while its prompt was tokenized: no queue place, no rejection
+        log.info("%s prompt=%d generated=0 finish=client_gone (before the queue)", rid, len(prompt_ids))
+        return Response(status_code=499)
     state.queued[rid] = QueuedRow(rid, len(prompt_ids), max_tokens)
     try:
         await unless_disconnected(request, state.gate.acquire())
@@ -232,6 +238,16 @@ async def _api_error(request: Request, exc: Exception) -> Response:
     return exc.response()
 
 
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    log.info("%s %s -> client_gone (mid-upload)", request.method, request.url.path)
+    return Response(status_code=499)  # nobody reads it: the code the log and the metrics would use
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    # Starlette logs the traceback after this answer; the client gets the OpenAI shape, not plain text.
+    return APIError(500, "internal server error", "internal_error").response()
+
+
 async def _not_found(request: Request, exc: Exception) -> Response:
     status = getattr(exc, "status_code", 404)
     code = "not_found" if status == 404 else "method_not_allowed"
@@ -267,7 +283,8 @@ def create_app(settings: Settings, engine: Engine, model_id: str) -> Starlette:
         Route("/openapi.json", openapi_route, methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
-                    exception_handlers={APIError: _api_error, 404: _not_found, 405: _not_found})
+                    exception_handlers={APIError: _api_error, ClientGone: _client_gone, 404: _not_found,
+                                        405: _not_found, Exception: _internal_error})
     app.state.gmlx = state
     app.add_middleware(APIKeyMiddleware, key=settings.api_key)
     return app

@@ -195,4 +195,4 @@ def queue_wait_s(state: ServerState) -> float:
 async def estimate_route(request: Request) -> Response:
     state: ServerState = request.app.state.gmlx
     state.require_ready()
-    return JSONResponse(await estimate_body(state, await read_json(request, state.settings.max_body_bytes)))
+    return JSONResponse(await estimate_body(state, await read_json(request, state)))

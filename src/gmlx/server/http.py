@@ -8,33 +8,78 @@ import logging
 import threading
 import weakref
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from gmlx.server.errors import APIError, bad_request
 
+if TYPE_CHECKING:
+    from gmlx.server.state import ServerState
+
 T = TypeVar("T")
 log = logging.getLogger("gmlx.server")
+MAX_JSON_DEPTH = 64  # far beyond any OpenAI body (a tool's JSON schema included), far below the stack
 
 
 class ClientGone(Exception):
     """The client disconnected before its answer was ready."""
 
 
-async def read_json(request: Request, limit: int) -> Any:
+async def read_json(request: Request, state: ServerState) -> Any:
+    """The body as JSON, or a 4xx: over the size limit (413), not all sent within the body timeout
+    (408), not JSON, nested deeper than MAX_JSON_DEPTH or holding a lone UTF-16 surrogate (400,
+    which no tokenizer can encode). Raises ClientGone when the client leaves mid-upload."""
+    limit, timeout = state.settings.max_body_bytes, state.settings.body_timeout
     length = request.headers.get("content-length")
     if length and length.isdigit() and int(length) > limit:
         raise APIError(413, f"the request body is over {limit} bytes", "request_too_large")
     body = bytearray()
-    async for part in request.stream():
-        body += part
-        if len(body) > limit:
-            raise APIError(413, f"the request body is over {limit} bytes", "request_too_large")
     try:
-        return json.loads(body)
+        async with asyncio.timeout(timeout):
+            async for part in request.stream():
+                body += part
+                if len(body) > limit:
+                    raise APIError(413, f"the request body is over {limit} bytes", "request_too_large")
+    except TimeoutError:
+        state.connections.body_timeouts += 1
+        raise APIError(408, f"the request body did not arrive within {timeout:g} s", "body_timeout") from None
+    except ClientDisconnect:
+        raise ClientGone from None
+    try:
+        value = json.loads(body)
+    except RecursionError:  # deeper than the parser's own limit
+        raise _too_deep() from None
     except (ValueError, UnicodeDecodeError) as e:
         raise bad_request(f"the request body is not valid JSON: {e}") from None
+    _check_plain(value)
+    return value
+
+
+def _too_deep() -> APIError:
+    return bad_request(f"the request body is nested deeper than {MAX_JSON_DEPTH} levels")
+
+
+def _check_plain(value: Any) -> None:
+    """Refuse nesting deeper than MAX_JSON_DEPTH and strings (keys too) that are not valid Unicode:
+    JSON's `\\ud800` escape decodes to a lone surrogate, which no tokenizer or encoder takes. Iterative,
+    so no depth can exhaust the stack."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, str):
+            if not v.isascii():
+                try:
+                    v.encode()
+                except UnicodeEncodeError:
+                    raise bad_request("the request body holds a string that is not valid Unicode "
+                                      "(a lone UTF-16 surrogate)") from None
+        elif isinstance(v, (list, dict)):
+            if depth > MAX_JSON_DEPTH:
+                raise _too_deep()
+            stack.extend((x, depth + 1) for x in v)  # a list's items, or a dict's keys
+            if isinstance(v, dict):
+                stack.extend((x, depth + 1) for x in v.values())
 
 
 async def until_disconnected(request: Request) -> None:

@@ -33,6 +33,10 @@ def _queue(s: ServerState) -> dict:
             "rejections_by_reason": dict(g.rejections_by_code), "last_reject_reason": g.last_reject_reason}
 
 
+def _connections(s: ServerState) -> dict:
+    return s.connections.to_json()
+
+
 def _governor(s: ServerState) -> dict:
     return s.governor.snapshot() if s.governor is not None else {"band": None, "enabled": False}
 
@@ -129,6 +133,7 @@ SECTIONS: dict[str, tuple[Probe, tuple[str, ...]]] = {
     "concurrency": (_concurrency, ("decode_batch", "queue_cap", "in_flight", "waiting")),
     "queue": (_queue, ("waiting", "cap", "eta_s", "rejections", "timeouts", "rejections_by_reason",
                        "last_reject_reason")),
+    "connections": (_connections, ("open", "cap", "refused", "evicted", "header_timeouts", "body_timeouts")),
     "governor": (_governor, ("band", "enabled")),
     "memory": (_memory, ("active_bytes", "cache_bytes", "peak_bytes", "headroom_bytes", "budget_bytes",
                          "process_rss_bytes", "system_available_bytes", "system_total_bytes")),

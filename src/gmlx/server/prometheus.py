@@ -1,6 +1,6 @@
 """Prometheus text for /v1/metrics?format=prometheus, rendered by prometheus_client from the
 JSON snapshot itself (so both answer the same at the same moment), plus latency histograms.
-Every numeric field of the concurrency, queue, memory, governor, capacity, rates and
+Every numeric field of the concurrency, queue, connections, memory, governor, capacity, rates and
 resident_models sections becomes a sample; counts since start are counters (`_total`)."""
 
 from __future__ import annotations
@@ -36,6 +36,14 @@ class _Snapshot:
         if queue.get("timeouts") is not None:
             yield CounterMetricFamily("gmlx_queue_timeouts", "Requests that waited in the queue past the timeout",
                                       value=queue["timeouts"])
+        conns = s.get("connections") or {}
+        yield from _gauges("gmlx_connections", {k: conns.get(k) for k in ("open", "cap")})
+        for key, what in (("refused", "Connections refused at the cap"),
+                          ("evicted", "Idle connections closed at the cap to admit a new one"),
+                          ("header_timeouts", "Connections closed for sending headers too slowly"),
+                          ("body_timeouts", "Requests refused for sending their body too slowly")):
+            if conns.get(key) is not None:
+                yield CounterMetricFamily(f"gmlx_connections_{key}", what, value=conns[key])
         yield from _governor(s.get("governor") or {})
         yield from _capacity(s.get("capacity"))
         yield from _gauges("gmlx_rates", s.get("rates") or {}, labels={"model": model})

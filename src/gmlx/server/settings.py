@@ -166,6 +166,12 @@ class Settings:
     queue_size: int = _f(None, _int, "GMLX_QUEUE_SIZE", "QUEUE_SIZE", check=_at_least(0))
     queue_timeout: float = _f(120.0, _float, "GMLX_QUEUE_TIMEOUT", "QUEUE_TIMEOUT_S", check=_above(0))
     max_body_bytes: int = _f(4 * 1024 * 1024, _int, "GMLX_MAX_BODY_BYTES", check=_at_least(1))
+    # Connections (gmlx.server.connections): how many may be open, and how long a client may take
+    # to send a request's headers, then its body, and may stay idle between requests.
+    max_connections: int = _f(1024, _int, "GMLX_MAX_CONNECTIONS", check=_at_least(1))
+    header_timeout: float = _f(10.0, _float, "GMLX_HEADER_TIMEOUT", check=_above(0))
+    body_timeout: float = _f(30.0, _float, "GMLX_BODY_TIMEOUT", check=_above(0))
+    keep_alive_timeout: float = _f(5.0, _float, "GMLX_KEEP_ALIVE_TIMEOUT", check=_above(0))
     weights: str = _f("auto", _lower, "GMLX_WEIGHTS", check=_one_of("auto", "native", "float", "gguf"))
     prefill_step: int = _f(512, _int, "GMLX_PREFILL_STEP", check=_at_least(16))
     max_tokens_default: int = _f(512, _int, "GMLX_MAX_TOKENS", check=_at_least(1))

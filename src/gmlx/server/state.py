@@ -14,6 +14,7 @@ from gmlx.engine.engine import Engine
 from gmlx.kernels import fast as kernels_fast
 from gmlx.server import openai_api
 from gmlx.server.admission import AdmissionGate
+from gmlx.server.connections import ConnectionStats
 from gmlx.server.errors import APIError
 from gmlx.server.prometheus import Histograms
 from gmlx.server.settings import Settings
@@ -40,6 +41,7 @@ class ServerState:
     engine: Engine
     model_id: str
     gate: AdmissionGate = field(init=False)
+    connections: ConnectionStats = field(init=False)  # its cap set to what the file limit allows at start
     started_at: float = field(default_factory=time.time)
     # transformers' fast tokenizers may reconfigure the shared Rust object per call
     # ("Already borrowed" when two threads meet), so encoding takes turns.
@@ -55,6 +57,7 @@ class ServerState:
         s, stats = self.settings, self.engine.stats
         rate = lambda: stats.decode_tok_s_recent() or stats.decode_tok_s_lifetime()  # noqa: E731
         self.gate = AdmissionGate(s.decode_batch, s.queue_size, s.queue_timeout, lambda: (stats.mean_generated(), rate()))
+        self.connections = ConnectionStats(s.max_connections)
 
     @property
     def ready(self) -> bool:
