@@ -21,8 +21,9 @@ json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=True) | st.text(max_size=20),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=12)
-messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", 3]),
-                                           "content": json_values | st.text(max_size=200)}), max_size=4)
+roles = st.sampled_from(["user", "system", "developer", "assistant", "tool", "wizard", 3])
+messages = st.lists(st.fixed_dictionaries({"role": roles, "content": json_values | st.text(max_size=200)},
+                                          optional={"tool_calls": json_values}), max_size=4)
 # Bodies near the schema (right names, wrong or extreme values) reach deeper than random JSON.
 bodies = st.fixed_dictionaries({}, optional={
     "messages": messages | json_values, "prompt": json_values | st.lists(st.integers(-5, 10**6), max_size=8),
@@ -60,7 +61,9 @@ def post(s: LiveServer, route: str, content: bytes) -> None:
 
 def _capped(body: dict[str, Any]) -> dict[str, Any]:
     # Huge max_tokens are fuzzed for parsing; a valid one would only make the tiny model run long.
-    if isinstance(body.get("max_tokens"), int) and body["max_tokens"] > 4:
+    value = body.get("max_tokens")
+    integral = isinstance(value, int) or isinstance(value, float) and value.is_integer()  # 169.0 is valid too
+    if integral and value > 4:
         body["max_tokens"] = 4
     return body
 

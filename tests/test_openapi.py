@@ -1,6 +1,7 @@
 """The server's own OpenAPI description: it lists exactly the app's routes, and a schemathesis run
 built from it (against a real server on loopback, with and without the API key) finds no 5xx, no
-traceback in a body, only 4xx in the OpenAI error shape, and answers that conform to the document."""
+traceback in a body, only 4xx in the OpenAI error shape, answers that conform to the document, and
+no body the document allows refused but for what a schema cannot state."""
 
 from __future__ import annotations
 
@@ -85,30 +86,40 @@ def _clamp(case) -> None:
     if isinstance(case.body, dict):
         for name in ("max_tokens", "max_completion_tokens"):
             value = case.body.get(name)
-            if isinstance(value, int) and not isinstance(value, bool) and value > MAX_TOKENS:
+            if _integral(value) and value > MAX_TOKENS:
                 case.body[name] = MAX_TOKENS
 
 
-def _check_body(response) -> None:
+def _integral(value: object) -> bool:
+    """An integer to JSON Schema: 169 and 169.0 alike, true not."""
+    return isinstance(value, int) and not isinstance(value, bool) or isinstance(value, float) and value.is_integer()
+
+
+# What a body the document allows may still get: the model's id is any string (404), the body's size
+# and a prompt's length once tokenized are not schema facts (413, 400 context_length_exceeded), and load.
+ACCEPTED = {200, 401, 404, 413, 503}
+
+
+def _check_body(response, case) -> None:
     text = response.text
     assert "Traceback" not in text and 'File "' not in text, text[:500]
     if 400 <= response.status_code < 500:
         error = response.json()["error"]
         assert all(isinstance(error[k], str) and error[k] for k in ("message", "type", "code")), text[:500]
+    if case.meta is not None and case.meta.generation.mode.is_positive and response.status_code not in ACCEPTED:
+        assert response.json()["error"]["code"] == "context_length_exceeded", (case.body, text[:500])
 
 
 def _run(case, server: LiveServer) -> None:
     _clamp(case)
-    # Every check but positive_data_acceptance: a body the schema allows can still be refused for
-    # reasons a schema cannot state (a prompt over the context window once tokenized, the chat
-    # template's rules on roles); those refusals are 400s that _check_body holds to the error shape.
+    # positive_data_acceptance is _check_body's, which knows the refusals a schema cannot state.
     from schemathesis import checks
 
     excluded = [checks.positive_data_acceptance]
     if not server.settings.api_key:
         excluded.append(checks.ignored_auth)
     response = case.call_and_validate(excluded_checks=excluded)
-    _check_body(response)
+    _check_body(response, case)
 
 
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
@@ -160,3 +171,27 @@ def test_what_the_fuzz_found_stays_fixed(open_server: LiveServer) -> None:
         assert r.status_code == 405 and r.headers["allow"] == "POST", r.headers
         assert r.json()["error"]["type"] == "invalid_request_error"
         assert c.get("/v1/capacity/plan", params={"width": 10**30, "depth": 1}).json()["ok"] is False
+
+
+def test_the_document_and_the_validator_agree(open_server: LiveServer) -> None:
+    vocab = open_server.engine.loaded.geometry.vocab_size
+    hi = [{"role": "user", "content": "hi"}]
+    with open_server.client() as c:
+        schemas = c.get("/openapi.json").json()["components"]["schemas"]
+        ids = schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"][1]
+        assert ids["items"]["maximum"] == vocab - 1  # the served model's vocabulary bounds a token id
+        assert schemas["ChatCompletionRequest"]["properties"]["messages"]["items"]["properties"]["role"]["enum"] == [
+            "system", "developer", "user", "assistant"]
+        # Integral floats are integers to JSON Schema, so they are to the server too.
+        for path, body in [("/v1/chat/completions", {"messages": hi, "seed": 169.0, "max_tokens": 2.0, "n": 1.0,
+                                                     "top_k": 5.0, "max_completion_tokens": 2.0}),
+                           ("/v1/completions", {"prompt": [1.0, vocab - 1], "max_tokens": 2}),
+                           ("/v1/estimate", {"messages": hi, "seed": 169.0})]:
+            r = c.post(path, json=body)
+            assert r.status_code == 200, (body, r.text)
+        for path, body, param in [("/v1/chat/completions", {"messages": hi, "seed": 169.5}, "seed"),
+                                  ("/v1/chat/completions", {"messages": hi, "max_tokens": 2.5}, "max_tokens"),
+                                  ("/v1/completions", {"prompt": [1.5]}, "prompt"),
+                                  ("/v1/completions", {"prompt": [vocab]}, "prompt")]:
+            r = c.post(path, json=body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)

@@ -129,6 +129,38 @@ def test_bad_requests(live_server: LiveServer, body: object, status: int, code: 
         assert c.post(CHAT, json=chat_body(max_tokens=2)).status_code == 200
 
 
+def test_roles_the_template_cannot_render_are_refused(live_server: LiveServer) -> None:
+    hi = {"role": "user", "content": "hi"}
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    refused = {  # each used to answer 200, the turn rendered as if it were plain text (or dropped)
+        "invalid_request": [[{"role": "wizard", "content": "hi"}], [hi, {"role": "User", "content": "hi"}]],
+        "unsupported_value": [[hi, {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}],
+                              [hi, {"role": "function", "name": "get_weather", "content": "18 C"}],
+                              [hi, {"role": "assistant", "content": None, "tool_calls": [call]}, hi]],
+    }
+    with live_server.client() as c:
+        for code, cases in refused.items():
+            for messages in cases:
+                for path in (CHAT, "/v1/estimate"):
+                    r = c.post(path, json={"messages": messages, "max_tokens": 2})
+                    error = r.json()["error"]
+                    assert (r.status_code, error["code"], error["param"]) == (400, code, "messages"), (messages, r.text)
+        assert "not supported yet" in c.post(CHAT, json={"messages": refused["unsupported_value"][0]}).text
+        no_calls = [hi, {"role": "assistant", "content": "hello", "tool_calls": []}, hi]
+        assert c.post(CHAT, json={"messages": no_calls, "max_tokens": 2}).status_code == 200
+
+
+def test_developer_messages_are_system_messages(live_server: LiveServer) -> None:
+    from gmlx.server import openai_api
+
+    def prompt(role: str) -> list[int]:
+        body = {"messages": [{"role": role, "content": "Be brief."}, {"role": "user", "content": "hi"}]}
+        return live_server.state.tokenize(openai_api.parse(body, chat=True))
+
+    # The chat templates know only system; the tiny model's used to render developer as an answer.
+    assert prompt("developer") == prompt("system")
+
+
 def test_unknown_fields_ignored_and_body_too_large(tiny_models: dict[str, Path]) -> None:
     with LiveServer(tiny_models["llama"], max_body_bytes=2000) as server, server.client() as c:
         assert c.post(CHAT, json=chat_body(max_tokens=2, frobnicate={"x": 1})).status_code == 200

@@ -11,6 +11,8 @@ from gmlx.engine.sampling import SamplingParams
 from gmlx.server.errors import bad_request
 
 _MAX_STOPS = 16
+ROLES = ("system", "developer", "user", "assistant")  # the roles a chat template is given (the schema's enum)
+_TOOL_ROLES = ("tool", "function")
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,20 @@ def _typed(body: dict, name: str, types: type | tuple[type, ...], what: str) -> 
     if isinstance(value, bool) != (types is bool) or not isinstance(value, types):
         raise bad_request(f"'{name}' must be {what}", name)
     return value
+
+
+def _is_integer(value: Any) -> bool:
+    """An int, or a float with an integral value: 169.0 is an integer to JSON Schema too."""
+    return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and value.is_integer())
+
+
+def _integer(body: dict, name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not _is_integer(value):
+        raise bad_request(f"'{name}' must be an integer", name)
+    return int(value)
 
 
 def _number(body: dict, name: str, lo: float, hi: float, default: float) -> float:
@@ -61,16 +77,25 @@ def _message_text(content: Any, i: int) -> str:
     raise bad_request(f"messages[{i}].content must be a string or a list of parts", "messages")
 
 
+def _message(m: Any, i: int) -> dict[str, Any]:
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise bad_request(f"messages[{i}] must be an object with a string 'role'", "messages")
+    role = m["role"]
+    # Tool turns are refused, not rendered without their ids and calls as if they were plain text.
+    if role in _TOOL_ROLES or m.get("tool_calls") not in (None, []):
+        raise bad_request(f"messages[{i}]: tool messages and tool calls are not supported yet", "messages",
+                          code="unsupported_value")
+    if role not in ROLES:
+        raise bad_request(f"messages[{i}].role must be one of {', '.join(ROLES)}, not {role!r}", "messages")
+    # OpenAI's newer name for the system role, which is the one chat templates know.
+    return {"role": "system" if role == "developer" else role, "content": _message_text(m.get("content"), i)}
+
+
 def _messages(body: dict) -> list[dict[str, Any]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list", "messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise bad_request(f"messages[{i}] must be an object with a string 'role'", "messages")
-        out.append({"role": m["role"], "content": _message_text(m.get("content"), i)})
-    return out
+    return [_message(m, i) for i, m in enumerate(messages)]
 
 
 def _prompt(body: dict) -> str | list[int]:
@@ -79,8 +104,8 @@ def _prompt(body: dict) -> str | list[int]:
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return prompt
+    if isinstance(prompt, list) and prompt and all(_is_integer(t) for t in prompt):
+        return [int(t) for t in prompt]
     raise bad_request("'prompt' must be a string or a list of token ids (one prompt per request)", "prompt")
 
 
@@ -89,12 +114,12 @@ def parse(body: Any, chat: bool) -> GenerationParams:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     model = _typed(body, "model", str, "a string")
-    n = _typed(body, "n", int, "an integer")
+    n = _integer(body, "n")
     if n not in (None, 1):
         raise bad_request("only n=1 is supported", "n")
     max_tokens = None
     for name in ("max_tokens", "max_completion_tokens"):  # both are checked; the newer name wins
-        value = _typed(body, name, int, "an integer")
+        value = _integer(body, name)
         if value is not None and value < 1:
             raise bad_request(f"'{name}' must be at least 1", name)
         max_tokens = value if value is not None else max_tokens
@@ -104,8 +129,8 @@ def parse(body: Any, chat: bool) -> GenerationParams:
         raise bad_request("'stop' must be a string or a list of strings", "stop")
     if stops and len(stops) > _MAX_STOPS:
         raise bad_request(f"at most {_MAX_STOPS} stop strings", "stop")
-    top_k = _typed(body, "top_k", int, "an integer")
-    seed = _typed(body, "seed", int, "an integer")
+    top_k = _integer(body, "top_k")
+    seed = _integer(body, "seed")
     if seed is not None and not 0 <= seed < 2**64:  # MLX's random key takes an unsigned 64-bit seed
         raise bad_request("'seed' must be between 0 and 2**64 - 1", "seed")
     stream = bool(_typed(body, "stream", bool, "a boolean"))
@@ -182,7 +207,7 @@ def system_prefix_tokens(tokenizer: Any, messages: list[dict[str, Any]] | None, 
     differ after it share exactly this prefix (the prompt cache anchors there). 0 without one."""
     system = []
     for m in messages or ():
-        if m.get("role") not in ("system", "developer"):
+        if m.get("role") != "system":  # parse() named developer messages system
             break
         system.append(m)
     if not system or len(system) == len(messages or ()):

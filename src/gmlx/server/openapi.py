@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 import gmlx
+from gmlx.server.openai_api import ROLES
 
 OPEN_PATHS = frozenset({"/health", "/system"})  # the same as app.OPEN_PATHS (a test checks)
 MAX_STOPS = 16  # openai_api._MAX_STOPS
@@ -63,7 +64,10 @@ _MEDIA_PART = {"type": "object", "required": ["type"], "properties": {"type": {"
 
 def _message(parts: list[dict]) -> dict:
     content = {"anyOf": [{"type": "string"}, {"type": "null"}, {"type": "array", "items": {"anyOf": parts}}]}
-    return {"type": "object", "required": ["role"], "properties": {"role": {"type": "string"}, "content": content}}
+    tool_calls = _nullable({"type": "array", "maxItems": 0, "description": "Tool calls are not supported yet."})
+    role = {"enum": list(ROLES), "description": "developer is read as system; tool messages are not supported yet."}
+    return {"type": "object", "required": ["role"],
+            "properties": {"role": role, "content": content, "tool_calls": tool_calls}}
 
 
 _SAMPLING: dict[str, Any] = {
@@ -82,12 +86,20 @@ _SAMPLING: dict[str, Any] = {
     "stream": _nullable({"type": "boolean"}),
     "stream_options": _nullable({"type": "object", "properties": {"include_usage": _nullable({"type": "boolean"})}}),
 }
-_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 
 
 def _body(required: str, first: dict, **more: Any) -> dict:
     return {"type": "object", "required": [required], "properties": {required: first, **_SAMPLING, **more},
             "description": "Unknown fields are ignored."}
+
+
+def _completion_request(vocab_size: int | None) -> dict:
+    """The completions body; the token ids' bound is the served model's vocabulary, once it is loaded."""
+    token = {"type": "integer", "minimum": 0} | ({} if vocab_size is None else {"maximum": vocab_size - 1})
+    ids = {"type": "array", "items": token, "minItems": 1}
+    batch_of_one = {"type": "array", "minItems": 1, "maxItems": 1, "items": {"anyOf": [{"type": "string"}, ids]}}
+    return _body("prompt", {"anyOf": [{"type": "string"}, ids, batch_of_one],
+                            "description": "One prompt: a string or token ids, or a batch of one."})
 
 
 _CHOICE = {"type": "object", "required": ["index", "finish_reason"],
@@ -106,10 +118,6 @@ SCHEMAS: dict[str, dict] = {
     "ChatCompletionRequest": _body(
         "messages", {"type": "array", "minItems": 1, "items": _message([_TEXT_PART])},
         dry_run=_nullable({"type": "boolean", "description": "true: answer with the estimate, run nothing."})),
-    "CompletionRequest": _body("prompt", {"anyOf": [
-        {"type": "string"}, _TOKEN_IDS,
-        {"type": "array", "minItems": 1, "maxItems": 1, "items": {"anyOf": [{"type": "string"}, _TOKEN_IDS]}}],
-        "description": "One prompt: a string or token ids (each below the vocabulary size), or a batch of one."}),
     "EstimateRequest": _body("messages", {"type": "array", "minItems": 1,
                                           "items": _message([_TEXT_PART, _MEDIA_PART])},
                              dry_run=_nullable({"type": "boolean", "description": "Accepted, and changes nothing."})),
@@ -219,8 +227,9 @@ PATHS: dict[str, dict[str, dict]] = {
 }
 
 
-def document(api_key: bool) -> dict:
-    """The OpenAPI document; with `api_key`, every route but the open ones declares (and gets) a 401."""
+def document(api_key: bool, vocab_size: int | None = None) -> dict:
+    """The OpenAPI document; with `api_key`, every route but the open ones declares (and gets) a 401.
+    `vocab_size`, the served model's, bounds the token ids a completions prompt may hold."""
     paths: dict[str, dict] = {}
     for path, methods in PATHS.items():
         paths[path] = {}
@@ -236,7 +245,7 @@ def document(api_key: bool) -> dict:
         "info": {"title": "gmlx", "version": gmlx.__version__,
                  "description": "OpenAI-compatible server for GGUF models on MLX. Errors have the OpenAI shape."},
         "paths": paths,
-        "components": {"schemas": SCHEMAS},
+        "components": {"schemas": {**SCHEMAS, "CompletionRequest": _completion_request(vocab_size)}},
     }
     if api_key:
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
@@ -245,4 +254,6 @@ def document(api_key: bool) -> dict:
 
 
 async def openapi_route(request: Request) -> Response:
-    return JSONResponse(document(bool(request.app.state.gmlx.settings.api_key)))
+    state = request.app.state.gmlx
+    loaded = state.engine.loaded  # None while loading: the bound is left out until it is known
+    return JSONResponse(document(bool(state.settings.api_key), loaded.geometry.vocab_size if loaded else None))
