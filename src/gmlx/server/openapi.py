@@ -40,11 +40,14 @@ def _json(schema: dict) -> dict:
 _RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before trying again.", "required": True,
                                 "schema": {"type": "string", "pattern": "^[0-9]+$"}}}
 _ERRORS = {
-    400: "Bad request: a malformed body, a wrong type or range, a prompt over the context window.",
+    400: "Bad request: a malformed body or HTTP request, a wrong type or range, JSON nested over 64 levels, a "
+         "string that is not valid Unicode, a prompt over the context window.",
     401: "A missing or wrong API key.",
     404: "The model is not served here.",
+    408: "The body did not arrive within the server's body timeout (`body_timeout`).",
     413: "The request body is over the server's limit.",
-    503: "Load (`queue_full`, `queue_timeout`, `memory_pressure`), loading or shutting down; see Retry-After.",
+    503: "Load (`queue_full`, `queue_timeout`, `memory_pressure`, `too_many_connections`), loading or shutting "
+         "down; see Retry-After.",
 }
 
 
@@ -199,8 +202,9 @@ _GENERATION_OK = {"description": "The answer; with stream=true, server-sent even
 
 PATHS: dict[str, dict[str, dict]] = {
     "/v1/chat/completions": {"post": _op("Chat completion (or, with dry_run, its estimate)", _GENERATION_OK,
-                                         400, 404, 413, 503, body="ChatCompletionRequest")},
-    "/v1/completions": {"post": _op("Text completion", _GENERATION_OK, 400, 404, 413, 503, body="CompletionRequest")},
+                                         400, 404, 408, 413, 503, body="ChatCompletionRequest")},
+    "/v1/completions": {"post": _op("Text completion", _GENERATION_OK, 400, 404, 408, 413, 503,
+                                    body="CompletionRequest")},
     "/v1/models": {"get": _op("The served model", {"description": "One entry", "content": _json(_ref("ModelList"))})},
     "/health": {"get": _op("Liveness, and with ready=1 readiness", {"description": "Healthy (and ready)",
                                                                     "content": _json(_ref("Health"))},
@@ -216,7 +220,7 @@ PATHS: dict[str, dict[str, dict]] = {
                 _query("depth", {"type": "integer", "minimum": 1}, True, "Tokens per stream")])},
     "/v1/estimate": {"post": _op("What one chat request would need, without running it",
                                  {"description": "The estimate", "content": _json(_ref("Estimate"))},
-                                 400, 404, 413, 503, body="EstimateRequest")},
+                                 400, 404, 408, 413, 503, body="EstimateRequest")},
     "/v1/metrics": {"get": _op(
         "The live snapshot, as JSON or Prometheus text",
         {"description": "The snapshot", "content": {**_json(_ref("Metrics")), "text/plain": {"schema": {"type": "string"}}}},
