@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from conftest import LiveServer
+from tiny_models import write_model
 
 from gmlx.server.http import MAX_JSON_DEPTH
 
@@ -123,3 +125,22 @@ def test_a_client_gone_before_the_queue_takes_no_place_and_is_no_rejection(
         holder.close()
     assert server.state.gate.rejections == rejections
     assert "rejected:queue_full" not in caplog.text
+
+
+def test_a_client_gone_while_running_frees_its_slot_before_the_engine_drops_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the one slot held by a request whose client left, the next request is admitted at once,
+    though the engine takes its time (here, two seconds) to drop the first: no queue_full meanwhile."""
+    model = write_model(tmp_path / "long.gguf", "llama", context=1 << 14)  # a stream that outlasts the test
+    with LiveServer(model, decode_batch=1, queue_size=0, max_tokens_default=2) as server:
+        cancel = server.engine.cancel
+        monkeypatch.setattr(server.engine, "cancel", lambda *a: threading.Timer(2.0, cancel, a).start())
+        gone = raw_post(server, json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10_000,
+                                            "stream": True}).encode())
+        server.wait_until(lambda: server.engine.decoding == 1, timeout=10)
+        gone.close()
+        server.wait_until(lambda: server.state.gate.running == 0, timeout=1.5)
+        assert server.engine.in_flight == 1  # the engine still holds it
+        with server.client() as c:
+            r = c.post(CHAT, json={"messages": [{"role": "user", "content": "next"}], "max_tokens": 2})
+        assert r.status_code == 200, r.text

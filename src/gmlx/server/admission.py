@@ -106,5 +106,20 @@ class AdmissionGate:
         return APIError(503, f"server busy: {message}; retry after {retry_after} s", code, retry_after=retry_after)
 
 
+class Slot:
+    """One request's slot, given back once: when the engine ends the request, or as soon as its
+    client leaves. The second is safe because the engine runs commands in order: it drops the
+    cancelled request before it takes the one the freed slot admits, which would otherwise wait
+    a whole prefill step behind a request nobody reads."""
+
+    def __init__(self, gate: AdmissionGate):
+        self._gate: AdmissionGate | None = gate
+
+    def release(self) -> None:
+        if self._gate is not None:
+            gate, self._gate = self._gate, None
+            gate.release()
+
+
 def _granted(slot: asyncio.Future) -> bool:
     return slot.done() and not slot.cancelled() and slot.exception() is None

@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from gmlx.engine.engine import Chunk, Engine, Event, Failed, Finished
 from gmlx.engine.engine import Request as EngineRequest
 from gmlx.server import openai_api
-from gmlx.server.admission import RETRY_AFTER_FULL_S
+from gmlx.server.admission import RETRY_AFTER_FULL_S, Slot
 from gmlx.server.capacity_routes import capacity_plan, estimate_body, estimate_route
 from gmlx.server.errors import APIError
 from gmlx.server.governor import Governor
@@ -106,11 +106,12 @@ async def generate(request: Request, chat: bool) -> Response:
         del state.queued[rid]
 
     events: asyncio.Queue[Event] = asyncio.Queue()
+    slot = Slot(state.gate)
 
     def deliver(e: Event) -> None:  # on the loop; the slot frees when the engine lets go of it
         events.put_nowait(e)
         if isinstance(e, (Finished, Failed)):
-            state.gate.release()
+            slot.release()
 
     to_loop = relay(asyncio.get_running_loop())  # a step's events for every stream: one loop wake-up
     req = EngineRequest(rid, prompt_ids, max_tokens, p.sampling, p.stop,
@@ -118,12 +119,13 @@ async def generate(request: Request, chat: bool) -> Response:
     state.engine.submit(req)
     prompt_for_log = p.messages if chat else p.prompt
     if p.stream:
-        return StreamingResponse(_sse(state, p, req, events, prompt_for_log), media_type="text/event-stream",
+        return StreamingResponse(_sse(state, p, req, slot, events, prompt_for_log), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
         text, end = await unless_disconnected(request, _collect(events))
     except ClientGone:
         state.engine.cancel(rid)
+        slot.release()
         _log_end(state, req, None, prompt_for_log, "")
         return Response(status_code=499)
     _log_end(state, req, end, prompt_for_log, text)
@@ -149,8 +151,8 @@ def _sse_data(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _sse(state: ServerState, p: openai_api.GenerationParams, req: EngineRequest, events: asyncio.Queue[Event],
-               prompt_for_log: Any) -> AsyncIterator[str]:
+async def _sse(state: ServerState, p: openai_api.GenerationParams, req: EngineRequest, slot: Slot,
+               events: asyncio.Queue[Event], prompt_for_log: Any) -> AsyncIterator[str]:
     model, rid, parts, ended = state.model_id, req.id, [], False
     try:
         if p.chat:
@@ -169,8 +171,9 @@ async def _sse(state: ServerState, p: openai_api.GenerationParams, req: EngineRe
                 yield _sse_data(openai_api.chunk(p, rid, model, use=openai_api.usage(e.prompt_tokens, e.completion_tokens, e.cached_tokens)))
         yield "data: [DONE]\n\n"
     finally:
-        if not ended:  # the client went away mid-stream: free the slot within one step
+        if not ended:  # the client went away mid-stream: the engine drops the request within one step
             state.engine.cancel(rid)
+            slot.release()
             _log_end(state, req, None, prompt_for_log, "".join(parts))
 
 
