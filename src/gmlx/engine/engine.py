@@ -21,6 +21,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
 from gmlx.engine.prompt_cache import MISS, Hit, PromptCache
+from gmlx.engine.logprobs import TokenLogprob, score_logprobs
 from gmlx.engine.sampling import Sampler, SamplingParams, greedy, make_sampler
 from gmlx.engine.speculative import SpeculativeCounters, SpeculativeStream, can_speculate
 from gmlx.engine.stops import StopMatcher
@@ -35,6 +36,7 @@ WARMUP_TOKENS = 32
 @dataclass
 class Chunk:
     text: str
+    logprobs: list[TokenLogprob] | None = None  # the tokens this text came from, for a request that asks
 
 
 @dataclass
@@ -65,6 +67,7 @@ class Request:
     stop: tuple[str, ...] = ()
     emit: Callable[[Event], None] = lambda _: None
     anchor_tokens: int = 0  # where a shared system prompt ends in prompt_ids (0: none)
+    logprobs: int | None = None  # alternatives to report per token (0: the token's own only); None: no logprobs
     # Live state, written by the engine thread and read by snapshots.
     state: str = "queued"  # queued -> prefill -> decode -> done
     uid: int | None = None
@@ -75,6 +78,7 @@ class Request:
     generated: int = 0
     cache: Hit | None = None  # the prompt cache's answer, once the engine has asked it
     speculative: SpeculativeCounters | None = None  # with a drafter: its rounds for this request
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)  # scored, their text not yet emitted
 
     @property
     def ttft_s(self) -> float | None:
@@ -470,6 +474,8 @@ class Engine:
         if self.draft is None or self._no_lane or len(self._active) != 1 or not self._commands.empty():
             return False
         [req] = self._active.values()
+        if req.logprobs is not None:  # the drafter's rounds score no alternatives
+            return False
         # Leaving the batch costs a step: not for a request about to end, or about to reach a
         # sliding window (past it, rejected drafts could not be trimmed back).
         length = len(req.prompt_ids) + req.generated
@@ -566,13 +572,18 @@ class Engine:
                     self._take_checkpoint(gen, req, req.prefilled)
                 if p.end_of_prompt:
                     req.state = "decode"
+        scoring = [(r, req) for r in generation_responses
+                   if (req := self._active.get(r.uid)) is not None and req.logprobs is not None]
+        scored = dict(zip((r.uid for r, _ in scoring), score_logprobs(
+            [r.logprobs for r, _ in scoring], [r.token for r, _ in scoring], [q.logprobs for _, q in scoring])))
         for r in generation_responses:
             if (req := self._active.get(r.uid)) is not None:
                 if r.finish_reason is not None:
                     self._keep_final(r.prompt_cache, r.all_tokens)
-                self._on_token(gen, req, r.token, r.finish_reason, now)
+                self._on_token(gen, req, r.token, r.finish_reason, now, scored.get(r.uid))
 
-    def _on_token(self, gen: BatchGenerator, req: Request, token: int, finish_reason: str | None, now: float) -> None:
+    def _on_token(self, gen: BatchGenerator, req: Request, token: int, finish_reason: str | None, now: float,
+                  logprob: TokenLogprob | None = None) -> None:
         if req.first_token_at is None:
             req.first_token_at, req.state = now, "decode"
         elif finish_reason != "stop" and self.on_token_gap is not None:  # an EOS token is never sent
@@ -582,13 +593,16 @@ class Engine:
         if finish_reason != "stop":  # "stop" here means an EOS token, which has no text
             req.generated += 1
             detok.add_token(token)
+            if logprob is not None:
+                req.pending_logprobs.append(logprob)
         if finish_reason is not None:
             detok.finalize()
         text, hit = stops.feed(detok.last_segment)
         if finish_reason is not None and not hit:
             text += stops.flush()
         if text:
-            self._emit(req, Chunk(text))
+            scored, req.pending_logprobs = req.pending_logprobs, []
+            self._emit(req, Chunk(text, scored if req.logprobs is not None else None))
         if hit and finish_reason is None:
             for cache, tokens in gen.remove([req.uid], return_prompt_caches=self.prompt_cache is not None).values():
                 self._keep_final(cache, tokens)

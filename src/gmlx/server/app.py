@@ -21,7 +21,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gmlx.engine.engine import Chunk, Engine, Event, Failed, Finished
 from gmlx.engine.engine import Request as EngineRequest
-from gmlx.server import openai_api
+from gmlx.engine.logprobs import TokenLogprob
+from gmlx.server import logprobs, openai_api
 from gmlx.server.admission import RETRY_AFTER_FULL_S, Slot
 from gmlx.server.capacity_routes import capacity_plan, estimate_body, estimate_route
 from gmlx.server.errors import APIError
@@ -115,14 +116,14 @@ async def generate(request: Request, chat: bool) -> Response:
 
     to_loop = relay(asyncio.get_running_loop())  # a step's events for every stream: one loop wake-up
     req = EngineRequest(rid, prompt_ids, max_tokens, p.sampling, p.stop,
-                        emit=lambda e: to_loop.call(deliver, e), anchor_tokens=anchor)
+                        emit=lambda e: to_loop.call(deliver, e), anchor_tokens=anchor, logprobs=p.logprobs)
     state.engine.submit(req)
     prompt_for_log = p.messages if chat else p.prompt
     if p.stream:
         return StreamingResponse(_sse(state, p, req, slot, events, prompt_for_log), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
-        text, end = await unless_disconnected(request, _collect(events))
+        text, scored, end = await unless_disconnected(request, _collect(events))
     except ClientGone:
         state.engine.cancel(rid)
         slot.release()
@@ -137,14 +138,17 @@ async def generate(request: Request, chat: bool) -> Response:
     if end.finish_reason == "cancelled":
         raise APIError(503, "the server is shutting down", "shutting_down", retry_after=RETRY_AFTER_FULL_S)
     use = openai_api.usage(end.prompt_tokens, end.completion_tokens, end.cached_tokens)
-    return JSONResponse(openai_api.completion(p, rid, state.model_id, text, end.finish_reason, use))
+    return JSONResponse(openai_api.completion(p, rid, state.model_id, text, end.finish_reason, use,
+                                              logprobs.shape(p.chat, scored, state.token_bytes())))
 
 
-async def _collect(events: asyncio.Queue[Event]) -> tuple[str, Finished | Failed]:
-    parts = []
+async def _collect(events: asyncio.Queue[Event]) -> tuple[str, list[TokenLogprob] | None, Finished | Failed]:
+    parts, scored = [], None
     while isinstance(e := await events.get(), Chunk):
         parts.append(e.text)
-    return "".join(parts), e
+        if e.logprobs is not None:
+            scored = (scored or []) + e.logprobs
+    return "".join(parts), scored, e
 
 
 def _sse_data(obj: Any) -> str:
@@ -157,9 +161,12 @@ async def _sse(state: ServerState, p: openai_api.GenerationParams, req: EngineRe
     try:
         if p.chat:
             yield _sse_data(openai_api.chunk(p, rid, model, role=True))
+        offset = 0  # where the next chunk's text starts, for the completions API's text_offset
         while isinstance(e := await events.get(), Chunk):
             parts.append(e.text)
-            yield _sse_data(openai_api.chunk(p, rid, model, text=e.text))
+            shaped = logprobs.shape(p.chat, e.logprobs, state.token_bytes(), offset)
+            yield _sse_data(openai_api.chunk(p, rid, model, text=e.text, logprobs=shaped))
+            offset += len(e.text)
         ended = True
         _log_end(state, req, e, prompt_for_log, "".join(parts))
         if isinstance(e, Failed) or e.finish_reason == "cancelled":

@@ -7,6 +7,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from gmlx.engine.logprobs import MAX_TOP
 from gmlx.engine.sampling import SamplingParams
 from gmlx.server.errors import bad_request
 
@@ -26,6 +27,7 @@ class GenerationParams:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    logprobs: int | None = None  # alternatives per token to report (0: the token's own only); None: none
 
 
 def _typed(body: dict, name: str, types: type | tuple[type, ...], what: str) -> Any:
@@ -155,7 +157,23 @@ def parse(body: Any, chat: bool) -> GenerationParams:
         stop=tuple(stops or ()),
         stream=stream,
         include_usage=bool(options.get("include_usage")),
+        logprobs=_logprobs(body, chat),
     )
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """Chat asks with `logprobs: true` and `top_logprobs` 0-20; completions with `logprobs` N."""
+    if not chat:
+        n = _integer(body, "logprobs")
+        if n is not None and not 0 <= n <= MAX_TOP:
+            raise bad_request(f"'logprobs' must be between 0 and {MAX_TOP}", "logprobs")
+        return n
+    on, top = _typed(body, "logprobs", bool, "a boolean"), _integer(body, "top_logprobs")
+    if top is not None and not 0 <= top <= MAX_TOP:
+        raise bad_request(f"'top_logprobs' must be between 0 and {MAX_TOP}", "top_logprobs")
+    if top is not None and not on:
+        raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (top or 0) if on else None
 
 
 def new_id(chat: bool) -> str:
@@ -168,8 +186,9 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def completion(p: GenerationParams, rid: str, model: str, text: str, finish: str, use: dict) -> dict:
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+def completion(p: GenerationParams, rid: str, model: str, text: str, finish: str, use: dict,
+               logprobs: dict | None = None) -> dict:
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": logprobs}
     if p.chat:
         choice["message"] = {"role": "assistant", "content": text}
     else:
@@ -179,14 +198,14 @@ def completion(p: GenerationParams, rid: str, model: str, text: str, finish: str
 
 
 def chunk(p: GenerationParams, rid: str, model: str, text: str | None = None, finish: str | None = None,
-          role: bool = False, use: dict | None = None) -> dict:
+          role: bool = False, use: dict | None = None, logprobs: dict | None = None) -> dict:
     """One streamed chunk: a text delta, the opening role, the finish, or the usage (no choices)."""
     kind = "chat.completion.chunk" if p.chat else "text_completion"
     out: dict[str, Any] = {"id": rid, "object": kind, "created": int(time.time()), "model": model}
     if use is not None:
         out["choices"], out["usage"] = [], use
         return out
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": logprobs}
     if p.chat:
         delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
         if text is not None:

@@ -11,6 +11,7 @@ from gmlx import platform
 from gmlx.capacity.memory import KVFormat
 from gmlx.capacity.table import CapacityTable, attention_in_tiles, capacity_table
 from gmlx.engine.engine import Engine
+from gmlx.gguf.vocab import token_bytes
 from gmlx.kernels import fast as kernels_fast
 from gmlx.server import openai_api
 from gmlx.server.admission import AdmissionGate
@@ -47,6 +48,7 @@ class ServerState:
     # ("Already borrowed" when two threads meet), so encoding takes turns.
     _tokenizer_lock: threading.Lock = field(default_factory=threading.Lock)
     _table: CapacityTable | None = None
+    _token_bytes: list[bytes] | None = None
     queued: dict[str, QueuedRow] = field(default_factory=dict)  # id -> row, in arrival order
     governor: Governor | None = None  # None when GMLX_GOVERNOR=0
     histograms: Histograms = field(default_factory=lambda: Histograms())
@@ -104,6 +106,13 @@ class ServerState:
             return ids, 0
         with self._tokenizer_lock:
             return ids, openai_api.system_prefix_tokens(self.engine.loaded.tokenizer, p.messages, ids)  # type: ignore[union-attr]
+
+    def token_bytes(self) -> list[bytes]:
+        """Every token's bytes, by id (for logprobs), read from the vocabulary once."""
+        if self._token_bytes is None:
+            assert self.engine.loaded is not None
+            self._token_bytes = token_bytes(self.engine.loaded.header)
+        return self._token_bytes
 
     def tokenize(self, p: openai_api.GenerationParams) -> list[int]:
         loaded = self.engine.loaded
