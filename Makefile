@@ -16,7 +16,7 @@ test: venv
 test-fast: venv
 	$(VENV)/bin/python -m pytest -q -m "not slow" $(ARGS)
 
-# MLX's Linux CPU wheel links the reference BLAS; gmlx preloads OpenBLAS instead (DESIGN.md, 4).
+# MLX's Linux CPU wheel links the reference BLAS; gmlx preloads OpenBLAS instead (docs/ARCHITECTURE.md, decision 4).
 # gmlx.kernels (the `gguf` weight mode) is compiled at install: a C++ compiler and Python's headers.
 # Without them the install still succeeds and gmlx runs on MLX's own kernels.
 system:

@@ -2,7 +2,7 @@
 
 The settings (`--kv-bits`, `--kv-group-size`, `--kv-scheme`, `--kv-value-bits`,
 `--kv-tail-tokens`) become a `KVQuantPlan`: the scheme, its widths, how many layers store a
-quantized cache, and the spec's verdicts, `full`, `partial` or `dropped`, with a reason for any
+quantized cache, and verdicts (docs/ARCHITECTURE.md, "Contract"): `full`, `partial`, `dropped`, with a reason for any
 but `full`. `plan.to_json()` is the `kv_quant` object of GET /v1/models; `plan.kv_format()` is
 the `KVFormat` that capacity plans with; gmlx.engine.kv_cache builds the caches from the plan.
 
@@ -96,7 +96,7 @@ class KVQuantPlan:
                         value_bits=self.value_bits, tail_tokens=self.tail_tokens or 0)
 
     def to_json(self) -> dict:
-        """The spec's `kv_quant` object."""
+        """The `kv_quant` object (docs/ARCHITECTURE.md, "Contract")."""
         out: dict = {"scheme": self.scheme, "bits": self.bits, "group_size": self.group_size,
                      "layers_quantized": self.layers_quantized, "layers_fp16": self.layers_fp16,
                      "verdict": self.verdict}

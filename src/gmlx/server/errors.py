@@ -1,4 +1,4 @@
-"""Errors in the OpenAI shape, with the status a client can act on (DESIGN.md, decision 8)."""
+"""Errors in the OpenAI shape, with the status a client can act on (docs/ARCHITECTURE.md, decision 8)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The one metrics snapshot (DESIGN.md, decision 6): built here section by section; a section
+"""The one metrics snapshot (docs/ARCHITECTURE.md, decision 6): built here section by section; a section
 whose probe raises reports null fields and the rest still answers. Prometheus text is rendered
 from the same snapshot, so the two never disagree."""
 
