@@ -8,6 +8,8 @@ import sys
 import pytest
 
 from gmlx.capacity.budget import (
+    HOST_BYTES_ESTIMATE,
+    GovernorTerms,
     MemoryBudget,
     parse_bytes,
     prefill_working_bytes,
@@ -22,11 +24,12 @@ from gmlx.capacity.memory import (
     kv_bytes_per_token,
     kv_layer_kinds,
     layer_bytes_per_token,
+    rotating_prefill_bytes,
     stream_bytes,
     warmup_per_token,
 )
 from gmlx.capacity.plan import LiveState, plan
-from gmlx.capacity.table import CapacityTable, build_table, capacity_table, depth_grid
+from gmlx.capacity.table import CapacityTable, build_table, capacity_table, depth_grid, governor_terms
 from gmlx.gguf.header import ModelGeometry
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
@@ -260,18 +263,67 @@ def test_table_monotonic_on_a_real_shape() -> None:
     depths = list(t.depths().values())
     assert depths == sorted(depths, reverse=True)
     assert list(t.depths()) == [512 * 2**i for i in range(9)]  # 512 .. 131072
-    for w, d in t.widths().items():  # each answer fits and one step more does not
-        assert w * stream_bytes(LLAMA, d) <= b.kv_bytes
-        assert d == LLAMA.context_length or w * stream_bytes(LLAMA, d + 1) > b.kv_bytes
+    for w, d in t.widths().items():  # each answer fits, with a prefill chunk a stream, and one step more does not
+        assert w * (stream_bytes(LLAMA, d) + GiB) <= b.drained_bytes
+        assert d == LLAMA.context_length or w * (stream_bytes(LLAMA, d + 1) + GiB) > b.drained_bytes
 
 
 def test_capacity_table_composes_budget_and_table() -> None:
     t = capacity_table(GEMMA3, weight_bytes=GiB, decode_batch=4, prefill_step=512, memory=8 * GiB, kv=FP32,
                        reserve_fraction=0.2, reserve_floor=0, context_length=8192)
-    prefill = prefill_working_bytes(GEMMA3, 512, 8192)  # the chunk sees the server's window, not the GGUF's
+    # The chunk sees the server's window, not the GGUF's, and grows the sliding caches.
+    prefill = prefill_working_bytes(GEMMA3, 512, 8192) + rotating_prefill_bytes(GEMMA3, 512, FP32)
     assert t.budget == MemoryBudget(8 * GiB, GiB, prefill, 0, 0.2)
     assert t.budget.kv_bytes == 8 * GiB - GiB - int(0.2 * 8 * GiB) - prefill
     assert (t.context_length, t.decode_batch, t.kv) == (8192, 4, FP32)
+
+
+def test_rotating_caches_while_a_chunk_runs() -> None:
+    # Each sliding layer concatenates the chunk to the 511 tokens it keeps; full layers add nothing.
+    assert rotating_prefill_bytes(GEMMA3, 512) == GEMMA_SLIDING_TOKEN * (512 - 1 + 512)
+    assert rotating_prefill_bytes(GEMMA3, 512, FP32) == 2 * GEMMA_SLIDING_TOKEN * 1023
+    assert rotating_prefill_bytes(LLAMA, 512) == 0
+
+
+def test_the_budget_counts_what_the_governor_counts() -> None:
+    """With a governor, the table leaves out the process's memory outside MLX, counts each
+    prefill twice (what the last chunk freed is not yet returned), and fills up to where orange starts."""
+    kw = {"weight_bytes": 512 * MiB, "decode_batch": 4, "prefill_step": 512, "memory": 3 * GiB, "kv": FP32,
+          "prompt_cache_bytes": 256 * MiB, "tiled_attention": True}
+    plain, governed = capacity_table(GEMMA3, **kw), capacity_table(
+        GEMMA3, **kw, governor=GovernorTerms(host_bytes=480 * MiB, ceiling=0.9))
+    b = governed.budget
+    assert (b.host_bytes, b.freed_bytes, b.ceiling) == (480 * MiB, plain.budget.prefill_bytes, 0.9)
+    assert b.prefill_bytes == plain.budget.prefill_bytes  # what one request's estimate counts
+    assert b.usable_bytes == 3 * GiB - b.reserve_bytes
+    assert b.drained_bytes == int(0.9 * b.usable_bytes) - 512 * MiB - 480 * MiB - 256 * MiB
+    assert b.kv_bytes == b.drained_bytes - 2 * b.prefill_bytes
+    assert 0 < governed.max_context_at_width(4) < plain.max_context_at_width(4)
+    assert governed.to_json()["budget"]["host_bytes"] == 480 * MiB
+
+
+class _Settings:
+    def __init__(self, governor: bool) -> None:
+        self.governor, self.governor_orange = governor, 0.85
+
+
+def test_governor_terms_follow_the_governor() -> None:
+    assert governor_terms(_Settings(False), 480 * MiB, host_memory=True) is None  # nothing counts RSS
+    assert governor_terms(_Settings(True), 480 * MiB, host_memory=True) == GovernorTerms(480 * MiB, 0.85)
+    # On CUDA the governor reads the device's memory, not the process's: no host memory comes off.
+    assert governor_terms(_Settings(True), 480 * MiB, host_memory=False) == GovernorTerms(0, 0.85)
+    assert HOST_BYTES_ESTIMATE == 512 * MiB  # what `gmlx plan` assumes offline
+
+
+def test_each_stream_brings_its_prefill() -> None:
+    """A fan-out's streams arrive together and mlx_lm prefills them in one batch: W streams need
+    W prefill chunks beside their caches."""
+    b = MemoryBudget(total_bytes=563 * MiB, weight_bytes=0, prefill_bytes=2 * MiB)
+    t = build_table(GEMMA3, b, 8)
+    for w, d in t.widths().items():
+        assert d == 0 or w * (t.stream_bytes(d) + 2 * MiB) <= b.drained_bytes < w * (t.stream_bytes(d + 1) + 2 * MiB)
+    assert t.max_width_at_depth(512) == b.drained_bytes // (t.stream_bytes(512) + 2 * MiB)
+    assert t.max_context_at_width(1) == max(d for d in range(0, 32769, 256) if t.stream_bytes(d) <= b.kv_bytes)
 
 
 def test_gemma3_table_saturates_sliding_layers() -> None:

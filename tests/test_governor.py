@@ -78,9 +78,10 @@ def test_in_use_takes_the_largest_reading() -> None:
     assert in_use(on_device, 1000, host_memory=True) == 800  # host memory: the device figure plays no part
 
 
-def test_release_brings_use_back_to_where_orange_ends() -> None:
+def test_release_brings_use_back_to_where_the_band_ends() -> None:
     assert bytes_to_release(930, 1000, T) == 80  # orange is left below 0.90 - 0.05
     assert bytes_to_release(850, 1000, T) == 0 and bytes_to_release(100, 1000, T) == 0
+    assert bytes_to_release(820, 1000, T, "yellow") == 70  # yellow is left below 0.80 - 0.05
 
 
 class FakeNVML:

@@ -10,6 +10,9 @@ from gmlx.gguf.header import ModelGeometry
 FLOAT32_BYTES = 4  # activations are float32 wherever the engine runs float weights or float32 scales
 PROMPT_CACHE_SHARE = 16  # by default the prompt cache may hold 1/16 of memory...
 PROMPT_CACHE_MAX_DEFAULT = 4 * 2**30  # ...and at most this much
+# The process's memory outside MLX where no server has measured it (`gmlx plan` offline): what
+# `gmlx serve` measured at its warm-up on Linux CPU with the default model (480 MiB), rounded up.
+HOST_BYTES_ESTIMATE = 512 * 2**20
 
 
 def default_prompt_cache_bytes(total_bytes: int) -> int:
@@ -17,23 +20,43 @@ def default_prompt_cache_bytes(total_bytes: int) -> int:
 
 
 @dataclass(frozen=True)
+class GovernorTerms:
+    """What a server's memory governor counts that MLX's arithmetic leaves out, so that the
+    capacity table admits no more than keeps its band at yellow at most (below orange)."""
+
+    host_bytes: int  # the process's memory outside MLX: measured at a server's warm-up, else estimated
+    ceiling: float  # the governor's orange threshold, as a share of total less reserve
+
+
+@dataclass(frozen=True)
 class MemoryBudget:
     total_bytes: int  # device memory, or on CPU min(physical RAM, cgroup limit)
     weight_bytes: int  # resident weights as loaded, in the weight mode in use
-    prefill_bytes: int  # working set of one prefill chunk
+    prefill_bytes: int  # what one prompt's prefill chunk holds besides its stream (see capacity_table)
     reserve_floor_bytes: int = 512 * 2**20
     reserve_fraction: float = 0.10
     prompt_cache_bytes: int = 0  # the prompt cache's bound: KV kept for reuse, not for running streams
+    # What a memory governor counts that MLX's arithmetic leaves out (GovernorTerms); 0 and 1
+    # without one.
+    host_bytes: int = 0  # the process's memory outside MLX
+    freed_bytes: int = 0  # a stream's share of what the last prefill chunk freed, not yet returned
+    ceiling: float = 1.0  # the share of usable_bytes the table fills: up to where orange starts
 
     @property
     def reserve_bytes(self) -> int:
         return max(self.reserve_floor_bytes, int(self.reserve_fraction * self.total_bytes))
 
     @property
+    def usable_bytes(self) -> int:
+        """The governor's limit: total less the reserve."""
+        return self.total_bytes - self.reserve_bytes
+
+    @property
     def drained_bytes(self) -> int:
         """What one request may use once running requests finish: one prefill and its stream.
-        The prompt cache may still hold up to its bound then, so it stays off, as in kv_bytes."""
-        return self.total_bytes - self.weight_bytes - self.reserve_bytes - self.prompt_cache_bytes
+        The prompt cache may still hold up to its bound then, so it stays off, as in kv_bytes;
+        under a governor, so does the process's memory outside MLX, and only up to orange counts."""
+        return int(self.ceiling * self.usable_bytes) - self.weight_bytes - self.host_bytes - self.prompt_cache_bytes
 
     def free_now_bytes(self, active_bytes: int, prompt_cache_held: int) -> int:
         """drained_bytes less what runs now: MLX's active memory holds the weights, the running
@@ -42,12 +65,14 @@ class MemoryBudget:
 
     @property
     def kv_bytes(self) -> int:
-        return max(0, self.drained_bytes - self.prefill_bytes)
+        """Room for one stream's KV cache (CapacityTable: each stream more brings its own prefill)."""
+        return max(0, self.drained_bytes - self.prefill_bytes - self.freed_bytes)
 
     def to_json(self) -> dict:
         return {"total_bytes": self.total_bytes, "weight_bytes": self.weight_bytes,
                 "reserve_bytes": self.reserve_bytes, "prefill_bytes": self.prefill_bytes,
-                "prompt_cache_bytes": self.prompt_cache_bytes, "kv_bytes": self.kv_bytes}
+                "prompt_cache_bytes": self.prompt_cache_bytes, "host_bytes": self.host_bytes,
+                "freed_bytes": self.freed_bytes, "ceiling": self.ceiling, "kv_bytes": self.kv_bytes}
 
 
 def prefill_working_bytes(g: ModelGeometry, chunk_tokens: int, context_tokens: int, tiled_attention: bool = False) -> int:

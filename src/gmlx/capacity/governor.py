@@ -5,7 +5,7 @@ Pure arithmetic on the fraction of the budget in use; the sampler that measures 
 the highest band reached), and falls only once the fraction is below that threshold minus the
 hysteresis, one band per sample, so a fraction wobbling around a threshold does not flap and a
 sudden release reopens admission gradually (red -> orange -> yellow -> green).
-Under orange and red the sampler frees memory; `bytes_to_release` says how much.
+Under yellow, orange and red the sampler frees memory; `bytes_to_release` says how much.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def next_band(current: str | None, fraction: float, t: Thresholds) -> str:
     return current
 
 
-def bytes_to_release(used: int, limit: int, t: Thresholds) -> int:
-    """What to free, of `used` bytes against `limit`, for orange to fall back to yellow: the bytes
-    above orange's threshold less the hysteresis. Anything short of that leaves the band orange."""
-    return max(0, used - int((t.orange - t.hysteresis) * limit))
+def bytes_to_release(used: int, limit: int, t: Thresholds, band: str = "orange") -> int:
+    """What to free, of `used` bytes against `limit`, for `band` to fall to the one below: the bytes
+    above its threshold less the hysteresis. Anything short of that leaves the band where it is."""
+    return max(0, used - int((t.entry(band) - t.hysteresis) * limit))

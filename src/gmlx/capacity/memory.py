@@ -199,6 +199,13 @@ def kv_layer_kinds(g: ModelGeometry, kv: KVFormat = FP16) -> list[LayerKind]:
     return kinds
 
 
+def rotating_prefill_bytes(g: ModelGeometry, chunk_tokens: int, kv: KVFormat = FP16) -> int:
+    """What one stream's sliding-window caches take on top of their window while a prefill chunk
+    runs: a RotatingKVCache concatenates the chunk to the window - 1 tokens it keeps, and the
+    window it held stays alive until the new buffer is made."""
+    return round(sum(k.bytes_per_token * (k.window - 1 + chunk_tokens) for k in kv_layer_kinds(g, kv) if k.window))
+
+
 def kv_bytes_after_prefill(g: ModelGeometry, depth: int, kv: KVFormat = FP16) -> int:
     """KV bytes of one stream right after its prompt is prefilled in one chunk: full-attention
     caches have grown in whole 256-token steps, while a RotatingKVCache has concatenated the

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Protocol
 
-from gmlx.capacity.budget import FLOAT32_BYTES, MemoryBudget, prefill_working_bytes
+from gmlx.capacity.budget import (
+    FLOAT32_BYTES,
+    HOST_BYTES_ESTIMATE,
+    GovernorTerms,
+    MemoryBudget,
+    prefill_working_bytes,
+)
 from gmlx.capacity.kv_quant import KVQuantPlan, KVQuantSettings, server_plan
 from gmlx.capacity.memory import (
     FP16,
@@ -15,6 +21,7 @@ from gmlx.capacity.memory import (
     decode_overhead_bytes,
     kv_profile,
     profile_bytes,
+    rotating_prefill_bytes,
 )
 from gmlx.gguf.header import GGUFHeader, ModelGeometry
 from gmlx.models.weights_mode import resident_bytes
@@ -53,13 +60,19 @@ class CapacityTable:
         """One stream's cache as allocated, plus what it holds to decode (see memory.stream_bytes)."""
         return profile_bytes(self._profile, depth, True) + self._overhead
 
+    def _need(self, depth: int) -> int:
+        """What one stream of `depth` tokens takes of the drained budget: the streams of a fan-out
+        arrive together, and mlx_lm prefills up to decode_batch prompts in one batch, so each
+        brings its own prefill chunk."""
+        return self.stream_bytes(depth) + self.budget.prefill_bytes + self.budget.freed_bytes
+
     def max_context_at_width(self, width: int) -> int:
         """Largest depth <= the window with `width` streams of it in the budget; 0 if 1 token does not fit."""
-        budget = self.budget.kv_bytes
+        budget = self.budget.drained_bytes
         lo, hi = 0, self.context_length  # invariant: lo fits (0 always does); above hi is out of the window
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if width * self.stream_bytes(mid) <= budget:
+            if width * self._need(mid) <= budget:
                 lo = mid
             else:
                 hi = mid - 1
@@ -69,8 +82,8 @@ class CapacityTable:
         """Streams of `depth` tokens that fit, at most decode_batch; 0 past the window."""
         if depth > self.context_length:
             return 0
-        need = self.stream_bytes(depth)
-        return self.decode_batch if need == 0 else min(self.decode_batch, self.budget.kv_bytes // need)
+        need = self._need(depth)
+        return self.decode_batch if need == 0 else min(self.decode_batch, max(0, self.budget.drained_bytes) // need)
 
     def widths(self) -> dict[int, int]:
         return {w: self.max_context_at_width(w) for w in range(1, self.decode_batch + 1)}
@@ -82,7 +95,8 @@ class CapacityTable:
         """One line for the start-up log, such as 'capacity: 8 streams of 32768 tokens, or 1 stream of 131072'."""
         one, batch = self.max_context_at_width(1), self.decode_batch
         if one == 0:
-            return f"capacity: no room for a KV cache ({self.budget.kv_bytes} bytes left after weights and reserve)"
+            return (f"capacity: no room for a KV cache ({self.budget.kv_bytes} bytes left after weights, reserve, "
+                    "prompt cache, prefill and the process's memory outside MLX)")
         full = self.max_context_at_width(batch)
         if batch == 1 or full == one:
             return f"capacity: {_streams(batch)} of {full} tokens"
@@ -129,15 +143,23 @@ def capacity_table(
     context_length: int | None = None,
     prompt_cache_bytes: int = 0,
     tiled_attention: bool = False,
+    governor: GovernorTerms | None = None,
 ) -> CapacityTable:
     """The table the server builds at start and `gmlx plan` builds offline, from the same budget arithmetic.
 
-    The prefill working set is one `prefill_step` chunk attending across the whole window
-    (its scores whole, unless `tiled_attention`: gmlx's CPU kernels).
+    A prompt's prefill holds the working set of a `prefill_step` chunk attending across the
+    whole window (its scores whole, unless `tiled_attention`: gmlx's CPU kernels) and what the
+    chunk adds to its sliding-window caches. With a `governor`, the budget also counts what the
+    governor counts (GovernorTerms): the process's memory outside MLX comes off, the table fills
+    only up to where orange starts, and each stream's prefill counts twice: what the last chunk
+    freed stays in MLX's buffer cache and the heap until they are released (`freed_bytes`).
     """
     window = g.context_length if context_length is None else min(context_length, g.context_length)
-    budget = MemoryBudget(memory, weight_bytes, prefill_working_bytes(g, prefill_step, window, tiled_attention),
-                          reserve_floor, reserve_fraction, prompt_cache_bytes)
+    prefill = prefill_working_bytes(g, prefill_step, window, tiled_attention) + \
+        rotating_prefill_bytes(g, min(prefill_step, window), kv)
+    budget = MemoryBudget(memory, weight_bytes, prefill, reserve_floor, reserve_fraction, prompt_cache_bytes)
+    if governor is not None:
+        budget = replace(budget, host_bytes=governor.host_bytes, freed_bytes=prefill, ceiling=governor.ceiling)
     return build_table(g, budget, decode_batch, kv, window)
 
 
@@ -154,6 +176,10 @@ class TableSettings(Protocol):
     def reserve_floor(self) -> int: ...
     @property
     def max_kv_size(self) -> int | None: ...
+    @property
+    def governor(self) -> bool: ...
+    @property
+    def governor_orange(self) -> float: ...
     def kv_quant(self) -> KVQuantSettings: ...
     def prompt_cache_limit(self, memory: int) -> int: ...
 
@@ -164,13 +190,23 @@ def attention_in_tiles(fast_kernels: bool, kv_plan: KVQuantPlan | None) -> bool:
     return fast_kernels and not (kv_plan is not None and kv_plan.scores_whole)
 
 
+def governor_terms(s: TableSettings, host_bytes: int, host_memory: bool) -> GovernorTerms | None:
+    """capacity_table's `governor` for a server with settings `s` (None without a governor): host
+    memory counts only where the governor reads it (`host_memory`: not on CUDA)."""
+    if not s.governor:
+        return None
+    return GovernorTerms(host_bytes if host_memory else 0, s.governor_orange)
+
+
 def header_table(h: GGUFHeader, s: TableSettings, *, mode: str, memory: int, float_bytes: int = FLOAT32_BYTES,
-                 fast_kernels: bool = False) -> tuple[CapacityTable, KVQuantPlan | None]:
+                 fast_kernels: bool = False, host_memory: bool = True) -> tuple[CapacityTable, KVQuantPlan | None]:
     """The table a server with settings `s` would build for this file, from its header alone (no
     weights): its weights as `mode` loads them, and the KV quantization plan it would make (None
     when off). `gmlx plan`/`gmlx estimate` and /v1/estimate for a model not loaded use it.
     float_bytes 4: the engine computes in float32 (float32 weights or float32 scales);
-    fast_kernels: gmlx's CPU kernels run attention (see attention_in_tiles)."""
+    fast_kernels: gmlx's CPU kernels run attention (see attention_in_tiles). With no server to
+    measure, the process's memory outside MLX is HOST_BYTES_ESTIMATE (`host_memory`: the budget
+    is host memory, as everywhere but CUDA)."""
     g, weight_bytes, cache_bytes = h.geometry, resident_bytes(h, mode), s.prompt_cache_limit(memory)
     window = g.context_length if s.max_kv_size is None else min(g.context_length, s.max_kv_size)
     kv_plan = server_plan(s.kv_quant(), g, memory=memory, weight_bytes=weight_bytes,
@@ -181,5 +217,6 @@ def header_table(h: GGUFHeader, s: TableSettings, *, mode: str, memory: int, flo
     table = capacity_table(g, weight_bytes=weight_bytes, decode_batch=s.decode_batch, prefill_step=s.prefill_step,
                            kv=kv, memory=memory, reserve_fraction=s.reserve_fraction,
                            reserve_floor=s.reserve_floor, context_length=window, prompt_cache_bytes=cache_bytes,
-                           tiled_attention=attention_in_tiles(fast_kernels, kv_plan))
+                           tiled_attention=attention_in_tiles(fast_kernels, kv_plan),
+                           governor=governor_terms(s, HOST_BYTES_ESTIMATE, host_memory))
     return table, kv_plan

@@ -88,7 +88,8 @@ def offline(model: str | None, memory: str | None, weights: str | None,
     mode = choose_mode(s.weights, h)  # type: ignore[arg-type]
     total = s.memory or platform.total_memory_bytes()
     fast_kernels = _fast_kernels()
-    table, kv_plan = header_table(h, s, mode=mode, memory=total, fast_kernels=fast_kernels)
+    host_memory = platform.backend() != "cuda"  # the budget is host memory: the process's own counts
+    table, kv_plan = header_table(h, s, mode=mode, memory=total, fast_kernels=fast_kernels, host_memory=host_memory)
     tiled = attention_in_tiles(fast_kernels, kv_plan)
     if s.memory is not None:
         memory_from = _from(s, "memory")
@@ -113,6 +114,11 @@ def offline(model: str | None, memory: str | None, weights: str | None,
         "reserve_bytes": {"value": table.budget.reserve_bytes,
                           "from": f"max({human_bytes(s.reserve_floor)}, {s.reserve_fraction:g} x memory)"},
         "context_length": {"value": table.context_length, "from": _window_from(s, h.geometry.context_length)},
+        "host_bytes": {"value": table.budget.host_bytes,
+                       "from": "the process's memory outside MLX, as a server measures it (estimated offline)"
+                       if table.budget.host_bytes else "not counted (no governor, or CUDA)"},
+        "ceiling": {"value": table.budget.ceiling,
+                    "from": "the governor's orange threshold" if s.governor else "no governor: the whole budget"},
     }
     return Offline(path, h, table, assumptions)
 
@@ -197,10 +203,14 @@ def _show_table(table: dict[str, Any]) -> None:
     """A table as CapacityTable.to_json gives it, so an offline and a served one print alike."""
     b = table["budget"]
     console.print(f"{table['headline']}\n", highlight=False)
-    console.print(f"memory {human_bytes(b['total_bytes'])} - weights {human_bytes(b['weight_bytes'])} - reserve "
-                  f"{human_bytes(b['reserve_bytes'])} - prefill {human_bytes(b['prefill_bytes'])} - prompt cache "
-                  f"{human_bytes(b['prompt_cache_bytes'])} = KV {human_bytes(b['kv_bytes'])} "
-                  f"({table['kv_format']['describe']})\n", highlight=False)
+    usable = f"(memory {human_bytes(b['total_bytes'])} - reserve {human_bytes(b['reserve_bytes'])})"
+    if b.get("ceiling", 1) != 1:
+        usable += f" x {b['ceiling']:g} (up to orange)"
+    console.print(f"{usable} - weights {human_bytes(b['weight_bytes'])} - outside MLX {human_bytes(b.get('host_bytes', 0))}"
+                  f" - prompt cache {human_bytes(b['prompt_cache_bytes'])} - prefill {human_bytes(b['prefill_bytes'])}"
+                  f" - freed {human_bytes(b.get('freed_bytes', 0))} = KV {human_bytes(b['kv_bytes'])} for one stream "
+                  f"({table['kv_format']['describe']}); each stream more brings its own prefill and freed\n",
+                  highlight=False)
     widths = Table("width", "max context", box=None, pad_edge=False)
     for w, c in table["widths"].items():
         widths.add_row(w, str(c))

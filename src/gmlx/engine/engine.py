@@ -1,4 +1,4 @@
-"""The engine: one thread that owns every MLX call for one model (DESIGN.md, decision 1).
+"""The engine: one thread that owns every MLX call for one model (docs/ARCHITECTURE.md, decision 1).
 
 Requests come in through a thread-safe command queue; their tokens go out through each
 request's `emit` callback, called on this thread (the server hands them to its event loop).
@@ -8,6 +8,7 @@ prompts are prefilled in `prefill_step`-token chunks between decode steps.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import queue
 import threading
@@ -17,6 +18,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+import psutil
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -173,6 +175,33 @@ class Measured:
     prefill_tok_s: float
     decode_tok_s: float
     prefill_peak_bytes: int  # working memory above the cache while prefilling
+    # Resident memory outside MLX's buffers once the warm-up is done and the heap trimmed: the
+    # interpreter, libraries and tokenizer. Where MLX's buffers live on a device (CUDA) it is no
+    # figure of the budget's (capacity.table.governor_terms).
+    host_bytes: int = 0
+
+
+def _heap_trimmer() -> Callable[[int], int] | None:
+    """glibc's `malloc_trim`, or None where the C library has none (macOS, musl)."""
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return None
+
+
+_malloc_trim = _heap_trimmer()
+
+
+def trim_heap() -> None:
+    """Give the heap's free pages back to the system. On Linux CPU, MLX's buffers come from
+    malloc, and what they free stays resident until trimmed."""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
+
+
+def memory_outside_mlx() -> int:
+    """This process's resident memory outside MLX's buffers (active and cached)."""
+    return max(0, psutil.Process().memory_info().rss - mx.get_active_memory() - mx.get_cache_memory())
 
 
 CacheFactory = Callable[[object], list]  # model -> one request's per-layer caches
@@ -208,7 +237,9 @@ def warm_up(loaded: LoadedModel, tokens: int = WARMUP_TOKENS, decode_steps: int 
     decode_s = time.perf_counter() - start
     del cache
     mx.clear_cache()
-    return Measured(tokens, kv, dtype_bytes, tokens / prefill_s, decode_steps / decode_s, max(0, peak))
+    trim_heap()  # what loading freed is no part of what the process keeps
+    return Measured(tokens, kv, dtype_bytes, tokens / prefill_s, decode_steps / decode_s, max(0, peak),
+                    memory_outside_mlx())
 
 
 class Engine:
@@ -267,11 +298,11 @@ class Engine:
         self._commands.put(("cancel", (request_id, error)))
 
     def release_memory(self, evict_bytes: int, done: Callable[[int, int], None]) -> None:
-        """The governor's release under orange and red, on the engine thread (neither step is a
-        memory read): drop the prompt cache's least recently used entries until `evict_bytes`
-        are freed, then release MLX's buffer cache. `done(evicted, released)` is then called here
-        with the bytes of the entries dropped and the bytes MLX's cache returned to the system
-        (which include the dropped entries' buffers)."""
+        """The governor's release, on the engine thread (neither step is a memory read): drop the
+        prompt cache's least recently used entries until `evict_bytes` are freed, release MLX's
+        buffer cache, and trim the heap, which now holds those buffers' pages. `done(evicted,
+        released)` is then called here with the bytes of the entries dropped and the bytes MLX's
+        cache returned to the system (which include the dropped entries' buffers)."""
         self._commands.put(("release_memory", (evict_bytes, done)))
 
     def cancel_all(self) -> None:
@@ -384,6 +415,7 @@ class Engine:
                 evicted = self.prompt_cache.evict_coldest(evict_bytes) if self.prompt_cache is not None else 0
                 released = mx.get_cache_memory()
                 mx.clear_cache()
+                trim_heap()
                 try:
                     done(evicted, released)
                 except Exception:  # a report that fails must not fail the running requests

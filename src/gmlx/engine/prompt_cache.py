@@ -3,7 +3,7 @@
 Agent loops resend the whole conversation and parallel subagents share a system prompt, so
 most of a prompt has often been prefilled before. Entries are one request's per-layer caches
 (as `BatchGenerator.extract_cache` hands them out), keyed by the tokens they hold and found in
-mlx_lm's `PromptTrie`. A hit is one of the spec's tiers:
+mlx_lm's `PromptTrie`. A hit is one of the tiers of docs/ARCHITECTURE.md, "Contract":
 
 - `exact`: everything but the prompt's last token is cached (that one is recomputed for its logits);
 - `block`: a trimmable entry (plain attention, or sliding layers not yet past their window)

@@ -161,7 +161,7 @@ def _not_loaded_estimate(state: ServerState, path: Path, p: openai_api.Generatio
         raise APIError(404, f"model {p.model!r} in the models directory cannot be read", "model_not_found") from None
     s = state.settings
     table, _ = header_table(h, s, mode=choose_mode(s.weights, h), memory=s.memory or platform.total_memory_bytes(),
-                            fast_kernels=kernels_fast.installed())
+                            fast_kernels=kernels_fast.installed(), host_memory=platform.backend() != "cuda")
     return {**estimate_not_loaded(table, prompt_tokens=len(ids), max_tokens=p.max_tokens, free_now_bytes=None),
             "model": p.model}
 

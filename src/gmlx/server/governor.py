@@ -14,20 +14,27 @@ Actions, each counted with the time of the last one (`snapshot()["actions"]`):
 - `single_admission` (entering yellow): the gate admits one new stream at a time; the next is
   admitted only once every slot holder has reached decode.
 - `hold_admission` (entering orange or red): the gate admits none; new requests wait in the queue.
-- `evict_prompt_cache` and `clear_cache` (orange, red; at most once a second, and right after a
-  stop): on the engine thread, the prompt cache drops its least recently used entries until it
-  has freed what would bring use back under the point where orange falls to yellow (its
-  threshold less the hysteresis; `bytes_to_release`), or it is empty; then MLX's buffer cache,
-  which now holds those entries' buffers too, is returned to the system. Only the prompt cache
-  is counted on to cover the excess, since MLX's cache refills as streams run. Each is recorded
-  when it freed something, with the bytes it freed (the second's include the first's).
+- `evict_prompt_cache` and `clear_cache` (yellow, orange, red; at most once a second, and right
+  after a stop): on the engine thread, the prompt cache drops its least recently used entries
+  until it has freed what would bring use back under the point where the band falls one step
+  (its threshold less the hysteresis; `bytes_to_release`), or it is empty; then MLX's buffer
+  cache, which now holds those entries' buffers too, is returned to the system, and the heap's
+  free pages with it where the C library can (glibc's `malloc_trim`: on Linux CPU, MLX's buffers
+  come from malloc, and what they free stays resident otherwise). Under orange and red the
+  entries go to bring use back to yellow; only the prompt cache is counted on to cover the
+  excess, since MLX's cache refills as streams run. Under yellow, where running work must not
+  suffer, only MLX's cache and the heap go while anything runs, and on the first release once
+  nothing does; if the band is still yellow a second later with nothing running, the entries
+  go to bring use back to green. So the bands come down once the load is gone, and admission
+  opens again. Each is recorded when it freed something, with the bytes it freed (the second's
+  include the first's).
 - `stop_stream` (red): the newest running stream ends with an error that says why, one at a time:
   the next only once the last has ended and memory is still red.
 
-Where the C library has it (glibc), the heap's free pages go back to the system at most once a
-second (`malloc_trim`): on Linux CPU, MLX's buffers come from malloc, and what they free stays
-resident, so the process's resident memory, and with it the band, would otherwise stay at their
-peak after the streams that took the memory have ended (under orange, admission held for good).
+Where the budget is host memory, the heap is also trimmed at most once a second in any band, so
+that what ended streams freed does not stay resident, and each sample reads the process's memory
+outside MLX (`host_bytes`: resident memory less MLX's), which the capacity table took off as the
+warm-up measured it: the snapshot shows whether it has grown since.
 
 It runs on its own thread. The only MLX calls made here are memory reads; the gate, which lives
 on the event loop, is reached through `call_soon_threadsafe`.
@@ -36,7 +43,6 @@ on the event loop, is reached through `call_soon_threadsafe`.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import os
 import threading
@@ -50,7 +56,7 @@ import psutil
 
 from gmlx import platform
 from gmlx.capacity.governor import BANDS, Thresholds, bytes_to_release, next_band
-from gmlx.engine.engine import Failed
+from gmlx.engine.engine import Failed, trim_heap
 
 if TYPE_CHECKING:
     from gmlx.server.state import ServerState
@@ -60,7 +66,7 @@ ACTIONS = ("single_admission", "hold_admission", "evict_prompt_cache", "clear_ca
 RELEASES = ("evict_prompt_cache", "clear_cache")  # the actions that report the bytes they freed
 STOP_MESSAGE = ("stopped under memory pressure: the server's memory governor is red and this was the newest "
                 "running request; retry later")
-RELEASE_EVERY_S = 1.0  # while orange or red, release memory at most this often (it takes effect within a step)
+RELEASE_EVERY_S = 1.0  # above green, release memory at most this often (it takes effect within a step)
 _ORANGE = BANDS.index("orange")
 _process = psutil.Process()
 
@@ -122,14 +128,6 @@ class DeviceMemory:
 _device = DeviceMemory()
 
 
-def _heap_trimmer() -> Callable[[int], int] | None:
-    """glibc's `malloc_trim`, or None where the C library has none (macOS, musl)."""
-    try:
-        return ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError, TypeError):
-        return None
-
-
 def read_memory() -> MemoryReading:
     return MemoryReading(mx.get_active_memory(), mx.get_cache_memory(), _process.memory_info().rss,
                          platform.available_memory_bytes(), _device.available_bytes())
@@ -171,6 +169,7 @@ class Governor:
         self.fraction: float | None = None
         self.used_bytes: int | None = None
         self.limit_bytes: int | None = None
+        self.host_bytes: int | None = None  # the process's memory outside MLX; None where not counted
         self._actions = {name: _Action() for name in ACTIONS}
         self._lock = threading.Lock()  # the snapshot sees one sample's figures together
         self._stopping = threading.Event()
@@ -178,7 +177,7 @@ class Governor:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._victim: str | None = None  # the stream last stopped, until it has ended
         self._last_release = float("-inf")
-        self._trim = _heap_trimmer() if self._host_memory else None
+        self._idle_yellow = False  # the last release was in yellow with nothing running
         self._last_trim = float("-inf")
         self._last_error: str | None = None
 
@@ -206,6 +205,7 @@ class Governor:
                 "fraction": None if self.fraction is None else round(self.fraction, 4),
                 "used_bytes": self.used_bytes,
                 "limit_bytes": self.limit_bytes,
+                "host_bytes": self.host_bytes,
                 "actions": {name: a.to_json(name) for name, a in self._actions.items()},
             }
 
@@ -245,18 +245,22 @@ class Governor:
         with self._lock:
             self.state.band = band
             self.fraction, self.used_bytes, self.limit_bytes = fraction, used, limit
+            if self._host_memory:
+                self.host_bytes = max(0, reading.rss_bytes - reading.active_bytes - reading.cache_bytes)
             level, was = BANDS.index(band), -1 if previous is None else BANDS.index(previous)
             if band == "yellow" and previous != "yellow":
                 self._record("single_admission", now)
             if level >= _ORANGE > was:
                 self._record("hold_admission", now)
             stopped = band == "red" and self._stop_newest(now)
-            if level >= _ORANGE and (stopped or now - self._last_release >= RELEASE_EVERY_S):
+            if band != "yellow":
+                self._idle_yellow = False
+            if band != "green" and (stopped or now - self._last_release >= RELEASE_EVERY_S):
                 # Queued after the stop, so it frees that stream's buffers too.
-                self.state.engine.release_memory(bytes_to_release(used, limit, self.thresholds), self._released)
+                self.state.engine.release_memory(self._to_evict(band, used, limit), self._released)
                 self._last_release = now
-        if self._trim is not None and now - self._last_trim >= RELEASE_EVERY_S:
-            self._trim(0)  # the next sample sees what ended streams and MLX's released cache freed
+        if self._host_memory and now - self._last_trim >= RELEASE_EVERY_S:
+            trim_heap()  # in any band: what ended streams freed would otherwise stay resident
             self._last_trim = now
         if band != previous:
             log.log(logging.WARNING if level >= _ORANGE else logging.INFO,
@@ -264,6 +268,15 @@ class Governor:
         if self.state.gate.waiting:  # the band, or a stream leaving prefill, may let a waiter in
             assert self._loop is not None
             self._loop.call_soon_threadsafe(self.state.gate.poke)
+
+    def _to_evict(self, band: str, used: int, limit: int) -> int:
+        """Prompt-cache bytes this release drops (see the module's docstring): under yellow, none
+        until a release with nothing running has left it yellow; then what brings it to green."""
+        if band != "yellow":
+            return bytes_to_release(used, limit, self.thresholds)
+        idle = self.state.gate.running == 0 and self.state.engine.in_flight == 0
+        evict, self._idle_yellow = idle and self._idle_yellow, idle
+        return bytes_to_release(used, limit, self.thresholds, "yellow") if evict else 0
 
     def _stop_newest(self, now: float) -> bool:
         engine = self.state.engine

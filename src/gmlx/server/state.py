@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from gmlx import platform
 from gmlx.capacity.memory import KVFormat
-from gmlx.capacity.table import CapacityTable, attention_in_tiles, capacity_table
+from gmlx.capacity.table import CapacityTable, attention_in_tiles, capacity_table, governor_terms
 from gmlx.engine.engine import Engine
 from gmlx.gguf.vocab import token_bytes
 from gmlx.kernels import fast as kernels_fast
@@ -91,7 +91,8 @@ class ServerState:
                 prefill_step=s.prefill_step, kv=self.kv_format(measured.kv_dtype_bytes),
                 memory=memory, reserve_fraction=s.reserve_fraction, reserve_floor=s.reserve_floor,
                 context_length=loaded.context_length, prompt_cache_bytes=s.prompt_cache_limit(memory),
-                tiled_attention=attention_in_tiles(kernels_fast.installed(), getattr(self.engine, "kv_quant", None)))
+                tiled_attention=attention_in_tiles(kernels_fast.installed(), getattr(self.engine, "kv_quant", None)),
+                governor=governor_terms(s, measured.host_bytes, platform.backend() != "cuda"))
         return self._table
 
     def kv_format(self, float_bytes: int) -> KVFormat:
