@@ -37,6 +37,30 @@ def test_slots_queue_and_handover() -> None:
     asyncio.run(run())
 
 
+def test_several_slots_are_granted_together_and_in_order() -> None:
+    """A request of three choices waits until three slots are free at once; one behind it waits
+    its turn, though a single slot would fit it sooner (no overtaking)."""
+    async def run() -> None:
+        gate = AdmissionGate(4, 4, 10)
+        await gate.acquire(3)
+        three = asyncio.create_task(gate.acquire(3))
+        await asyncio.sleep(0)
+        one = asyncio.create_task(gate.acquire())
+        await asyncio.sleep(0)
+        assert (gate.running, gate.waiting) == (3, 2)
+        gate.release()
+        await asyncio.sleep(0)
+        assert (gate.running, gate.waiting) == (2, 2) and not three.done() and not one.done()
+        gate.release()
+        await three
+        assert (gate.running, gate.waiting) == (4, 1)
+        gate.release(3)
+        await one
+        assert (gate.running, gate.waiting) == (2, 0)
+
+    asyncio.run(run())
+
+
 def test_cancelled_waiter_leaves_no_trace() -> None:
     async def run() -> None:
         gate = AdmissionGate(1, 2, 10)

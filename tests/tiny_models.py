@@ -22,9 +22,11 @@ def _layers(arch: str) -> int:
 
 
 def write_model(path: Path, arch: str = "llama", qtype: Q = Q.F32, tied: bool = True, seed: int = 0,
-                context: int = CONTEXT, heads: int = HEADS, kv_heads: int = KV_HEADS, head_dim: int = HEAD_DIM) -> Path:
+                context: int = CONTEXT, heads: int = HEADS, kv_heads: int = KV_HEADS, head_dim: int = HEAD_DIM,
+                chat_template: str | None = None) -> Path:
     """`kv_heads` and `head_dim` size the KV cache per token; `heads` must be a multiple
-    of `kv_heads`, and a K-quant needs `heads * head_dim` a multiple of 256."""
+    of `kv_heads`, and a K-quant needs `heads * head_dim` a multiple of 256. Without a
+    `chat_template` the file carries none (gmlx falls back to the family's)."""
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"tiny-{arch}")
@@ -42,6 +44,8 @@ def write_model(path: Path, arch: str = "llama", qtype: Q = Q.F32, tied: bool = 
     if arch == "gemma3":
         w.add_sliding_window(64)
     add_tiny_vocab(w, VOCAB_KIND[arch])
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
     vocab = TINY_VOCAB_SIZE[VOCAB_KIND[arch]]
 
     def matrix(name: str, rows: int, cols: int, scale: float = 0.05) -> None:

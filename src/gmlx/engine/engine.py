@@ -22,8 +22,9 @@ import psutil
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
-from gmlx.engine.prompt_cache import MISS, Hit, PromptCache
 from gmlx.engine.logprobs import TokenLogprob, score_logprobs
+from gmlx.engine.processors import Decoding, LogitsProcessor
+from gmlx.engine.prompt_cache import MISS, Hit, PromptCache
 from gmlx.engine.sampling import Sampler, SamplingParams, greedy, make_sampler
 from gmlx.engine.speculative import SpeculativeCounters, SpeculativeStream, can_speculate
 from gmlx.engine.stops import StopMatcher
@@ -69,7 +70,10 @@ class Request:
     stop: tuple[str, ...] = ()
     emit: Callable[[Event], None] = lambda _: None
     anchor_tokens: int = 0  # where a shared system prompt ends in prompt_ids (0: none)
+    decoding: Decoding = Decoding()  # logit_bias, penalties and a grammar, applied to this row in the batch
     logprobs: int | None = None  # alternatives to report per token (0: the token's own only); None: no logprobs
+    # Keep the cache just before the prompt's last token: the request's other choices (n > 1) start from it.
+    keep_prompt: bool = False
     # Live state, written by the engine thread and read by snapshots.
     state: str = "queued"  # queued -> prefill -> decode -> done
     uid: int | None = None
@@ -435,13 +439,13 @@ class Engine:
             [uid] = gen.insert_segments(
                 [_split(req.prompt_ids, hit.warm_tokens, sorted(checkpoints))], [req.max_tokens],
                 caches=[cache or self._make_cache(self.loaded.model)], all_tokens=[req.prompt_ids[:hit.warm_tokens]],
-                samplers=[self._sampler(req)])
+                samplers=[self._sampler(req)], logits_processors=[self._processors(req)])
         except Exception as e:  # not yet active, so the loop's handler would not end it: it would hang
             log.exception("request %s: starting it failed", req.id)
             self._finish(req, Failed(f"generation failed: {e}"))
             return
         req.uid, req.state, req.cache, req.prefilled = uid, "prefill", hit, hit.warm_tokens
-        if self.draft is not None:
+        if self.draft is not None and req.decoding.plain:  # its row's `speculative` stays null otherwise
             req.speculative = SpeculativeCounters()
         self._active[uid] = req
         self._checkpoints[uid] = checkpoints
@@ -454,6 +458,8 @@ class Engine:
         An anchor where a shared system prompt ends. Where the caches cannot be trimmed back
         (sliding layers past their window), a checkpoint every `checkpoint_every` tokens and one
         just before the last prompt token, since the request's final cache will not trim to them.
+        With `keep_prompt`, that last one always: the choices that follow find the prompt there
+        while this one still decodes.
         """
         if self.prompt_cache is None:
             return {}
@@ -461,6 +467,8 @@ class Engine:
         plan: dict[int, str] = {}
         if last + req.max_tokens >= self._trim_limit:
             plan = {p: "ckpt" for p in range(self.checkpoint_every, last, self.checkpoint_every)}
+            plan[last] = "ckpt"
+        if req.keep_prompt:
             plan[last] = "ckpt"
         if 0 < req.anchor_tokens < last:
             plan[req.anchor_tokens] = "anchor"
@@ -500,6 +508,23 @@ class Engine:
 
         return sample
 
+    def _processors(self, req: Request) -> list[LogitsProcessor]:
+        """The request's logits processors, fresh for its row, each made to fail that request
+        alone as its sampler is."""
+
+        def guarded(processor: LogitsProcessor) -> LogitsProcessor:
+            def process(tokens: mx.array, logits: mx.array) -> mx.array:
+                try:
+                    return processor(tokens, logits)
+                except Exception as e:
+                    log.exception("request %s: a logits processor failed", req.id)
+                    self._sampling_failed.append((req, str(e)))
+                    return logits
+
+            return process
+
+        return [guarded(p) for p in req.decoding.processors(len(req.prompt_ids))]
+
     # --- speculative decoding: one request alone, with the drafter --------------------------
 
     def _may_speculate(self) -> bool:
@@ -507,6 +532,8 @@ class Engine:
             return False
         [req] = self._active.values()
         if req.logprobs is not None:  # the drafter's rounds score no alternatives
+            return False
+        if not req.decoding.plain:  # the drafter's rounds apply no bias, penalty or grammar
             return False
         # Leaving the batch costs a step: not for a request about to end, or about to reach a
         # sliding window (past it, rejected drafts could not be trimmed back).

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from gmlx.server.errors import APIError
 
-# Before any request has finished there is no drain rate to go on (spec defaults).
+# Before any request has finished there is no drain rate to go on (the defaults of docs/ARCHITECTURE.md, "Contract").
 RETRY_AFTER_FULL_S = 5
 RETRY_AFTER_TIMEOUT_S = 10
 RETRY_AFTER_MAX_S = 60
@@ -28,7 +28,7 @@ class AdmissionGate:
         self.width, self.cap, self.timeout_s = width, cap, timeout_s
         self._drain = drain
         self.running = 0
-        self._waiters: deque[asyncio.Future] = deque()
+        self._waiters: deque[tuple[asyncio.Future, int]] = deque()  # (granted when set, slots wanted)
         self.rejections = 0
         self.rejections_by_code: Counter[str] = Counter()
         self.last_reject_reason: str | None = None
@@ -47,38 +47,41 @@ class AdmissionGate:
         ahead = self.waiting if waiting is None else waiting
         return min(RETRY_AFTER_MAX_S, max(1, math.ceil(ahead * mean / rate)))
 
-    async def acquire(self) -> None:
-        """Wait for a slot; raises APIError 503 `queue_full` or `queue_timeout`.
-        Cancelling the caller (a client gone) gives its place, or its slot, back."""
+    async def acquire(self, slots: int = 1) -> None:
+        """Wait for `slots` slots together (a request's choices decode side by side; at most
+        `width`); raises APIError 503 `queue_full` or `queue_timeout`. Cancelling the caller (a
+        client gone) gives its place, or its slots, back."""
+        assert 1 <= slots <= self.width
         if self.closed:
             raise self._shutting_down()
-        if self.running < self.width and not self._waiters and self.admission_allowed():
-            self.running += 1
+        if self.running + slots <= self.width and not self._waiters and self.admission_allowed():
+            self.running += slots
             return
         if len(self._waiters) >= self.cap:
             raise self._reject("queue_full", "the admission queue is full", self.retry_after(RETRY_AFTER_FULL_S))
         slot = asyncio.get_running_loop().create_future()
-        self._waiters.append(slot)
+        place = (slot, slots)
+        self._waiters.append(place)
         try:
             await asyncio.wait_for(asyncio.shield(slot), self.timeout_s)
         except asyncio.TimeoutError:
-            if _granted(slot):  # handed a slot just as the time ran out: keep it
+            if _granted(slot):  # handed its slots just as the time ran out: keep them
                 return
-            self._waiters.remove(slot)
+            self._waiters.remove(place)
             message = f"waited {self.timeout_s:g} s for a slot"
             raise self._reject("queue_timeout", message, self.retry_after(RETRY_AFTER_TIMEOUT_S)) from None
         except asyncio.CancelledError:
             if _granted(slot):
-                self.release()
+                self.release(slots)
             elif not slot.done():
-                self._waiters.remove(slot)
+                self._waiters.remove(place)
                 slot.cancel()
             raise
 
     def close(self) -> None:
         """Shutting down: every waiter, and every request from now on, gets 503."""
         self.closed = True
-        for slot in self._waiters:
+        for slot, _ in self._waiters:
             if not slot.done():
                 slot.set_exception(self._shutting_down())
         self._waiters.clear()
@@ -86,17 +89,17 @@ class AdmissionGate:
     def _shutting_down(self) -> APIError:
         return APIError(503, "the server is shutting down", "shutting_down", retry_after=RETRY_AFTER_FULL_S)
 
-    def release(self) -> None:
-        """Free a slot: the oldest waiter takes it over if admission allows, else the running count drops."""
-        self.running -= 1
+    def release(self, slots: int = 1) -> None:
+        """Free slots: the oldest waiter takes them over if admission allows, else the running count drops."""
+        self.running -= slots
         self.poke()
 
     def poke(self) -> None:
-        """Grant free slots to the oldest waiters for as long as admission allows."""
-        while self._waiters and self.running < self.width and self.admission_allowed():
-            slot = self._waiters.popleft()
+        """Grant free slots to the oldest waiters, in order, for as long as they fit and admission allows."""
+        while self._waiters and self.running + self._waiters[0][1] <= self.width and self.admission_allowed():
+            slot, slots = self._waiters.popleft()
             if not slot.done():
-                self.running += 1
+                self.running += slots
                 slot.set_result(None)
 
     def _reject(self, code: str, message: str, retry_after: int) -> APIError:

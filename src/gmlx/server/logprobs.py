@@ -13,7 +13,7 @@ FLOOR = -9999.0
 
 
 def _value(logprob: float) -> float:
-    return max(logprob, FLOOR)
+    return logprob if logprob >= FLOOR else FLOOR  # NaN too: a broken row must not break the JSON
 
 
 def _entry(token: int, logprob: float, vocab: Sequence[bytes]) -> dict[str, Any]:

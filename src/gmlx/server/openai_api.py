@@ -4,16 +4,22 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from gmlx.engine.grammar import GrammarError, json_schema_grammar
 from gmlx.engine.logprobs import MAX_TOP
+from gmlx.engine.processors import REPEAT_LAST_N, Decoding
 from gmlx.engine.sampling import SamplingParams
+from gmlx.server import tool_prompt
 from gmlx.server.errors import bad_request
+from gmlx.server.fields import check_fields
+from gmlx.server.tools import ToolCall
 
 _MAX_STOPS = 16
-ROLES = ("system", "developer", "user", "assistant")  # the roles a chat template is given (the schema's enum)
-_TOOL_ROLES = ("tool", "function")
+_TOOL_ROLES = ("tool", "function")  # function: OpenAI's older tool role (a name, no call id)
+ROLES = ("system", "developer", "user", "assistant", *_TOOL_ROLES)  # the roles a chat template is given (the schema's enum)
 
 
 @dataclass(frozen=True)
@@ -27,7 +33,11 @@ class GenerationParams:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    n: int = 1  # choices, each its own engine row; the server bounds it by its decode batch
     logprobs: int | None = None  # alternatives per token to report (0: the token's own only); None: none
+    tools: tool_prompt.ToolSpec | None = None  # chat only: the tools, and how they may be called
+    decoding: Decoding = Decoding()  # penalties and logit_bias; the server adds the compiled grammar
+    grammar: str | None = None  # chat only: response_format's grammar, checked, to compile for the model
 
 
 def _typed(body: dict, name: str, types: type | tuple[type, ...], what: str) -> Any:
@@ -83,21 +93,25 @@ def _message(m: Any, i: int) -> dict[str, Any]:
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise bad_request(f"messages[{i}] must be an object with a string 'role'", "messages")
     role = m["role"]
-    # Tool turns are refused, not rendered without their ids and calls as if they were plain text.
-    if role in _TOOL_ROLES or m.get("tool_calls") not in (None, []):
-        raise bad_request(f"messages[{i}]: tool messages and tool calls are not supported yet", "messages",
-                          code="unsupported_value")
     if role not in ROLES:
         raise bad_request(f"messages[{i}].role must be one of {', '.join(ROLES)}, not {role!r}", "messages")
+    text = _message_text(m.get("content"), i)
+    if role in _TOOL_ROLES:
+        return tool_prompt.tool_result(m, i, text)
     # OpenAI's newer name for the system role, which is the one chat templates know.
-    return {"role": "system" if role == "developer" else role, "content": _message_text(m.get("content"), i)}
+    out = {"role": "system" if role == "developer" else role, "content": text}
+    if m.get("tool_calls") not in (None, []):
+        if role != "assistant":
+            raise bad_request(f"messages[{i}]: only an assistant message has tool_calls", "messages")
+        out["tool_calls"] = tool_prompt.assistant_calls(m["tool_calls"], i)  # absent otherwise: templates test for the key
+    return out
 
 
 def _messages(body: dict) -> list[dict[str, Any]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list", "messages")
-    return [_message(m, i) for i, m in enumerate(messages)]
+    return tool_prompt.name_tool_results([_message(m, i) for i, m in enumerate(messages)])
 
 
 def _prompt(body: dict) -> str | list[int]:
@@ -112,13 +126,15 @@ def _prompt(body: dict) -> str | list[int]:
 
 
 def parse(body: Any, chat: bool) -> GenerationParams:
-    """Validate a chat or completions body; unknown fields are ignored, wrong types are a 400."""
+    """Validate a chat or completions body: a wrong type is a 400, and so is a field gmlx does not
+    honour unless it changes nothing (gmlx.server.fields)."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
+    check_fields(body, chat)
     model = _typed(body, "model", str, "a string")
     n = _integer(body, "n")
-    if n not in (None, 1):
-        raise bad_request("only n=1 is supported", "n")
+    if n is not None and n < 1:
+        raise bad_request("'n' must be at least 1", "n")
     max_tokens = None
     for name in ("max_tokens", "max_completion_tokens"):  # both are checked; the newer name wins
         value = _integer(body, name)
@@ -147,6 +163,7 @@ def parse(body: Any, chat: bool) -> GenerationParams:
         min_p=_number(body, "min_p", 0.0, 1.0, 0.0),
         seed=seed,
     )
+    tools = tool_prompt.tool_spec(body) if chat else None
     return GenerationParams(
         chat=chat,
         model=model,
@@ -157,8 +174,80 @@ def parse(body: Any, chat: bool) -> GenerationParams:
         stop=tuple(stops or ()),
         stream=stream,
         include_usage=bool(options.get("include_usage")),
+        n=n or 1,
         logprobs=_logprobs(body, chat),
+        tools=tools,
+        decoding=_decoding(body),
+        grammar=_grammar(body, tools) if chat else None,
     )
+
+
+def _grammar(body: dict, tools: tool_prompt.ToolSpec | None) -> str | None:
+    """What constrains a chat's output: a forced tool call's grammar, or response_format's."""
+    grammar = _response_format(body)
+    if tools is None or tools.grammar is None:
+        return grammar
+    if grammar is not None:
+        raise bad_request("a forced tool call (tool_choice required or a function) and a JSON response_format "
+                          "cannot both shape the output", "tool_choice")
+    return tools.grammar
+
+
+def _decoding(body: dict) -> Decoding:
+    # Bounded so that dividing or multiplying a float32 logit by it stays finite (5e-324 made NaNs).
+    repetition = _number(body, "repetition_penalty", 0.01, 100.0, 1.0)
+    last = _integer(body, "repeat_last_n")
+    if last is not None and last < -1:
+        raise bad_request("'repeat_last_n' must be -1 (the whole context), 0 (off) or more", "repeat_last_n")
+    return Decoding(presence_penalty=_number(body, "presence_penalty", -2.0, 2.0, 0.0),
+                    frequency_penalty=_number(body, "frequency_penalty", -2.0, 2.0, 0.0),
+                    repetition_penalty=repetition,
+                    repeat_last_n=REPEAT_LAST_N if last is None else last,
+                    logit_bias=_logit_bias(body))
+
+
+def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    """Token id strings to biases in [-100, 100]; ids are checked against the vocabulary once
+    the model is known (check_logit_bias)."""
+    bias = _typed(body, "logit_bias", dict, "an object mapping token ids to numbers") or {}
+    out = []
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()):
+            raise bad_request(f"logit_bias: {key!r} is not a token id", "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise bad_request(f"logit_bias[{key!r}] must be a number between -100 and 100", "logit_bias")
+        out.append((int(key), float(value)))
+    return tuple(out)
+
+
+def check_logit_bias(p: GenerationParams, vocab_size: int) -> None:
+    for token, _ in p.decoding.logit_bias:
+        if token >= vocab_size:
+            raise bad_request(f"logit_bias: token id {token} is not in [0, {vocab_size})", "logit_bias")
+
+
+def _response_format(body: dict) -> str | None:
+    """response_format as a grammar (None for text); a schema that cannot be used is a 400 here."""
+    fmt = _typed(body, "response_format", dict, "an object")
+    kind = None if fmt is None else fmt.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        schema: Any = {"type": "object"}
+    elif kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+            raise bad_request("response_format.json_schema must be an object with a string 'name'", "response_format")
+        if not isinstance(spec.get("strict", False), (bool, type(None))):
+            raise bad_request("response_format.json_schema.strict must be a boolean", "response_format")
+        schema = spec.get("schema", {})  # none given: any JSON value
+    else:
+        raise bad_request(f"response_format.type must be text, json_object or json_schema, not {kind!r}",
+                          "response_format")
+    try:
+        return json_schema_grammar(schema)
+    except GrammarError as e:
+        raise bad_request(f"response_format: the schema cannot be used: {e}", "response_format") from None
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:
@@ -186,30 +275,41 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def completion(p: GenerationParams, rid: str, model: str, text: str, finish: str, use: dict,
-               logprobs: dict | None = None) -> dict:
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": logprobs}
+def choice(p: GenerationParams, index: int, text: str | None, finish: str, logprobs: dict | None = None,
+           tool_calls: Sequence[ToolCall] = ()) -> dict:
+    """One entry of a completion's `choices`."""
+    out: dict[str, Any] = {"index": index, "finish_reason": finish, "logprobs": logprobs}
     if p.chat:
-        choice["message"] = {"role": "assistant", "content": text}
+        out["message"] = {"role": "assistant", "content": text}
+        if tool_calls:
+            out["message"]["tool_calls"] = [c.to_json() for c in tool_calls]
     else:
-        choice["text"] = text
+        out["text"] = text
+    return out
+
+
+def completion(p: GenerationParams, rid: str, model: str, choices: list[dict], use: dict) -> dict:
     kind = "chat.completion" if p.chat else "text_completion"
-    return {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices": [choice], "usage": use}
+    return {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices": choices, "usage": use}
 
 
-def chunk(p: GenerationParams, rid: str, model: str, text: str | None = None, finish: str | None = None,
-          role: bool = False, use: dict | None = None, logprobs: dict | None = None) -> dict:
-    """One streamed chunk: a text delta, the opening role, the finish, or the usage (no choices)."""
+def chunk(p: GenerationParams, rid: str, model: str, index: int = 0, text: str | None = None,
+          finish: str | None = None, role: bool = False, use: dict | None = None, logprobs: dict | None = None,
+          tool_call: dict | None = None) -> dict:
+    """One streamed chunk of choice `index`: a text delta, a tool-call delta (tools.call_deltas),
+    the opening role, the finish, or the usage (no choices)."""
     kind = "chat.completion.chunk" if p.chat else "text_completion"
     out: dict[str, Any] = {"id": rid, "object": kind, "created": int(time.time()), "model": model}
     if use is not None:
         out["choices"], out["usage"] = [], use
         return out
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": logprobs}
+    choice: dict[str, Any] = {"index": index, "finish_reason": finish, "logprobs": logprobs}
     if p.chat:
         delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
         if text is not None:
             delta["content"] = text
+        if tool_call is not None:
+            delta["tool_calls"] = [tool_call]
         choice["delta"] = delta
     else:
         choice["text"] = text or ""
@@ -220,7 +320,8 @@ def chunk(p: GenerationParams, rid: str, model: str, text: str | None = None, fi
 _USER_MARK = "\ue000gmlx-user\ue000"  # a private-use sentinel no real message contains
 
 
-def system_prefix_tokens(tokenizer: Any, messages: list[dict[str, Any]] | None, prompt_ids: list[int]) -> int:
+def system_prefix_tokens(tokenizer: Any, messages: list[dict[str, Any]] | None, prompt_ids: list[int],
+                         tools: tool_prompt.ToolSpec | None = None) -> int:
     """How many of prompt_ids the leading system message(s) account for: the rendered prompt up to
     where the first user message's text would start, so requests that share a system prompt and
     differ after it share exactly this prefix (the prompt cache anchors there). 0 without one."""
@@ -232,8 +333,8 @@ def system_prefix_tokens(tokenizer: Any, messages: list[dict[str, Any]] | None, 
     if not system or len(system) == len(messages or ()):
         return 0
     try:
-        text = tokenizer.apply_chat_template([*system, {"role": "user", "content": _USER_MARK}],
-                                             add_generation_prompt=False, tokenize=False)
+        text = tool_prompt.render(tokenizer, [*system, {"role": "user", "content": _USER_MARK}], tools,
+                                  add_generation_prompt=False)
     except Exception:  # a template that will not render this shape has no anchor
         return 0
     cut = text.find(_USER_MARK)
@@ -249,7 +350,7 @@ def prompt_token_ids(tokenizer: Any, p: GenerationParams, vocab_size: int) -> li
     """The prompt as the engine will see it: the chat template applied, or the raw prompt."""
     if p.chat:
         try:
-            text = tokenizer.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=False)
+            text = tool_prompt.render(tokenizer, p.messages, p.tools)
         except Exception as e:  # a template's own error, e.g. roles that must alternate
             raise bad_request(f"the chat template rejected the messages: {e}", "messages") from None
         return tokenizer.encode(text, add_special_tokens=False)

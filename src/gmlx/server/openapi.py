@@ -5,7 +5,7 @@ the query parameters with their types and ranges, the request bodies that `opena
 accepts, the answers, the OpenAI error shape, and the 4xx/503 each route can give. The bearer key
 is declared only when the server has one, because only then is it enforced; `/health` and
 `/system` stay open either way. The document is no secret, but it is a route like any other, so
-it needs the key when the server has one (the spec: every route but /health and /system).
+it needs the key when the server has one (docs/ARCHITECTURE.md, "Contract": every route but /health and /system).
 `tests/test_openapi.py` checks that it lists exactly the app's routes.
 """
 
@@ -17,6 +17,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 import gmlx
+from gmlx.engine.logprobs import MAX_TOP
+from gmlx.server import fields
 from gmlx.server.openai_api import ROLES
 
 OPEN_PATHS = frozenset({"/health", "/system"})  # the same as app.OPEN_PATHS (a test checks)
@@ -65,12 +67,29 @@ _TEXT_PART = {"type": "object", "required": ["type", "text"],
 _MEDIA_PART = {"type": "object", "required": ["type"], "properties": {"type": {"enum": MEDIA_PARTS}}}
 
 
+_NAMED = {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}
+_CALL = {"type": "object", "required": ["id", "function"], "properties": {
+    "id": {"type": "string"}, "type": {"const": "function"},
+    "function": {**_NAMED, "properties": {**_NAMED["properties"], "arguments": {"type": ["string", "object"]}}}}}
+
+
+def _role_needs(role: str, then: dict) -> dict:
+    return {"if": {"properties": {"role": {"const": role}}}, "then": then}
+
+
 def _message(parts: list[dict]) -> dict:
     content = {"anyOf": [{"type": "string"}, {"type": "null"}, {"type": "array", "items": {"anyOf": parts}}]}
-    tool_calls = _nullable({"type": "array", "maxItems": 0, "description": "Tool calls are not supported yet."})
-    role = {"enum": list(ROLES), "description": "developer is read as system; tool messages are not supported yet."}
+    role = {"enum": list(ROLES), "description": "developer is read as system; function is read as tool."}
     return {"type": "object", "required": ["role"],
-            "properties": {"role": role, "content": content, "tool_calls": tool_calls}}
+            "properties": {"role": role, "content": content,
+                           "tool_calls": _nullable({"type": "array", "items": _CALL,
+                                                    "description": "An assistant's calls (only an assistant's)."}),
+                           "tool_call_id": {"type": "string", "description": "A tool message's: the call it answers."},
+                           "name": {"type": "string"}},
+            "allOf": [_role_needs("tool", {"required": ["tool_call_id"]}),
+                      _role_needs("function", {"required": ["name"]}),
+                      {"if": {"properties": {"role": {"not": {"const": "assistant"}}}},
+                       "then": {"properties": {"tool_calls": _nullable({"type": "array", "maxItems": 0})}}}]}
 
 
 _SAMPLING: dict[str, Any] = {
@@ -83,17 +102,42 @@ _SAMPLING: dict[str, Any] = {
     "min_p": _nullable({"type": "number", "minimum": 0, "maximum": 1}),
     "top_k": _nullable({"type": "integer", "description": "0 or less: off."}),
     "seed": _nullable({"type": "integer", "minimum": 0, "maximum": 2**64 - 1}),
-    "n": _nullable({"type": "integer", "enum": [1]}),
+    "n": _nullable({"type": "integer", "minimum": 1, "description": "Choices, each its own row of the batch."}),
     "stop": _nullable({"anyOf": [{"type": "string"},
                                  {"type": "array", "items": {"type": "string"}, "maxItems": MAX_STOPS}]}),
     "stream": _nullable({"type": "boolean"}),
     "stream_options": _nullable({"type": "object", "properties": {"include_usage": _nullable({"type": "boolean"})}}),
+    "presence_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2,
+                                   "description": "OpenAI's, over the tokens generated so far."}),
+    "frequency_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2,
+                                    "description": "OpenAI's, over the tokens generated so far."}),
+    "repetition_penalty": _nullable({"type": "number", "minimum": 0.01, "maximum": 100,
+                                     "description": "llama.cpp's, over the last repeat_last_n tokens, prompt included."}),
+    "repeat_last_n": _nullable({"type": "integer", "minimum": -1,
+                                "description": "repetition_penalty's window: 64 by default, -1 the whole context, 0 off."}),
+    "logit_bias": _nullable({"type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
+                             "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+                             "description": "Token ids (of the served model's vocabulary) to biases added to their logits."}),
 }
 
 
-def _body(required: str, first: dict, **more: Any) -> dict:
-    return {"type": "object", "required": [required], "properties": {required: first, **_SAMPLING, **more},
-            "description": "Unknown fields are ignored."}
+def _accepted(chat: bool) -> dict[str, dict]:
+    """The fields accepted without being honoured: those that change nothing, and the unsupported
+    ones at the values that ask for nothing."""
+    ignored = {name: {"description": "Accepted; changes nothing."} for name in fields.NO_EFFECT}
+    return ignored | {name: {"enum": list(values), "description": "Not supported: only these values."}
+                      for name, values in fields.unsupported(chat).items()}
+
+
+def _body(required: str, first: dict, chat: bool, **more: Any) -> dict:
+    body = {"type": "object", "required": [required],
+            "properties": {required: first, **_SAMPLING, **_accepted(chat), **more}, "additionalProperties": False,
+            "description": "A field not listed is refused with 400 unsupported_parameter: gmlx never drops one "
+                           "that would change the answer."}
+    if chat:  # top_logprobs asks for alternatives to logprobs that must be on
+        body |= {"if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
+                 "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}
+    return body
 
 
 def _completion_request(vocab_size: int | None) -> dict:
@@ -102,7 +146,41 @@ def _completion_request(vocab_size: int | None) -> dict:
     ids = {"type": "array", "items": token, "minItems": 1}
     batch_of_one = {"type": "array", "minItems": 1, "maxItems": 1, "items": {"anyOf": [{"type": "string"}, ids]}}
     return _body("prompt", {"anyOf": [{"type": "string"}, ids, batch_of_one],
-                            "description": "One prompt: a string or token ids, or a batch of one."})
+                            "description": "One prompt: a string or token ids, or a batch of one."}, chat=False,
+                 logprobs=_nullable({"type": "integer", "minimum": 0, "maximum": MAX_TOP,
+                                     "description": "Report each token's log-probability and this many alternatives."}))
+
+
+# Chat's logprobs: a flag, and how many alternatives.
+_CHAT_LOGPROBS = {"logprobs": _nullable({"type": "boolean"}),
+                  "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_TOP,
+                                             "description": "Needs logprobs: true."})}
+_FUNCTION = {"type": "object", "required": ["name"], "properties": {
+    "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}, "description": {"type": "string"},
+    "strict": {"type": "boolean", "description": "Accepted; arguments always validate when a call is forced."},
+    "parameters": {"type": "object", "description": "A JSON Schema of type object; one that constrained "
+                                                    "decoding cannot compile is a 400."}}}
+_TOOLS = {
+    "tools": _nullable({"type": "array", "items": {"type": "object", "required": ["type", "function"], "properties": {
+        "type": {"const": "function"}, "function": _FUNCTION}}, "description": "Names are distinct."}),
+    "tool_choice": _nullable({"anyOf": [{"enum": ["none", "auto", "required"]}, {
+        "type": "object", "required": ["type", "function"],
+        "properties": {"type": {"const": "function"}, "function": _NAMED}}],
+        "description": "required and a named function (one of the tools) need tools, and force a call by "
+                       "constrained decoding."}),
+    "parallel_tool_calls": _nullable({"type": "boolean"}),
+}
+
+
+_RESPONSE_FORMAT = {"response_format": _nullable({
+    "type": "object", "required": ["type"], "properties": {
+        "type": {"enum": ["text", "json_object", "json_schema"]},
+        "json_schema": {"type": "object", "required": ["name"], "properties": {
+            "name": {"type": "string"}, "description": {"type": "string"}, "schema": {"type": "object"},
+            "strict": _nullable({"type": "boolean"})}}},
+    "if": {"properties": {"type": {"const": "json_schema"}}}, "then": {"required": ["type", "json_schema"]},
+    "description": "JSON by constrained decoding: the content always parses and validates against the schema "
+                   "(unless max_tokens cuts it short). A schema constrained decoding cannot compile is a 400."})}
 
 
 _CHOICE = {"type": "object", "required": ["index", "finish_reason"],
@@ -119,10 +197,12 @@ SCHEMAS: dict[str, dict] = {
             "param": {"type": ["string", "null"]}}}},
     },
     "ChatCompletionRequest": _body(
-        "messages", {"type": "array", "minItems": 1, "items": _message([_TEXT_PART])},
+        "messages", {"type": "array", "minItems": 1, "items": _message([_TEXT_PART])}, True, **_CHAT_LOGPROBS, **_TOOLS,
+        **_RESPONSE_FORMAT,
         dry_run=_nullable({"type": "boolean", "description": "true: answer with the estimate, run nothing."})),
     "EstimateRequest": _body("messages", {"type": "array", "minItems": 1,
-                                          "items": _message([_TEXT_PART, _MEDIA_PART])},
+                                          "items": _message([_TEXT_PART, _MEDIA_PART])}, True, **_CHAT_LOGPROBS, **_TOOLS,
+                             **_RESPONSE_FORMAT,
                              dry_run=_nullable({"type": "boolean", "description": "Accepted, and changes nothing."})),
     "Completion": {
         "type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
@@ -231,9 +311,15 @@ PATHS: dict[str, dict[str, dict]] = {
 }
 
 
-def document(api_key: bool, vocab_size: int | None = None) -> dict:
+def _most_choices(schema: dict, decode_batch: int) -> dict:
+    n = schema["properties"]["n"]["anyOf"][0]
+    return {**schema, "properties": {**schema["properties"], "n": _nullable({**n, "maximum": decode_batch})}}
+
+
+def document(api_key: bool, vocab_size: int | None = None, decode_batch: int | None = None) -> dict:
     """The OpenAPI document; with `api_key`, every route but the open ones declares (and gets) a 401.
-    `vocab_size`, the served model's, bounds the token ids a completions prompt may hold."""
+    `vocab_size`, the served model's, bounds the token ids a completions prompt may hold;
+    `decode_batch`, the server's, bounds `n`."""
     paths: dict[str, dict] = {}
     for path, methods in PATHS.items():
         paths[path] = {}
@@ -251,6 +337,10 @@ def document(api_key: bool, vocab_size: int | None = None) -> dict:
         "paths": paths,
         "components": {"schemas": {**SCHEMAS, "CompletionRequest": _completion_request(vocab_size)}},
     }
+    if decode_batch is not None:
+        schemas = doc["components"]["schemas"]
+        for name in ("ChatCompletionRequest", "CompletionRequest"):
+            schemas[name] = _most_choices(schemas[name], decode_batch)
     if api_key:
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         doc["security"] = [{"bearer": []}]
@@ -260,4 +350,5 @@ def document(api_key: bool, vocab_size: int | None = None) -> dict:
 async def openapi_route(request: Request) -> Response:
     state = request.app.state.gmlx
     loaded = state.engine.loaded  # None while loading: the bound is left out until it is known
-    return JSONResponse(document(bool(state.settings.api_key), loaded.geometry.vocab_size if loaded else None))
+    return JSONResponse(document(bool(state.settings.api_key), loaded.geometry.vocab_size if loaded else None,
+                                 state.gate.width))

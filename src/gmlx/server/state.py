@@ -106,7 +106,8 @@ class ServerState:
         if not p.chat or self.engine.prompt_cache is None:
             return ids, 0
         with self._tokenizer_lock:
-            return ids, openai_api.system_prefix_tokens(self.engine.loaded.tokenizer, p.messages, ids)  # type: ignore[union-attr]
+            return ids, openai_api.system_prefix_tokens(self.engine.loaded.tokenizer, p.messages, ids,  # type: ignore[union-attr]
+                                                        p.tools)
 
     def token_bytes(self) -> list[bytes]:
         """Every token's bytes, by id (for logprobs), read from the vocabulary once."""

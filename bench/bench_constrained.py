@@ -1,0 +1,136 @@
+"""What the per-row work costs: the engine's decode rate with every row constrained to a JSON schema,
+and with every row asking for top_logprobs 5, against free decoding, at the same widths, in one
+process.
+
+    python -m bench.bench_constrained [--model M.gguf] [--widths 1 8] [--max-tokens 64] [--rounds 4]
+
+B greedy requests with unique prompts go to gmlx's Engine together (the server's, built from
+default settings, no prompt cache), either free, or each with its own matcher for SCHEMA (whose
+long required string keeps every row decoding to max_tokens), or each scored for 5 alternatives. The rate is the one while all B
+streams decode (tokens over that span, as bench_engine's engine_full_width). Rounds interleave
+the three at each width (each figure: the best of the rounds), so a shared machine's
+load falls on both alike. `mask_ms` is one row's mask step alone on the model's vocabulary
+(llguidance's mask, and applying it to the logits). Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+
+import gmlx  # noqa: F401  (BLAS bring-up before mlx)
+import mlx.core as mx
+
+from bench.__main__ import load_average, machine
+from gmlx.default_model import resolve_model
+from gmlx.engine.engine import Chunk, Engine, Event, Finished, Request
+from gmlx.engine.grammar import GrammarProcessor, json_schema_constraint
+from gmlx.engine.processors import Decoding
+from gmlx.engine.sampling import SamplingParams
+from gmlx.server.build import build_engine
+from gmlx.server.settings import resolve_settings
+
+TOPICS = ["a lighthouse keeper", "the tides", "a harbour at dawn", "sailing ships", "a mountain village",
+          "the first railway", "a desert caravan", "an old clock maker"]
+SCHEMA = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 60},
+                                           "year": {"type": "integer", "minimum": 0, "maximum": 3000},
+                                           "story": {"type": "string", "minLength": 2000}},
+          "required": ["title", "year", "story"], "additionalProperties": False}
+
+
+def full_width_rate(engine: Engine, b: int, max_tokens: int, decoding: Decoding, tag: str,
+                    logprobs: int | None = None) -> float | None:
+    """Decode tok/s of all B streams together, over the span in which every one of them decodes."""
+    tok = engine.loaded.tokenizer  # type: ignore[union-attr]
+    done = threading.Event()
+    firsts: list[float] = []
+    lasts: list[float] = []
+    chunks: list[float] = []
+
+    def emitter() -> object:
+        seen: list[float] = []
+
+        def emit(e: Event) -> None:
+            if isinstance(e, Chunk):
+                now = time.perf_counter()
+                if not seen:
+                    firsts.append(now)
+                seen.append(now)
+                chunks.append(now)
+            elif isinstance(e, Finished):
+                lasts.append(seen[-1] if seen else 0.0)
+                if len(lasts) == b:
+                    done.set()
+            else:
+                raise SystemExit(f"request failed: {e}")
+
+        return emit
+
+    for i in range(b):
+        text = f"Tell the story of {TOPICS[i % len(TOPICS)]} ({tag}, stream {i}) as JSON."
+        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        engine.submit(Request(f"{tag}-{i}", list(ids), max_tokens, SamplingParams(temperature=0), emit=emitter(),
+                              decoding=decoding, logprobs=logprobs))
+    done.wait()
+    lo, hi = max(firsts), min(lasts)
+    return sum(1 for t in chunks if lo < t <= hi) / (hi - lo) if hi > lo else None
+
+
+def mask_ms(decoding: Decoding, vocab: int, steps: int = 64) -> float:
+    """One row's mask per step: what the grammar adds to a decode step, the model aside."""
+    assert decoding.constraint is not None
+    row = GrammarProcessor(decoding.constraint, start=0)
+    logits = mx.zeros((1, vocab))
+    tokens: list[int] = []
+    start = time.perf_counter()
+    for _ in range(steps):
+        masked = row(mx.array(tokens, dtype=mx.int32), logits)
+        tokens.append(int(mx.argmax(masked[0]).item()))  # some allowed token: the matcher moves on
+    return (time.perf_counter() - start) / steps * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", help="GGUF (default model when omitted)")
+    ap.add_argument("--widths", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=4)
+    args = ap.parse_args()
+    path = resolve_model(args.model)
+    settings = resolve_settings({"decode_batch": max(args.widths), "prompt_cache_bytes": 0,
+                                 "log_level": "warning"}, env={})
+    engine = build_engine(settings, path)
+    engine.start()
+    engine.ready.wait()
+    assert engine.load_error is None and engine.loaded is not None, engine.load_error
+    vocab = engine.loaded.geometry.vocab_size
+    start = time.perf_counter()
+    constrained = Decoding(constraint=json_schema_constraint(SCHEMA, engine.loaded))
+    first_compile_s = time.perf_counter() - start  # the vocabulary's first grammar builds llguidance's view of it
+    start = time.perf_counter()
+    json_schema_constraint({**SCHEMA, "title": "another"}, engine.loaded)
+    compile_ms = (time.perf_counter() - start) * 1e3
+    ways = {"free": (Decoding(), None), "constrained": (constrained, None), "top_logprobs_5": (Decoding(), 5)}
+    load_before = load_average()
+    full_width_rate(engine, 1, 4, constrained, "warm")
+    best: dict[str, dict[int, float]] = {name: {} for name in ways}
+    for r in range(args.rounds):
+        for b in args.widths:
+            for name, (decoding, logprobs) in ways.items():
+                rate = full_width_rate(engine, b, args.max_tokens, decoding, f"r{r}b{b}{name}", logprobs) or 0.0
+                best[name][b] = max(best[name].get(b, 0.0), rate)
+    engine.stop()
+    out = {"model": path.name, "vocab": vocab, "max_tokens": args.max_tokens, "rounds": args.rounds,
+           "tok_s": {name: {b: round(v, 1) for b, v in rows.items()} for name, rows in best.items()},
+           "vs_free": {name: {b: round(best[name][b] / best["free"][b], 3) for b in args.widths}
+                       for name in ways if name != "free"},
+           "mask_ms": round(mask_ms(constrained, vocab), 3), "schema_compile_ms": round(compile_ms, 2),
+           "first_grammar_s": round(first_compile_s, 2), "machine": machine(),
+           "load_average": {"before": load_before, "after": load_average()}}
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

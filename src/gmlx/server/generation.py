@@ -1,0 +1,303 @@
+"""The generation path: a chat or completions request, from its body to its answer.
+
+A request asks for `n` choices. Each is its own engine row, with its own slot, tool-call parser,
+logprobs and finish; all deliver into one queue, and they end together: one failing (or cancelled
+at shutdown) cancels the others, and a client leaving cancels them all. The prompt is prefilled
+once: the first choice keeps a checkpoint just before the prompt's last token, and the others are
+submitted once it has prefilled, so the prompt cache hands them the prompt and they prefill only
+that last token. Without a prompt cache they are submitted together and each prefills it all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from gmlx.engine.engine import Chunk, Event, Failed, Finished
+from gmlx.engine.engine import Request as EngineRequest
+from gmlx.engine.grammar import GrammarError, compile_grammar
+from gmlx.engine.logprobs import TokenLogprob
+from gmlx.engine.processors import Decoding
+from gmlx.engine.sampling import SamplingParams
+from gmlx.server import logprobs, openai_api, tools
+from gmlx.server.admission import RETRY_AFTER_FULL_S, Slot
+from gmlx.server.capacity_routes import estimate_body
+from gmlx.server.errors import APIError, bad_request
+from gmlx.server.http import ClientGone, read_json, relay, unless_disconnected
+from gmlx.server.state import QueuedRow, ServerState
+
+log = logging.getLogger("gmlx.server")
+_PREFILL_POLL_S = 0.005  # how often the later choices look whether the first has prefilled
+
+
+async def generate(request: Request, chat: bool) -> Response:
+    state: ServerState = request.app.state.gmlx
+    state.require_ready()
+    body = await read_json(request, state)
+    if chat and isinstance(body, dict) and body.get("dry_run") is True:
+        return JSONResponse(await estimate_body(state, body))
+    p = openai_api.parse(body, chat)
+    state.check_model(p.model)
+    if p.n > state.gate.width:  # its choices decode side by side, each a row of the batch
+        raise bad_request(f"'n' must be at most {state.gate.width}, the server's decode batch", "n")
+    if p.sampling.top_k >= state.engine.loaded.geometry.vocab_size:  # type: ignore[union-attr]
+        p = replace(p, sampling=replace(p.sampling, top_k=0))  # keeping every token is no top-k (mlx_lm refuses it)
+    prompt_ids, anchor = await asyncio.to_thread(state.tokenize_with_anchor, p)
+    context = state.engine.loaded.context_length  # type: ignore[union-attr]
+    if len(prompt_ids) >= context:
+        raise APIError(400, f"the prompt has {len(prompt_ids)} tokens; the context window holds {context}",
+                       "context_length_exceeded", param="messages" if chat else "prompt")
+    max_tokens = min(p.max_tokens or state.settings.max_tokens_default, context - len(prompt_ids))
+    decoding = await _decoding(state, p)
+
+    rid = openai_api.new_id(chat)
+    if await request.is_disconnected():  # gone while its prompt was tokenized: no queue place, no rejection
+        log.info("%s prompt=%d generated=0 finish=client_gone (before the queue)", rid, len(prompt_ids))
+        return Response(status_code=499)
+    state.queued[rid] = QueuedRow(rid, len(prompt_ids), max_tokens)  # one row, however many choices
+    try:
+        await unless_disconnected(request, state.gate.acquire(p.n))
+    except ClientGone:
+        log.info("%s prompt=%d generated=0 finish=client_gone (while queued)", rid, len(prompt_ids))
+        return Response(status_code=499)
+    except APIError as e:
+        log.info("%s prompt=%d generated=0 finish=rejected:%s", rid, len(prompt_ids), e.code)
+        raise
+    finally:
+        del state.queued[rid]
+
+    gen = Generation(state, p, rid, prompt_ids, anchor, max_tokens, decoding)
+    gen.start()
+    if p.stream:
+        return StreamingResponse(gen.stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:
+        failure = await unless_disconnected(request, gen.run())
+    except ClientGone:
+        gen.abandon("client_gone")
+        return Response(status_code=499)
+    if isinstance(failure, Failed):
+        # Stopped to relieve memory is the server's load, not its fault: 503, try again later.
+        pressure = failure.code == "memory_pressure"
+        raise APIError(503 if pressure else 500, failure.message, failure.code,
+                       retry_after=state.gate.retry_after() if pressure else None)
+    if failure is not None:
+        raise APIError(503, "the server is shutting down", "shutting_down", retry_after=RETRY_AFTER_FULL_S)
+    return JSONResponse(gen.completion())
+
+
+async def _decoding(state: ServerState, p: openai_api.GenerationParams) -> Decoding:
+    """The request's Decoding: its logit_bias checked against the vocabulary, its grammar compiled
+    for the model (off the loop: a model's first grammar reads its whole vocabulary, a second)."""
+    loaded = state.engine.loaded
+    assert loaded is not None
+    openai_api.check_logit_bias(p, loaded.geometry.vocab_size)
+    if p.grammar is None:
+        return p.decoding
+    try:
+        constraint = await asyncio.to_thread(compile_grammar, p.grammar, loaded)
+    except GrammarError as e:
+        raise bad_request(f"response_format: the schema cannot be used: {e}", "response_format") from None
+    return replace(p.decoding, constraint=constraint)
+
+
+def _seeded(sampling: SamplingParams, index: int) -> SamplingParams:
+    """Choice i samples with seed + i: seeded choices differ from one another, yet repeat."""
+    if sampling.seed is None or index == 0:
+        return sampling
+    return replace(sampling, seed=(sampling.seed + index) % 2**64)
+
+
+def _failure(e: Finished | Failed) -> bool:
+    """An end that ends the whole request: a failure, or a cancel (shutdown)."""
+    return isinstance(e, Failed) or e.finish_reason == "cancelled"
+
+
+def _sse_data(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+@dataclass
+class Choice:
+    """One choice: its engine row and slot, and what it has produced so far."""
+
+    index: int
+    req: EngineRequest
+    slot: Slot
+    parser: tools.ToolCallParser | None
+    parts: list[str] = field(default_factory=list)
+    scored: list[TokenLogprob] | None = None  # kept for the non-streamed answer
+    offset: int = 0  # where the next streamed chunk's text starts, for the completions API's text_offset
+    end: Finished | Failed | None = None
+    closed: bool = False  # its one log line is written; nothing more is read from it
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+class Generation:
+    """A request's choices, from submission to their ends. Lives on the event loop."""
+
+    def __init__(self, state: ServerState, p: openai_api.GenerationParams, rid: str, prompt_ids: list[int],
+                 anchor: int, max_tokens: int, decoding: Decoding):
+        self.state, self.p, self.rid = state, p, rid
+        self.prompt_for_log = p.messages if p.chat else p.prompt
+        self._events: asyncio.Queue[tuple[Choice, Event]] = asyncio.Queue()
+        self._rest: asyncio.Task[None] | None = None
+        to_loop = relay(asyncio.get_running_loop())  # a step's events for every stream: one loop wake-up
+        template = state.engine.loaded.tokenizer.chat_template  # type: ignore[union-attr]
+        self.choices: list[Choice] = []
+        for i in range(p.n):
+            req = EngineRequest(rid if i == 0 else f"{rid}-{i}", prompt_ids, max_tokens, _seeded(p.sampling, i), p.stop,
+                                anchor_tokens=anchor, logprobs=p.logprobs, decoding=decoding,
+                                keep_prompt=i == 0 and p.n > 1)
+            choice = Choice(i, req, Slot(state.gate), tools.parser_for(p.tools, template))
+            req.emit = lambda e, c=choice: to_loop.call(self._deliver, (c, e))
+            self.choices.append(choice)
+
+    def _deliver(self, item: tuple[Choice, Event]) -> None:  # on the loop; a slot frees when its row ends
+        self._events.put_nowait(item)
+        if isinstance(item[1], (Finished, Failed)):
+            item[0].slot.release()
+
+    def start(self) -> None:
+        first, *rest = self.choices
+        self.state.engine.submit(first.req)
+        if rest and self.state.engine.prompt_cache is None:  # nowhere to find the prompt: each prefills it
+            for c in rest:
+                self.state.engine.submit(c.req)
+        elif rest:
+            self._rest = asyncio.create_task(self._submit_after_prefill(rest))
+
+    async def _submit_after_prefill(self, rest: list[Choice]) -> None:
+        first = self.choices[0].req
+        while first.state in ("queued", "prefill"):  # written by the engine thread
+            await asyncio.sleep(_PREFILL_POLL_S)
+        for c in rest:
+            self.state.engine.submit(c.req)
+
+    @property
+    def running(self) -> bool:
+        return not all(c.closed for c in self.choices)
+
+    async def next(self) -> tuple[Choice, Event]:
+        """The next event of any choice, recorded on it; an end writes the choice's log line."""
+        choice, e = await self._events.get()
+        if isinstance(e, Chunk):
+            choice.parts.append(e.text)
+            if e.logprobs is not None and not self.p.stream:
+                choice.scored = (choice.scored or []) + e.logprobs
+        else:
+            choice.end = e
+            self._log_end(choice, e)
+        return choice, e
+
+    def abandon(self, finish: str) -> None:
+        """End every choice still running (the client left, or a sibling failed): the engine drops
+        its row within one step, and its slot is free at once (docs/ARCHITECTURE.md, decision 12)."""
+        if self._rest is not None:
+            self._rest.cancel()
+        for c in self.choices:
+            if not c.closed:
+                self.state.engine.cancel(c.req.id)  # a row never submitted: the engine knows no such id
+                c.slot.release()
+                self._log_end(c, None, finish)
+
+    async def run(self) -> Finished | Failed | None:
+        """Read every choice to its end; the first failure (or cancel) ends the others and is returned."""
+        while self.running:
+            _, e = await self.next()
+            if not isinstance(e, Chunk) and _failure(e):
+                self.abandon("cancelled")
+                return e
+        return None
+
+    def _usage(self) -> dict:
+        """The prompt once (and the first choice's cached tokens), every choice's tokens."""
+        ends = [c.end for c in self.choices if isinstance(c.end, Finished)]
+        assert len(ends) == len(self.choices)
+        return openai_api.usage(ends[0].prompt_tokens, sum(e.completion_tokens for e in ends), ends[0].cached_tokens)
+
+    def completion(self) -> dict:
+        """The non-streamed answer, once every choice has finished."""
+        p, vocab, choices = self.p, self.state.token_bytes(), []
+        for c in self.choices:
+            assert isinstance(c.end, Finished)
+            content, calls = c.parser.parse(c.text) if c.parser is not None else (c.text, [])
+            choices.append(openai_api.choice(p, c.index, content, tools.finish_reason(c.end.finish_reason, calls),
+                                             logprobs.shape(p.chat, c.scored, vocab), calls))
+        return openai_api.completion(p, self.rid, self.state.model_id, choices, self._usage())
+
+    def _piece_chunks(self, c: Choice, pieces: list[tools.Piece], shaped: dict | None) -> Iterator[str]:
+        """The chunks for a stretch of a choice's output: text, or a call's deltas; its logprobs
+        ride on the first (alone, while the parser holds the text back)."""
+        p, rid, model = self.p, self.rid, self.state.model_id
+        for piece in pieces or ([""] if shaped is not None else []):
+            if isinstance(piece, str):
+                yield _sse_data(openai_api.chunk(p, rid, model, c.index, text=piece, logprobs=shaped))
+            else:
+                assert c.parser is not None
+                for delta in tools.call_deltas(piece, c.parser.calls.index(piece)):
+                    yield _sse_data(openai_api.chunk(p, rid, model, c.index, tool_call=delta, logprobs=shaped))
+                    shaped = None
+            shaped = None
+
+    async def stream(self) -> AsyncIterator[str]:
+        """The SSE body: each choice's chunks under its index as they come, its finish chunk when it
+        ends, then the usage (when asked) and one [DONE] after all; a failure is an error event."""
+        p, rid, model = self.p, self.rid, self.state.model_id
+        try:
+            if p.chat:
+                for c in self.choices:
+                    yield _sse_data(openai_api.chunk(p, rid, model, c.index, role=True))
+            failure: Finished | Failed | None = None
+            while self.running and failure is None:
+                c, e = await self.next()
+                if isinstance(e, Chunk):
+                    shaped = logprobs.shape(p.chat, e.logprobs, self.state.token_bytes(), c.offset)
+                    c.offset += len(e.text)
+                    for data in self._piece_chunks(c, c.parser.feed(e.text) if c.parser else [e.text], shaped):
+                        yield data
+                elif _failure(e):
+                    failure = e
+                    self.abandon("cancelled")
+                else:
+                    for data in self._piece_chunks(c, c.parser.close() if c.parser else [], None):
+                        yield data
+                    finish = tools.finish_reason(e.finish_reason, c.parser.calls if c.parser else [])
+                    yield _sse_data(openai_api.chunk(p, rid, model, c.index, finish=finish))
+            if failure is not None:
+                message, code = ((failure.message, failure.code) if isinstance(failure, Failed)
+                                 else ("the server is shutting down", "shutting_down"))
+                yield _sse_data({"error": {"message": message, "type": "server_error", "code": code}})
+            elif p.include_usage:
+                yield _sse_data(openai_api.chunk(p, rid, model, use=self._usage()))
+            yield "data: [DONE]\n\n"
+        finally:
+            self.abandon("client_gone")  # the client went away mid-stream; once all have ended, nothing
+
+    def _log_end(self, c: Choice, end: Finished | Failed | None, gone: str = "client_gone") -> None:
+        """The one line per choice, however it ended: finished, cancelled, failed (finish=error:CODE),
+        or abandoned (`gone`: client_gone, or cancelled for a failed sibling's); the prompt and output
+        only with LOG_INPUT_TEXT."""
+        state, req = self.state, c.req
+        c.closed = True
+        if isinstance(end, Finished):
+            state.histograms.observe_ttft(end.ttft_s)
+            generated, ttft, rate, finish = end.completion_tokens, end.ttft_s, end.decode_tok_s, end.finish_reason
+        else:  # the engine's live figures for a row that did not finish
+            generated, ttft, rate = req.generated, req.ttft_s, req.decode_tok_s()
+            finish = gone if end is None else f"error:{end.code}"
+        log.info("%s prompt=%d generated=%d ttft=%s decode=%s tok/s finish=%s", req.id, len(req.prompt_ids), generated,
+                 "-" if ttft is None else f"{ttft:.3f}s", "-" if rate is None else f"{rate:.1f}", finish)
+        if state.settings.log_input_text:
+            log.info("%s input=%s output=%s", req.id, json.dumps(self.prompt_for_log, ensure_ascii=False),
+                     json.dumps(c.text, ensure_ascii=False))
