@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from gmlx.engine.grammar import (
     vocabulary,
 )
 from gmlx.models.loader import LoadedModel, load
+from gmlx.server.metrics import snapshot
 
 CHAT = "/v1/chat/completions"
 # Small enough that a tiny model's random choices close it well within its 256-token window.
@@ -208,12 +210,25 @@ def test_bad_schema_message_names_the_problem(live_server: LiveServer) -> None:
 
 
 def test_constrained_rows_never_speculate(tiny_models: dict[str, Path]) -> None:
-    """With a drafter, a constrained request decodes in the batch, and its row says so (speculative: null)."""
+    """With a drafter, a constrained request decodes in the batch, and its row says why."""
     path = tiny_models["llama"]
     with LiveServer(path, draft=str(path)) as server, server.client() as c:
         assert server.engine.draft is not None
+        seen: list[str | None] = []
+        done = threading.Event()
+
+        def watch() -> None:  # the request's live row, as /v1/metrics shows it
+            while not done.is_set() and not seen:
+                rows = snapshot(server.state)["server"]["requests"]
+                seen.extend(row["speculative"]["off"] for row in rows if row["speculative"] is not None)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
         r = c.post(CHAT, json=structured(temperature=0))
+        done.set()
+        watcher.join()
         assert r.status_code == 200
+        assert seen and "grammar" in seen[0]
         jsonschema.validate(json.loads(r.json()["choices"][0]["message"]["content"]), SCHEMA)
         assert server.engine.stats.speculative.rounds == 0
         free = c.post(CHAT, json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 24, "temperature": 0})

@@ -97,6 +97,16 @@ class Request:
         return (self.generated - 1) / span if span > 0 else None
 
 
+def drafting_refused(req: Request) -> str | None:
+    """Why a request never decodes with the drafter, whose rounds apply no logits processor and
+    score no alternatives (None: it may)."""
+    if not req.decoding.plain:
+        return "logits processors (bias, penalties or a grammar)"
+    if req.logprobs is not None:
+        return "logprobs"
+    return None
+
+
 def _split(tokens: list[int], start: int, cuts: list[int]) -> list[list[int]]:
     """tokens[start:] in segments that end at each cut (prefill stops there so a cache can be kept)."""
     bounds = [start, *(c for c in cuts if start < c < len(tokens)), len(tokens)]
@@ -445,7 +455,7 @@ class Engine:
             self._finish(req, Failed(f"generation failed: {e}"))
             return
         req.uid, req.state, req.cache, req.prefilled = uid, "prefill", hit, hit.warm_tokens
-        if self.draft is not None and req.decoding.plain:  # its row's `speculative` stays null otherwise
+        if self.draft is not None:
             req.speculative = SpeculativeCounters()
         self._active[uid] = req
         self._checkpoints[uid] = checkpoints
@@ -531,9 +541,7 @@ class Engine:
         if self.draft is None or self._no_lane or len(self._active) != 1 or not self._commands.empty():
             return False
         [req] = self._active.values()
-        if req.logprobs is not None:  # the drafter's rounds score no alternatives
-            return False
-        if not req.decoding.plain:  # the drafter's rounds apply no bias, penalty or grammar
+        if drafting_refused(req) is not None:
             return False
         # Leaving the batch costs a step: not for a request about to end, or about to reach a
         # sliding window (past it, rejected drafts could not be trimmed back).

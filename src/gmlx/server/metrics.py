@@ -13,6 +13,7 @@ import mlx.core as mx
 import psutil
 
 from gmlx.capacity.memory import kv_bytes_after_prefill, warmup_per_token
+from gmlx.engine.engine import drafting_refused
 from gmlx.server.admission import RETRY_AFTER_FULL_S
 from gmlx.server.state import ServerState
 
@@ -109,7 +110,8 @@ def _requests(s: ServerState) -> list[dict]:
             "generated": r.generated, "max_tokens": r.max_tokens, "elapsed_s": round(now - r.submitted_at, 2),
             "ttft_s": _round(r.ttft_s, 3), "decode_tok_s": _round(r.decode_tok_s(now)),
             "cache": r.cache.to_json() if r.cache else None,
-            "speculative": r.speculative.to_json() if r.speculative else None,
+            # With a drafter: its figures, and why this request never drafts (None: it may).
+            "speculative": {**r.speculative.to_json(), "off": drafting_refused(r)} if r.speculative else None,
         })
     return rows
 
