@@ -9,7 +9,7 @@ default settings, no prompt cache), either free, or each with its own matcher fo
 long required string keeps every row decoding to max_tokens), or each scored for 5 alternatives. The rate is the one while all B
 streams decode (tokens over that span, as bench_engine's engine_full_width). Rounds interleave
 the three at each width (each figure: the best of the rounds), so a shared machine's
-load falls on both alike. `mask_ms` is one row's mask step alone on the model's vocabulary
+load falls on all alike. `mask_ms` is one row's mask step alone on the model's vocabulary
 (llguidance's mask, and applying it to the logits). Prints one JSON object.
 """
 

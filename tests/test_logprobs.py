@@ -9,10 +9,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from conftest import LiveServer
 from openai import OpenAI
 
+from gmlx.engine.logprobs import top_k
 from gmlx.gguf.header import read_header
 from gmlx.gguf.tokenizer import load_tokenizer
 from gmlx.gguf.vocab import token_bytes
@@ -129,3 +131,17 @@ def test_token_bytes_join_to_the_texts_bytes(tiny_models: dict[str, Path], arch:
     ids = load_tokenizer(header).encode(text, add_special_tokens=False)
     joined = b"".join(token_bytes(header)[i] for i in ids)
     assert joined.decode().strip() == text
+
+
+@pytest.mark.parametrize(("width", "k"), [(262_144, 5), (262_144, 20), (300_001, 3), (5_000, 7), (50, 50)])
+def test_top_k_finds_each_rows_largest(width: int, k: int) -> None:
+    """The blocked partition gives what a whole sort gives, ties and a ragged last block included."""
+    rng = np.random.default_rng(width + k)
+    x = rng.standard_normal((3, width)).astype(np.float32)
+    x[1, :] = 0.0  # every entry tied
+    x[2, -1] = 9.0  # the largest in the ragged last block
+    ids, values = top_k(mx.array(x), k)
+    ids, values = np.asarray(ids), np.asarray(values)
+    assert np.array_equal(np.take_along_axis(x, ids, -1), values)
+    assert all(len(set(row)) == k for row in ids.tolist())
+    assert np.allclose(np.sort(values, -1), np.sort(x, -1)[:, -k:])
