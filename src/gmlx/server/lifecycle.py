@@ -14,8 +14,8 @@ from types import FrameType
 import uvicorn
 from starlette.applications import Starlette
 
-from gmlx.server.app import ServerState
 from gmlx.server.connections import connection_cap, guarded_protocol, limit_log_repeats, raise_fd_limit
+from gmlx.server.state import ServerState
 
 log = logging.getLogger("gmlx.server")
 _CANCEL_GRACE_S = 2.0  # time for cancelled streams to send their last event
