@@ -26,8 +26,9 @@ def test_inspect_json(tiny_models: dict[str, Path]) -> None:
     info = json.loads(r.stdout)
     assert info["architecture"] == "gemma3" and info["layers"] == 6 and info["kv_heads"] == 2
     assert info["sliding_window"] == 64 and info["sliding_layers"] == 5
-    assert info["kv_bytes_per_token_fp16"]["full"] == {"kind": "full", "layers": 1, "bytes_per_token": 2 * 2 * 64 * 2, "window": None}
-    assert info["kv_bytes_per_token_fp16"]["sliding"]["layers"] == 5
+    # float32, as the server allocates it: 2 KV heads x (64 + 64) x 4 bytes
+    assert info["kv_bytes_per_token"]["full"] == {"kind": "full", "layers": 1, "bytes_per_token": 2 * 2 * 64 * 4, "window": None}
+    assert info["kv_bytes_per_token"]["sliding"]["layers"] == 5
     assert info["chat_template"] is False and info["tensor_types"] == {"F32": info["tensor_types"]["F32"]}
     assert info["weights"]["mode"] in ("float", "native") and info["platform"]["blas"]
 
@@ -35,7 +36,7 @@ def test_inspect_json(tiny_models: dict[str, Path]) -> None:
 def test_inspect_table(tiny_models: dict[str, Path]) -> None:
     r = invoke("inspect", str(tiny_models["llama"]))
     assert r.exit_code == 0
-    assert "tiny-llama (llama)" in r.stdout and "KV cache fp16" in r.stdout and str(HIDDEN) not in r.stderr
+    assert "tiny-llama (llama)" in r.stdout and "KV cache fp32" in r.stdout and str(HIDDEN) not in r.stderr
 
 
 @pytest.mark.parametrize("content", [b"", b"hello world, not a model at all", b"GGUF\x03\x00\x00\x00" + b"\xff" * 16])
@@ -88,3 +89,18 @@ def test_print_config_shows_sources(monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = json.loads(r.stdout)
     assert cfg["port"]["source"] == "flag" and cfg["decode_batch"]["source"] == "env MAX_CONCURRENCY"
     assert cfg["queue_size"]["value"] == "6"
+
+
+@pytest.mark.parametrize("weights", ["float", "native", "gguf"])
+def test_inspect_and_plan_agree_on_the_kv_element(tiny_models: dict[str, Path], no_settings_env: None,
+                                                  weights: str) -> None:
+    """inspect prints the KV cost the server allocates (float32 here), as `gmlx plan` counts it."""
+    model = str(tiny_models["gemma3"])
+    info = json.loads(invoke("inspect", model, "--weights", weights, "--json").stdout)
+    r = invoke("plan", model, "--weights", weights, "--memory", "8GiB", "--width", "1", "--depth", "64", "--json")
+    assert r.exit_code in (0, 1), r.output
+    planned = json.loads(r.stdout)["assumptions"]["kv_format"]
+    assert info["kv_format"]["element_bytes"] == planned["element_bytes"] == 4
+    assert info["kv_format"]["from"] == planned["from"]
+    full = info["kv_bytes_per_token"]["full"]
+    assert full["bytes_per_token"] == full["layers"] * 2 * (64 + 64) * planned["element_bytes"]

@@ -24,7 +24,7 @@ CAP = 8
 
 @pytest.fixture(scope="module")
 def server(tiny_models: dict[str, Path]) -> Iterator[LiveServer]:
-    with LiveServer(tiny_models["llama"], max_connections=CAP, header_timeout=0.5, body_timeout=0.5,
+    with LiveServer(tiny_models["llama"], max_connections=CAP, header_timeout=1.0, body_timeout=1.0,
                     max_tokens_default=2) as s:
         yield s
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
+import re
 import threading
 import time
 from pathlib import Path
@@ -264,3 +266,36 @@ def test_poll_routes_never_wait_on_the_engine(live_server: LiveServer) -> None:
         assert live_server.engine.alive and not returned.is_set()  # still stuck the whole time
     finally:
         release.set()
+
+
+def test_ttft_and_elapsed_count_the_queue_wait(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A request that waited at the gate: its row's elapsed runs on from arrival (no jump back when
+    it leaves the queue), its TTFT and log line include the wait and show it as queued; the
+    engine's prefill rate leaves it out."""
+    caplog.set_level(logging.INFO, logger="gmlx.server")
+    wait = 0.6
+    with LiveServer(write_model(tmp_path / "long.gguf", "llama", context=4096), decode_batch=1) as server:
+        eos = {str(t): -100 for t in server.engine.loaded.tokenizer.eos_token_ids}
+        holder = {"prompt": "hello", "max_tokens": 4000, "stream": True, "logit_bias": eos}
+        answers: list[httpx.Response] = []
+        with server.client() as c, c.stream("POST", "/v1/completions", json=holder) as s:
+            lines = s.iter_lines()  # kept: a dropped iterator closes the stream
+            next(lines)  # it holds the one slot
+            waiter = threading.Thread(target=lambda: answers.append(
+                server.client().post("/v1/completions", json={"prompt": "hello world", "max_tokens": 2})))
+            waiter.start()
+            server.wait_until(lambda: len(server.state.queued) == 1)
+            time.sleep(wait)
+            queued_row = next(r for r in snapshot(server.state)["server"]["requests"] if r["state"] == "queued")
+            assert queued_row["elapsed_s"] >= wait and queued_row["queued_s"] >= wait
+        waiter.join(30)  # the holder's client left: its slot went to the waiter
+        assert answers[0].status_code == 200
+        [line] = [r.getMessage() for r in caplog.records
+                  if r.getMessage().startswith(answers[0].json()["id"] + " prompt=")]
+        queued, ttft = (float(re.search(rf"{k}=([\d.]+)s", line)[1]) for k in ("queued", "ttft"))
+        assert wait <= queued <= ttft, line
+        [ttft_sum] = [x.value for x in server.state.histograms.ttft.collect()[0].samples if x.name.endswith("_sum")]
+        assert ttft_sum >= queued  # Prometheus observes it from arrival too
+        _, prefill_tok_s = server.engine.stats.recent_requests[-1]
+        prompt_tokens = answers[0].json()["usage"]["prompt_tokens"]
+        assert prefill_tok_s > 4 * prompt_tokens / queued  # the wait diluted no prefill rate

@@ -272,7 +272,7 @@ def test_every_request_ends_in_one_log_line(tmp_path: Path, caplog: pytest.LogCa
     assert len(ends) == len(lines) == 4, lines
     assert sorted(ends.values()) == ["client_gone", "client_gone", "length", "rejected:queue_full"], lines
     finished = next(line for line in lines if "finish=length" in line)
-    assert re.search(r"generated=5 ttft=[\d.]+s decode=[\d.]+ tok/s", finished), finished
+    assert re.search(r"generated=5 queued=[\d.]+s ttft=[\d.]+s decode=[\d.]+ tok/s", finished), finished
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])

@@ -141,7 +141,7 @@ async def test_band_and_rows_follow_the_snapshot(fake: FakeServer) -> None:
         assert "YELLOW" in shown(app, "band").plain and "yellow" in band_style(app)
         assert states(app) == ["queued", "decode", "prefill", "decode"]  # queued rows first
         row = app.query_one("#requests", DataTable).get_row_at(1)
-        assert [str(c) for c in row] == ["cmpl-a1", "tiny", "decode", "1834", "212 / 4096", "11.4 s", "1.7 s",
+        assert [str(c) for c in row] == ["cmpl-a1", "tiny", "decode", "1834", "212 / 4096", "11.4 s", "0.64 s", "1.7 s",
                                          "21.8 tok/s", "block 1536", "62 %"]
         assert "GPU0 NVIDIA H200" in shown(app, "gpu").plain
         slots = shown(app, "slots").plain

@@ -23,10 +23,11 @@ def _layers(arch: str) -> int:
 
 def write_model(path: Path, arch: str = "llama", qtype: Q = Q.F32, tied: bool = True, seed: int = 0,
                 context: int = CONTEXT, heads: int = HEADS, kv_heads: int = KV_HEADS, head_dim: int = HEAD_DIM,
-                chat_template: str | None = None) -> Path:
+                chat_template: str | None = None, space_prefix: bool = False) -> Path:
     """`kv_heads` and `head_dim` size the KV cache per token; `heads` must be a multiple
     of `kv_heads`, and a K-quant needs `heads * head_dim` a multiple of 256. Without a
-    `chat_template` the file carries none (gmlx falls back to the family's)."""
+    `chat_template` the file carries none (gmlx falls back to the family's). `space_prefix`: a
+    SentencePiece vocabulary that adds a space before the text (tiny_vocab.add_tiny_vocab)."""
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"tiny-{arch}")
@@ -43,7 +44,7 @@ def write_model(path: Path, arch: str = "llama", qtype: Q = Q.F32, tied: bool = 
     w.add_rope_freq_base(10000.0)
     if arch == "gemma3":
         w.add_sliding_window(64)
-    add_tiny_vocab(w, VOCAB_KIND[arch])
+    add_tiny_vocab(w, VOCAB_KIND[arch], space_prefix)
     if chat_template is not None:
         w.add_chat_template(chat_template)
     vocab = TINY_VOCAB_SIZE[VOCAB_KIND[arch]]

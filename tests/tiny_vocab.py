@@ -61,8 +61,9 @@ def bpe_vocab() -> tuple[list[str], list[str], list[int]]:
 TINY_VOCAB_SIZE = {"llama": len(spm_vocab()[0]), "gpt2": len(bpe_vocab()[0])}
 
 
-def add_tiny_vocab(writer: gguf.GGUFWriter, kind: str) -> None:
-    """Write a `kind` ("llama": Gemma-style SentencePiece, "gpt2": Qwen-style byte-level BPE) vocabulary."""
+def add_tiny_vocab(writer: gguf.GGUFWriter, kind: str, space_prefix: bool = False) -> None:
+    """Write a `kind` ("llama": Gemma-style SentencePiece, "gpt2": Qwen-style byte-level BPE) vocabulary.
+    `space_prefix`: a "llama" one adds a space before the text, as Llama 2's does (Gemma's does not)."""
     if kind == "llama":
         tokens, scores, types = spm_vocab()
         writer.add_tokenizer_model("llama")
@@ -76,7 +77,7 @@ def add_tiny_vocab(writer: gguf.GGUFWriter, kind: str) -> None:
         writer.add_pad_token_id(tokens.index("<pad>"))
         writer.add_add_bos_token(True)
         writer.add_add_eos_token(False)
-        writer.add_add_space_prefix(False)
+        writer.add_add_space_prefix(space_prefix)
     elif kind == "gpt2":
         tokens, merges, types = bpe_vocab()
         writer.add_tokenizer_model("gpt2")

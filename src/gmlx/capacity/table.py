@@ -198,7 +198,12 @@ def governor_terms(s: TableSettings, host_bytes: int, host_memory: bool) -> Gove
     return GovernorTerms(host_bytes if host_memory else 0, s.governor_orange)
 
 
-def header_table(h: GGUFHeader, s: TableSettings, *, mode: str, memory: int, float_bytes: int = FLOAT32_BYTES,
+# The KV cache's float width a server allocates, in every weight mode and on every device.
+KV_FLOAT_BYTES = FLOAT32_BYTES
+KV_FLOAT_WHY = "the engine computes in float32 (float32 weights or float32 scales)"
+
+
+def header_table(h: GGUFHeader, s: TableSettings, *, mode: str, memory: int, float_bytes: int = KV_FLOAT_BYTES,
                  fast_kernels: bool = False, host_memory: bool = True) -> tuple[CapacityTable, KVQuantPlan | None]:
     """The table a server with settings `s` would build for this file, from its header alone (no
     weights): its weights as `mode` loads them, and the KV quantization plan it would make (None

@@ -10,7 +10,8 @@ from rich.table import Table
 
 import gmlx
 from gmlx import platform
-from gmlx.capacity.memory import kv_layer_kinds
+from gmlx.capacity.memory import KVFormat, kv_layer_kinds
+from gmlx.capacity.table import KV_FLOAT_BYTES, KV_FLOAT_WHY
 from gmlx.cli.common import (
     JSON_OPT,
     MODEL_ARG,
@@ -34,6 +35,7 @@ def describe(model: str | None, weights: WeightsOption) -> dict[str, Any]:
     g = h.geometry
     mode = choose_mode(weights, h)
     kv_heads = sorted(set(g.n_kv_heads))
+    kv = KVFormat(float_bytes=KV_FLOAT_BYTES)  # what the server allocates, as `gmlx plan` counts it
     return {
         "path": str(path),
         "architecture": g.architecture,
@@ -51,7 +53,8 @@ def describe(model: str | None, weights: WeightsOption) -> dict[str, Any]:
         "context_length": g.context_length,
         "vocab_size": g.vocab_size,
         "chat_template": g.has_chat_template,
-        "kv_bytes_per_token_fp16": {k.kind: asdict(k) for k in kv_layer_kinds(g)},
+        "kv_format": {"value": kv.describe(), "from": KV_FLOAT_WHY, "element_bytes": kv.element_bytes()},
+        "kv_bytes_per_token": {k.kind: asdict(k) for k in kv_layer_kinds(g, kv)},
         "weights": {"mode": mode, "resident_bytes": resident_bytes(h, mode)},
         "platform": {"backend": platform.backend(), "blas": gmlx.BLAS.name, "blas_path": gmlx.BLAS.path,
                      "gguf_kernels": _kernels()},
@@ -89,7 +92,7 @@ def inspect_command(
     kv = ", ".join(
         f"{k['kind']} x{k['layers']}: {human_bytes(k['bytes_per_token'])}/token"
         + (f" (window {k['window']})" if k["window"] else "")
-        for k in info["kv_bytes_per_token_fp16"].values()
+        for k in info["kv_bytes_per_token"].values()
     )
     rows = [
         ("model", f"{info['name']} ({info['architecture']})"),
@@ -103,7 +106,7 @@ def inspect_command(
         ("context", f"{info['context_length']:,} tokens"),
         ("vocabulary", f"{info['vocab_size']:,}"),
         ("chat template", "in file" if info["chat_template"] else "none (architecture default)"),
-        ("KV cache fp16", kv),
+        (f"KV cache {info['kv_format']['value']}", f"{kv} ({info['kv_format']['from']}; unquantized)"),
         ("weights", f"{info['weights']['mode']}, {human_bytes(info['weights']['resident_bytes'])} resident"),
         ("platform", f"{info['platform']['backend']}, BLAS {info['platform']['blas']}"),
         ("gguf kernels", _kernels_line(info["platform"]["gguf_kernels"])),

@@ -15,7 +15,7 @@ from rich.table import Table
 from gmlx import platform
 from gmlx.capacity.estimate import estimate_not_loaded
 from gmlx.capacity.plan import LiveState, plan
-from gmlx.capacity.table import CapacityTable, attention_in_tiles, header_table
+from gmlx.capacity.table import KV_FLOAT_WHY, CapacityTable, attention_in_tiles, header_table
 from gmlx.cli.common import (
     EXIT_FAILED,
     EXIT_OK,
@@ -32,7 +32,6 @@ from gmlx.models.weights_mode import choose_mode
 from gmlx.server.settings import Settings, SettingsError, resolve_settings
 
 EXIT_ERROR = 2  # plan and estimate promise a script 2 on any error, a bad model file included
-_KV_WHY = "the engine computes in float32 (float32 weights or float32 scales)"  # what header_table assumes
 _HTTP_TIMEOUT_S = 60
 
 URL_OPT = typer.Option(None, "--url", help="Ask the server at this URL instead of reading the model file.")
@@ -103,7 +102,7 @@ def offline(model: str | None, memory: str | None, weights: str | None,
         "model": str(path),
         "memory_bytes": {"value": total, "from": memory_from},
         "weights": {"value": mode, "from": weights_from, "resident_bytes": table.budget.weight_bytes},
-        "kv_format": {"value": table.kv.describe(), "from": _KV_WHY, "element_bytes": table.kv.element_bytes(),
+        "kv_format": {"value": table.kv.describe(), "from": KV_FLOAT_WHY, "element_bytes": table.kv.element_bytes(),
                       **({"kv_quant": kv_plan.to_json()} if kv_plan is not None else {})},
         "decode_batch": {"value": s.decode_batch, "from": _from(s, "decode_batch")},
         "prompt_cache_bytes": {"value": s.prompt_cache_limit(total), "from": _from(s, "prompt_cache_bytes")},

@@ -68,6 +68,7 @@ def run_command(
     from mlx_lm import stream_generate
 
     from gmlx.engine.sampling import SamplingParams, make_sampler
+    from gmlx.gguf.detokenizer import continuation_detokenizer
     from gmlx.models.loader import load
 
     with model_errors(), load_progress() as step:
@@ -81,11 +82,17 @@ def run_command(
         fail(f"the prompt has {len(prompt_ids)} tokens; the context holds {loaded.context_length}")
     sampler = make_sampler(SamplingParams(temp, top_p, top_k, min_p, seed))
 
+    # The text comes from our own detokenizer: stream_generate's drops the first token's leading space.
+    detok = continuation_detokenizer(tokenizer, prompt_ids)
     text, last = [], None
     for last in stream_generate(loaded.model, tokenizer, prompt_ids, max_tokens=max_tokens, sampler=sampler):
-        text.append(last.text)
+        if last.finish_reason != "stop":  # each response brings a new token, but for the EOS that ends it
+            detok.add_token(last.token)
+        if last.finish_reason is not None:
+            detok.finalize()
+        text.append(piece := detok.last_segment)
         if not json_out:
-            sys.stdout.write(last.text)
+            sys.stdout.write(piece)
             sys.stdout.flush()
     assert last is not None, "stream_generate yields at least one response"
     figures = {

@@ -28,6 +28,7 @@ from gmlx.engine.prompt_cache import MISS, Hit, PromptCache
 from gmlx.engine.sampling import Sampler, SamplingParams, greedy, make_sampler
 from gmlx.engine.speculative import SpeculativeCounters, SpeculativeStream, can_speculate
 from gmlx.engine.stops import StopMatcher
+from gmlx.gguf.detokenizer import continuation_detokenizer
 from gmlx.models.loader import LoadedModel
 
 log = logging.getLogger("gmlx.engine")
@@ -47,9 +48,10 @@ class Finished:
     finish_reason: str  # "stop", "length" or "cancelled"
     prompt_tokens: int
     completion_tokens: int
-    ttft_s: float | None
+    ttft_s: float | None  # from the request's arrival, queue wait included, as its client measures
     decode_tok_s: float | None
     cached_tokens: int = 0  # prompt tokens the prompt cache supplied
+    queued_s: float = 0.0  # waiting at the server's admission gate
 
 
 @dataclass
@@ -78,6 +80,10 @@ class Request:
     state: str = "queued"  # queued -> prefill -> decode -> done
     uid: int | None = None
     submitted_at: float = field(default_factory=time.monotonic)
+    # When the server received it, and how long it waited at the gate since (both the server's):
+    # TTFT counts from arrival, as a client's does. None: it arrived when submitted.
+    arrived_at: float | None = None
+    queued_s: float = 0.0
     first_token_at: float | None = None
     last_token_at: float | None = None
     prefilled: int = 0
@@ -88,6 +94,15 @@ class Request:
 
     @property
     def ttft_s(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.arrival
+
+    @property
+    def arrival(self) -> float:
+        return self.submitted_at if self.arrived_at is None else self.arrived_at
+
+    @property
+    def engine_ttft_s(self) -> float | None:
+        """From submission to the first token: the engine's own time, no queue wait in it."""
         return None if self.first_token_at is None else self.first_token_at - self.submitted_at
 
     def decode_tok_s(self, now: float | None = None) -> float | None:
@@ -146,7 +161,7 @@ class EngineStats:
         self.finished += 1
         self.generated_total += req.generated
         cold = len(req.prompt_ids) - (req.cache.warm_tokens if req.cache else 0)  # what was really prefilled
-        prefill = cold / event.ttft_s if event.ttft_s else None
+        prefill = cold / req.engine_ttft_s if req.engine_ttft_s else None  # the queue wait is no prefill
         self.recent_requests.append((event.decode_tok_s, prefill))
         if event.decode_tok_s is not None:
             self.decode_rate_sum += event.decode_tok_s
@@ -404,7 +419,7 @@ class Engine:
     @staticmethod
     def _cancelled(req: Request) -> Finished:
         return Finished("cancelled", len(req.prompt_ids), req.generated, req.ttft_s, req.decode_tok_s(),
-                        req.cache.warm_tokens if req.cache else 0)
+                        req.cache.warm_tokens if req.cache else 0, req.queued_s)
 
     def _take_commands(self, gen: BatchGenerator, block: bool) -> bool:
         """Apply waiting commands; False once asked to stop."""
@@ -459,7 +474,7 @@ class Engine:
             req.speculative = SpeculativeCounters()
         self._active[uid] = req
         self._checkpoints[uid] = checkpoints
-        self._detok[uid] = self.loaded.tokenizer.detokenizer
+        self._detok[uid] = continuation_detokenizer(self.loaded.tokenizer, req.prompt_ids)
         self._stops[uid] = StopMatcher(req.stop)
 
     def _checkpoint_plan(self, req: Request, warm: int) -> dict[int, str]:
@@ -676,7 +691,7 @@ class Engine:
         if hit or finish_reason is not None:
             reason = "stop" if hit else finish_reason
             self._finish(req, Finished(reason, len(req.prompt_ids), req.generated, req.ttft_s, req.decode_tok_s(now),
-                                       req.cache.warm_tokens if req.cache else 0))
+                                       req.cache.warm_tokens if req.cache else 0, req.queued_s))
 
     def _finish(self, req: Request, event: Event) -> None:
         if isinstance(event, Finished):

@@ -77,12 +77,10 @@ _SPECIAL_IDS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id",
 def load_tokenizer(header: GGUFHeader, cache_dir: Path | None = None) -> TokenizerWrapper:
     """The file's tokenizer as an mlx_lm `TokenizerWrapper`, built once and then read from cache."""
     # Imported here: mlx_lm imports mlx, which platform.py must be able to precede (BLAS preload).
-    from mlx_lm.tokenizer_utils import (
-        BPEStreamingDetokenizer,
-        SPMStreamingDetokenizer,
-        TokenizerWrapper,
-    )
+    from mlx_lm.tokenizer_utils import SPMStreamingDetokenizer, TokenizerWrapper
     from transformers import PreTrainedTokenizerFast
+
+    from gmlx.gguf.detokenizer import BPEDetokenizer
 
     kind = header.get("tokenizer.ggml.model")
     if kind not in ("llama", "gpt2"):
@@ -108,8 +106,8 @@ def load_tokenizer(header: GGUFHeader, cache_dir: Path | None = None) -> Tokeniz
                if (i := header.get(f"tokenizer.ggml.{k}")) is not None]
     eos_ids += [i for t in END_OF_TURN_TOKENS if (i := backend.token_to_id(t)) is not None]
     if kind == "gpt2":
-        detokenizer = BPEStreamingDetokenizer
-    else:
+        detokenizer = BPEDetokenizer
+    else:  # it trims a document's first space; gmlx.gguf.detokenizer keeps it where text continues
         detokenizer = partial(SPMStreamingDetokenizer, trim_space=_add_space_prefix(header))
     return TokenizerWrapper(hf, detokenizer, eos_token_ids=eos_ids)
 

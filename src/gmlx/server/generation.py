@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -38,6 +39,7 @@ _PREFILL_POLL_S = 0.005  # how often the later choices look whether the first ha
 
 
 async def generate(request: Request, chat: bool) -> Response:
+    arrived = time.monotonic()  # a client's TTFT counts from its request, so the server's does
     state: ServerState = request.app.state.gmlx
     state.require_ready()
     body = await read_json(request, state)
@@ -61,7 +63,7 @@ async def generate(request: Request, chat: bool) -> Response:
     if await request.is_disconnected():  # gone while its prompt was tokenized: no queue place, no rejection
         log.info("%s prompt=%d generated=0 finish=client_gone (before the queue)", rid, len(prompt_ids))
         return Response(status_code=499)
-    state.queued[rid] = QueuedRow(rid, len(prompt_ids), max_tokens)  # one row, however many choices
+    row = state.queued[rid] = QueuedRow(rid, len(prompt_ids), max_tokens, arrived)  # one row, however many choices
     try:
         await unless_disconnected(request, state.gate.acquire(p.n))
     except ClientGone:
@@ -73,7 +75,8 @@ async def generate(request: Request, chat: bool) -> Response:
     finally:
         del state.queued[rid]
 
-    gen = Generation(state, p, rid, prompt_ids, anchor, max_tokens, decoding)
+    gen = Generation(state, p, rid, prompt_ids, anchor, max_tokens, decoding, row.arrived_at,
+                     row.queued_s(time.monotonic()))
     gen.start()
     if p.stream:
         return StreamingResponse(gen.stream(), media_type="text/event-stream",
@@ -147,7 +150,8 @@ class Generation:
     """A request's choices, from submission to their ends. Lives on the event loop."""
 
     def __init__(self, state: ServerState, p: openai_api.GenerationParams, rid: str, prompt_ids: list[int],
-                 anchor: int, max_tokens: int, decoding: Decoding):
+                 anchor: int, max_tokens: int, decoding: Decoding, arrived_at: float | None = None,
+                 queued_s: float = 0.0):
         self.state, self.p, self.rid = state, p, rid
         self.prompt_for_log = p.messages if p.chat else p.prompt
         self._events: asyncio.Queue[tuple[Choice, Event]] = asyncio.Queue()
@@ -158,7 +162,7 @@ class Generation:
         for i in range(p.n):
             req = EngineRequest(rid if i == 0 else f"{rid}-{i}", prompt_ids, max_tokens, _seeded(p.sampling, i), p.stop,
                                 anchor_tokens=anchor, logprobs=p.logprobs, decoding=decoding,
-                                keep_prompt=i == 0 and p.n > 1)
+                                keep_prompt=i == 0 and p.n > 1, arrived_at=arrived_at, queued_s=queued_s)
             choice = Choice(i, req, Slot(state.gate), tools.parser_for(p.tools, template))
             req.emit = lambda e, c=choice: to_loop.call(self._deliver, (c, e))
             self.choices.append(choice)
@@ -296,8 +300,9 @@ class Generation:
         else:  # the engine's live figures for a row that did not finish
             generated, ttft, rate = req.generated, req.ttft_s, req.decode_tok_s()
             finish = gone if end is None else f"error:{end.code}"
-        log.info("%s prompt=%d generated=%d ttft=%s decode=%s tok/s finish=%s", req.id, len(req.prompt_ids), generated,
-                 "-" if ttft is None else f"{ttft:.3f}s", "-" if rate is None else f"{rate:.1f}", finish)
+        log.info("%s prompt=%d generated=%d queued=%.3fs ttft=%s decode=%s tok/s finish=%s", req.id,
+                 len(req.prompt_ids), generated, req.queued_s, "-" if ttft is None else f"{ttft:.3f}s",
+                 "-" if rate is None else f"{rate:.1f}", finish)
         if state.settings.log_input_text:
             log.info("%s input=%s output=%s", req.id, json.dumps(self.prompt_for_log, ensure_ascii=False),
                      json.dumps(c.text, ensure_ascii=False))

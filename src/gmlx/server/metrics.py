@@ -102,13 +102,14 @@ def _totals(s: ServerState) -> dict:
 def _requests(s: ServerState) -> list[dict]:
     now = time.monotonic()
     rows = [{"id": q.id, "uid": None, "model": s.model_id, "state": "queued", "prompt_tokens": q.prompt_tokens,
-             "generated": 0, "max_tokens": q.max_tokens, "elapsed_s": round(now - q.since, 2), "ttft_s": None,
-             "decode_tok_s": None, "cache": None, "speculative": None} for q in list(s.queued.values())]
+             "generated": 0, "max_tokens": q.max_tokens, "elapsed_s": round(now - q.arrived_at, 2),
+             "queued_s": round(q.queued_s(now), 2), "ttft_s": None, "decode_tok_s": None, "cache": None,
+             "speculative": None} for q in list(s.queued.values())]
     for r in s.engine.requests():
         rows.append({
             "id": r.id, "uid": r.uid, "model": s.model_id, "state": r.state, "prompt_tokens": len(r.prompt_ids),
-            "generated": r.generated, "max_tokens": r.max_tokens, "elapsed_s": round(now - r.submitted_at, 2),
-            "ttft_s": _round(r.ttft_s, 3), "decode_tok_s": _round(r.decode_tok_s(now)),
+            "generated": r.generated, "max_tokens": r.max_tokens, "elapsed_s": round(now - r.arrival, 2),
+            "queued_s": round(r.queued_s, 2), "ttft_s": _round(r.ttft_s, 3), "decode_tok_s": _round(r.decode_tok_s(now)),
             "cache": r.cache.to_json() if r.cache else None,
             # With a drafter: its figures, and why this request never drafts (None: it may).
             "speculative": {**r.speculative.to_json(), "off": drafting_refused(r)} if r.speculative else None,

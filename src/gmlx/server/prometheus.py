@@ -159,7 +159,7 @@ class Histograms:
         self.registry = CollectorRegistry(auto_describe=False)
         self._snapshot = _Snapshot()
         self.registry.register(self._snapshot)
-        self.ttft = Histogram("gmlx_ttft_seconds", "Time to first token", registry=self.registry,
+        self.ttft = Histogram("gmlx_ttft_seconds", "Time to first token, from the request's arrival (queue wait included)", registry=self.registry,
                               buckets=_TTFT_BUCKETS)
         self.itl = Histogram("gmlx_inter_token_latency_seconds", "Time between two tokens of a stream",
                              registry=self.registry, buckets=_ITL_BUCKETS)

@@ -33,7 +33,11 @@ class QueuedRow:
     id: str
     prompt_tokens: int
     max_tokens: int
-    since: float = field(default_factory=time.monotonic)
+    arrived_at: float  # when the server received the request: its elapsed and TTFT count from here
+    since: float = field(default_factory=time.monotonic)  # in the queue since
+
+    def queued_s(self, now: float) -> float:
+        return now - self.since
 
 
 @dataclass
@@ -50,7 +54,7 @@ class ServerState:
     _table: CapacityTable | None = None
     _token_bytes: list[bytes] | None = None
     queued: dict[str, QueuedRow] = field(default_factory=dict)  # id -> row, in arrival order
-    governor: Governor | None = None  # None when GMLX_GOVERNOR=0
+    governor: Governor | None = None  # set by create_app; with GMLX_GOVERNOR=0 it runs disabled and says so
     histograms: Histograms = field(default_factory=lambda: Histograms())
     # The memory governor's band; None until a governor runs (a test may set it meanwhile).
     band: str | None = None

@@ -17,7 +17,7 @@ from gmlx.tui.client import Poller, Status
 BAND_STYLE = {"green": "bold green", "yellow": "bold yellow", "orange": "bold dark_orange", "red": "bold red"}
 STATE_STYLE = {"queued": "yellow", "prefill": "cyan", "decode": "green"}
 SORTS = ("queue", "elapsed", "tok/s", "id")
-REQUEST_COLUMNS = ("id", "model", "state", "prompt", "gen/max", "elapsed", "TTFT", "tok/s", "cache", "spec")
+REQUEST_COLUMNS = ("id", "model", "state", "prompt", "gen/max", "elapsed", "queued", "TTFT", "tok/s", "cache", "spec")
 BAR_WIDTH = 40
 
 
@@ -195,7 +195,8 @@ def _cells(r: dict) -> tuple[RenderableType, ...]:
     state = f.text(r.get("state"))
     return (f.text(r.get("id")), f.text(r.get("model")), Text(state, STATE_STYLE.get(state, "")),
             f.count(r.get("prompt_tokens")), f"{f.count(r.get('generated'))} / {f.count(r.get('max_tokens'))}",
-            f.duration(r.get("elapsed_s")), f.duration(r.get("ttft_s")), f.rate(r.get("decode_tok_s")), tier, accept)
+            f.duration(r.get("elapsed_s")), f.duration(r.get("queued_s")), f.duration(r.get("ttft_s")),
+            f.rate(r.get("decode_tok_s")), tier, accept)
 
 
 def requests_title(p: Poller, sort: str, shown: int) -> str:
