@@ -51,7 +51,9 @@ def connections(s: LiveServer) -> dict:
 
 def test_clients_trickling_headers_cannot_lock_out_health(server: LiveServer) -> None:
     """Four times the cap of clients that send one header line every 0.1 s, reconnecting whenever
-    they are closed: every /health?ready=1 meanwhile still answers 200, at once."""
+    they are closed: /health?ready=1 meanwhile answers at once, 200 nearly always. A refusal is the
+    rare moment when every place holds a newcomer still in its grace: a 503 with Retry-After, never
+    a hang or a reset."""
     before = connections(server)
     stop = threading.Event()
 
@@ -70,15 +72,21 @@ def test_clients_trickling_headers_cannot_lock_out_health(server: LiveServer) ->
         t.start()
     try:
         time.sleep(0.3)  # the cap is full of tricklers by now
-        statuses = []
+        statuses, slowest = [], 0.0
         for _ in range(20):
-            statuses.append(httpx.get(server.url + "/health?ready=1", timeout=5).status_code)
+            started = time.monotonic()
+            r = httpx.get(server.url + "/health?ready=1", timeout=5)
+            slowest = max(slowest, time.monotonic() - started)
+            statuses.append(r.status_code)
+            if r.status_code != 200:
+                assert r.status_code == 503 and r.json()["error"]["code"] == "too_many_connections"
+                assert r.headers["Retry-After"] == "1"
             time.sleep(0.05)
     finally:
         stop.set()
         for t in attackers:
             t.join(5)
-    assert statuses == [200] * 20
+    assert statuses.count(200) >= 17 and slowest < 1.0, (statuses, slowest)
     after = connections(server)
     assert after["evicted"] > before["evicted"] and after["cap"] == CAP
     server.wait_until(lambda: connections(server)["open"] <= 1, timeout=10)  # only the metrics request's own
@@ -100,8 +108,11 @@ def test_a_body_shorter_than_its_length_gets_408(server: LiveServer) -> None:
     with connect(server) as sock:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 100\r\n\r\n{\"messages\":")
+        started = time.monotonic()
         status, body = read_response(sock)
     assert status == 408 and body["error"]["code"] == "body_timeout"
+    # Closed with the answer: the unread rest of the body cannot be skipped to reuse the connection.
+    assert time.monotonic() - started < 3
     assert connections(server)["body_timeouts"] == before + 1
 
 

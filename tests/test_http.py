@@ -135,8 +135,9 @@ def test_a_client_gone_while_running_frees_its_slot_before_the_engine_drops_it(
     with LiveServer(model, decode_batch=1, queue_size=0, max_tokens_default=2) as server:
         cancel = server.engine.cancel
         monkeypatch.setattr(server.engine, "cancel", lambda *a: threading.Timer(2.0, cancel, a).start())
+        no_end = {str(i): -100 for i in server.engine.loaded.tokenizer.eos_token_ids}  # it must outlast the test
         gone = raw_post(server, json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10_000,
-                                            "stream": True}).encode())
+                                            "stream": True, "logit_bias": no_end}).encode())
         server.wait_until(lambda: server.engine.decoding == 1, timeout=10)
         gone.close()
         server.wait_until(lambda: server.state.gate.running == 0, timeout=1.5)

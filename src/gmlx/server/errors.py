@@ -7,14 +7,17 @@ from starlette.responses import JSONResponse
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, code: str, type_: str | None = None,
-                 retry_after: int | None = None, param: str | None = None):
+                 retry_after: int | None = None, param: str | None = None, close: bool = False):
+        """`close`: end the connection after the answer (a body left unread cannot be skipped)."""
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
         self.type = type_ or _TYPES.get(status, "server_error")
-        self.retry_after = retry_after
+        self.retry_after, self.close = retry_after, close
 
     def response(self) -> JSONResponse:
-        headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
+        headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else {}
+        if self.close:
+            headers["Connection"] = "close"
         body = {"error": {"message": self.message, "type": self.type, "code": self.code, "param": self.param}}
         return JSONResponse(body, status_code=self.status, headers=headers)
 

@@ -32,18 +32,20 @@ async def read_json(request: Request, state: ServerState) -> Any:
     which no tokenizer can encode). Raises ClientGone when the client leaves mid-upload."""
     limit, timeout = state.settings.max_body_bytes, state.settings.body_timeout
     length = request.headers.get("content-length")
+    too_large = APIError(413, f"the request body is over {limit} bytes", "request_too_large", close=True)
     if length and length.isdigit() and int(length) > limit:
-        raise APIError(413, f"the request body is over {limit} bytes", "request_too_large")
+        raise too_large
     body = bytearray()
     try:
         async with asyncio.timeout(timeout):
             async for part in request.stream():
                 body += part
                 if len(body) > limit:
-                    raise APIError(413, f"the request body is over {limit} bytes", "request_too_large")
+                    raise too_large
     except TimeoutError:
         state.connections.body_timeouts += 1
-        raise APIError(408, f"the request body did not arrive within {timeout:g} s", "body_timeout") from None
+        raise APIError(408, f"the request body did not arrive within {timeout:g} s", "body_timeout",
+                       close=True) from None
     except ClientDisconnect:
         raise ClientGone from None
     try:
