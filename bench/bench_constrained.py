@@ -6,10 +6,9 @@ process.
 
 B greedy requests with unique prompts go to gmlx's Engine together (the server's, built from
 default settings, no prompt cache), either free, or each with its own matcher for SCHEMA (whose
-long required string keeps every row decoding to max_tokens), or each scored for 5 alternatives. The rate is the one while all B
-streams decode (tokens over that span, as bench_engine's engine_full_width). Rounds interleave
-the three at each width (each figure: the best of the rounds), so a shared machine's
-load falls on all alike. `mask_ms` is one row's mask step alone on the model's vocabulary
+long required string keeps every row decoding to max_tokens), or each scored for 5 alternatives.
+The rate is bench_engine's while all B streams decode. Rounds interleave the three at each
+width (each figure: the best of the rounds), so a shared machine's load falls on all alike. `mask_ms` is one row's mask step alone on the model's vocabulary
 (llguidance's mask, and applying it to the logits). Prints one JSON object.
 """
 
@@ -17,65 +16,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import threading
 import time
 
 import gmlx  # noqa: F401  (BLAS bring-up before mlx)
 import mlx.core as mx
 
 from bench.__main__ import load_average, machine
+from bench.bench_engine import engine_round
 from gmlx.default_model import resolve_model
-from gmlx.engine.engine import Chunk, Engine, Event, Finished, Request
 from gmlx.engine.grammar import GrammarProcessor, json_schema_constraint
 from gmlx.engine.processors import Decoding
-from gmlx.engine.sampling import SamplingParams
 from gmlx.server.build import build_engine
 from gmlx.server.settings import resolve_settings
 
-TOPICS = ["a lighthouse keeper", "the tides", "a harbour at dawn", "sailing ships", "a mountain village",
-          "the first railway", "a desert caravan", "an old clock maker"]
 SCHEMA = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 60},
                                            "year": {"type": "integer", "minimum": 0, "maximum": 3000},
                                            "story": {"type": "string", "minLength": 2000}},
           "required": ["title", "year", "story"], "additionalProperties": False}
-
-
-def full_width_rate(engine: Engine, b: int, max_tokens: int, decoding: Decoding, tag: str,
-                    logprobs: int | None = None) -> float | None:
-    """Decode tok/s of all B streams together, over the span in which every one of them decodes."""
-    tok = engine.loaded.tokenizer  # type: ignore[union-attr]
-    done = threading.Event()
-    firsts: list[float] = []
-    lasts: list[float] = []
-    chunks: list[float] = []
-
-    def emitter() -> object:
-        seen: list[float] = []
-
-        def emit(e: Event) -> None:
-            if isinstance(e, Chunk):
-                now = time.perf_counter()
-                if not seen:
-                    firsts.append(now)
-                seen.append(now)
-                chunks.append(now)
-            elif isinstance(e, Finished):
-                lasts.append(seen[-1] if seen else 0.0)
-                if len(lasts) == b:
-                    done.set()
-            else:
-                raise SystemExit(f"request failed: {e}")
-
-        return emit
-
-    for i in range(b):
-        text = f"Tell the story of {TOPICS[i % len(TOPICS)]} ({tag}, stream {i}) as JSON."
-        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-        engine.submit(Request(f"{tag}-{i}", list(ids), max_tokens, SamplingParams(temperature=0), emit=emitter(),
-                              decoding=decoding, logprobs=logprobs))
-    done.wait()
-    lo, hi = max(firsts), min(lasts)
-    return sum(1 for t in chunks if lo < t <= hi) / (hi - lo) if hi > lo else None
 
 
 def mask_ms(decoding: Decoding, vocab: int, steps: int = 64) -> float:
@@ -114,12 +71,12 @@ def main() -> None:
     compile_ms = (time.perf_counter() - start) * 1e3
     ways = {"free": (Decoding(), None), "constrained": (constrained, None), "top_logprobs_5": (Decoding(), 5)}
     load_before = load_average()
-    full_width_rate(engine, 1, 4, constrained, "warm")
+    engine_round(engine, 1, 4, "warm", constrained)
     best: dict[str, dict[int, float]] = {name: {} for name in ways}
     for r in range(args.rounds):
         for b in args.widths:
             for name, (decoding, logprobs) in ways.items():
-                rate = full_width_rate(engine, b, args.max_tokens, decoding, f"r{r}b{b}{name}", logprobs) or 0.0
+                rate = engine_round(engine, b, args.max_tokens, f"r{r}b{b}{name}", decoding, logprobs)[1] or 0.0
                 best[name][b] = max(best[name].get(b, 0.0), rate)
     engine.stop()
     out = {"model": path.name, "vocab": vocab, "max_tokens": args.max_tokens, "rounds": args.rounds,

@@ -32,6 +32,7 @@ from bench.bench_kernels import step_decode
 from bench.bench_serve import run_width
 from gmlx.default_model import resolve_model
 from gmlx.engine.engine import Chunk, Engine, Event, Finished, Request
+from gmlx.engine.processors import Decoding
 from gmlx.engine.sampling import SamplingParams
 from gmlx.server.build import build_engine
 from gmlx.server.settings import resolve_settings
@@ -40,8 +41,10 @@ TOPICS = ["a lighthouse keeper", "the tides", "a harbour at dawn", "sailing ship
           "the first railway", "a desert caravan", "an old clock maker"]
 
 
-def engine_round(engine: Engine, b: int, max_tokens: int, tag: str) -> tuple[float | None, float | None]:
-    """(aggregate decode tok/s as bench_serve measures it, tok/s while all B streams decode)"""
+def engine_round(engine: Engine, b: int, max_tokens: int, tag: str, decoding: Decoding = Decoding(),
+                 logprobs: int | None = None) -> tuple[float | None, float | None]:
+    """(aggregate decode tok/s as bench_serve measures it, tok/s while all B streams decode), each
+    stream shaped by `decoding` and scored for `logprobs` alternatives (bench_constrained)."""
     tok = engine.loaded.tokenizer  # type: ignore[union-attr]
     done = threading.Event()
     firsts: list[float] = []
@@ -73,7 +76,8 @@ def engine_round(engine: Engine, b: int, max_tokens: int, tag: str) -> tuple[flo
     for i in range(b):
         text = f"Write a long story about {TOPICS[i % len(TOPICS)]} ({tag}, stream {i}), in many sentences."
         ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-        engine.submit(Request(f"{tag}-{i}", list(ids), max_tokens, SamplingParams(temperature=0), emit=emitter()))
+        engine.submit(Request(f"{tag}-{i}", list(ids), max_tokens, SamplingParams(temperature=0), emit=emitter(),
+                              decoding=decoding, logprobs=logprobs))
     done.wait()
     span = max(lasts) - min(firsts)
     tokens = sum(counts)

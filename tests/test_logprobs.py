@@ -82,9 +82,11 @@ def test_completions_logprobs_lists_line_up_with_the_text(server: LiveServer) ->
     lp = choice["logprobs"]
     assert "".join(lp["tokens"]) == choice["text"]
     assert lp["text_offset"] == [sum(map(len, lp["tokens"][:i])) for i in range(len(lp["tokens"]))]
-    # At most 3: two alternatives of the same text show as one.
-    for top, value in zip(lp["top_logprobs"], lp["token_logprobs"]):
-        assert 1 <= len(top) <= 3 and max(top.values()) == value
+    # Greedy: each chosen token is its position's best, shown under its own text (at most 3
+    # alternatives: two of the same text show as one).
+    for token, top, value in zip(lp["tokens"], lp["top_logprobs"], lp["token_logprobs"], strict=True):
+        assert top[token] == value == max(top.values())
+        assert len(top) <= 3
 
 
 @pytest.mark.parametrize("chat_api", [True, False])
