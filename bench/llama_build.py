@@ -24,10 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from gmlx.llama_sdist import LLAMA_CPP_PYTHON, SdistError, download_sdist
 from gmlx.paths import cache_dir
 
-# The sdist the tokenizer reference (tests/data/gemma3_270m_llamacpp_tokens.json) also came from.
-LLAMA_CPP_PYTHON = "0.3.36"
 TARGETS = ("llama-server", "llama-tokenize")
 CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_CURL=OFF",
@@ -100,11 +99,10 @@ def build(version: str = LLAMA_CPP_PYTHON, jobs: int | None = None, force: bool 
           file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix="gmlx-llama-build-") as tmp:
         work = Path(tmp)
-        _run("pip download", [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
-                              f"llama-cpp-python=={version}", "-d", str(work)], log)
-        sdist = next(work.glob("llama_cpp_python-*.tar.gz"), None)
-        if sdist is None:
-            raise BuildError(f"pip download left no llama_cpp_python-*.tar.gz in {work}")
+        try:
+            sdist = download_sdist(work, version, log)
+        except SdistError as e:
+            raise BuildError(f"{e} (full log {log})") from None
         with tarfile.open(sdist) as tar:
             tar.extractall(work, filter="data")
         source = next(work.glob("llama_cpp_python-*/vendor/llama.cpp"), None)

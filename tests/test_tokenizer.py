@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
 import pytest
+import tiny_models
 from tiny_vocab import TINY_VOCAB_SIZE, add_tiny_vocab
 
+from gmlx.cli.common import EXIT_BAD_MODEL
 from gmlx.gguf import tokenizer as tokmod
 from gmlx.gguf.chat_templates import CHATML, GEMMA, INST, LLAMA3, chat_template_for
-from gmlx.gguf.header import read_header
-from gmlx.gguf.tokenizer import load_tokenizer
+from gmlx.gguf.header import GGUFError, read_header
+from gmlx.gguf.tokenizer import build_backend, load_tokenizer
 
 DATA = Path(__file__).parent / "data"
 REFERENCE = DATA / "gemma3_270m_llamacpp_tokens.json"
@@ -21,9 +26,19 @@ CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
         {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}]
 
 
-def write_vocab(path: Path, arch: str, kind: str, chat_template: str | None = None, eot: int | None = None) -> Path:
+_NO_KEY = object()
+
+
+def write_vocab(path: Path, arch: str, kind: str, chat_template: str | None = None, eot: int | None = None,
+                pre: object = None) -> Path:
+    """`pre`: a `tokenizer.ggml.pre` in place of the tiny vocabulary's own, or _NO_KEY for none."""
     writer = gguf.GGUFWriter(str(path), arch)
     add_tiny_vocab(writer, kind)
+    if pre is _NO_KEY:
+        del writer.kv_data[0]["tokenizer.ggml.pre"]
+    elif pre is not None:
+        writer.kv_data[0].pop("tokenizer.ggml.pre")
+        writer.add_tokenizer_pre(str(pre))
     if chat_template is not None:
         writer.add_chat_template(chat_template)
     if eot is not None:
@@ -60,7 +75,7 @@ TEXTS = ["hello world", "The capital of France is Paris\n\nhello  the", "Hello w
 
 @pytest.mark.parametrize("text", TEXTS)
 def test_roundtrip(tiny, text):
-    kind, tok = tiny
+    _, tok = tiny
     ids = tok.encode(text, add_special_tokens=False)
     assert tok.decode(ids) == text
     assert all(0 <= i < len(tok) for i in ids)
@@ -130,7 +145,7 @@ def test_chat_template_llama_families(tmp_path):
     assert chat_template_for(header, {"<|start_header_id|>"}) == LLAMA3
     assert chat_template_for(read_header(write_vocab(tmp_path / "q3.gguf", "qwen3", "gpt2"))) == CHATML
     assert chat_template_for(read_header(write_vocab(tmp_path / "g2.gguf", "gemma2", "llama"))) == GEMMA
-    render = dict(bos_token="<s>", eos_token="</s>", add_generation_prompt=True)
+    render = {"bos_token": "<s>", "eos_token": "</s>", "add_generation_prompt": True}
     assert Template(INST).render(messages=CHAT, **render) == "<s>[INST] Be brief.\n\nHi [/INST] Hello.</s>[INST] Bye [/INST]"
     assert Template(LLAMA3).render(messages=CHAT[1:2], **render) == (
         "<s><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
@@ -187,3 +202,65 @@ def test_default_model_matches_llama_cpp(default_model, tmp_path_factory):
     # add_bos off: the same ids without the BOS.
     no_bos = [case["text"] for case in cases if tok.encode(case["text"], add_special_tokens=False) != case["ids"][1:]]
     assert not no_bos, f"{len(no_bos)} of {len(cases)} differ without BOS, first: {no_bos[0]!r}"
+
+
+@pytest.mark.parametrize(("pre", "why"), [("martian-bpe", "unknown pre-tokenizer"),
+                                          ("kimi-k2", "code of its own")])
+def test_unknown_pre_tokenizer_is_refused(tmp_path, pre, why):
+    """No silent fallback to GPT-2's split: the file is refused at load, naming the value."""
+    header = read_header(write_vocab(tmp_path / "v.gguf", "qwen2", "gpt2", pre=pre))
+    with pytest.raises(GGUFError) as err:
+        load_tokenizer(header, tmp_path / "cache")
+    message = str(err.value)
+    assert f"tokenizer.ggml.pre={pre!r}" in message and why in message and "\n" not in message
+    assert not (tmp_path / "cache").exists()
+
+
+def test_missing_pre_tokenizer_is_llama_cpps_default(tmp_path):
+    """Old files without the key split as llama.cpp's default does: numbers three digits at a time,
+    punctuation runs apart from the words they touch (GPT-2's own split keeps " 3333" and "!?x" whole)."""
+    backend = build_backend(read_header(write_vocab(tmp_path / "v.gguf", "qwen2", "gpt2", pre=_NO_KEY)))
+    pieces = [p for p, _ in backend.pre_tokenizer.pre_tokenize_str("a 3333 !?x")]
+    assert pieces == ["a", "Ġ", "333", "3", "Ġ", "!?", "x"]
+
+
+def test_byte_zero_streams_as_itself(bpe):
+    """mlx_lm's byte-level detokenizer turns byte 0 into "Ā"; gmlx's streams the byte."""
+    ids = bpe.encode("a\x00b\x00", add_special_tokens=False)
+    detok = bpe.detokenizer
+    for i in ids:
+        detok.add_token(i)
+    detok.finalize()
+    assert detok.text == bpe.decode(ids) == "a\x00b\x00"
+
+
+def _model_with_pre(path: Path, pre: str, monkeypatch) -> Path:
+    """A tiny qwen3 model whose vocabulary names pre-tokenizer `pre`."""
+    original = tiny_models.add_tiny_vocab
+
+    def add(writer, kind, space_prefix=False):
+        original(writer, kind, space_prefix)
+        writer.kv_data[0].pop("tokenizer.ggml.pre")
+        writer.add_tokenizer_pre(pre)
+
+    monkeypatch.setattr(tiny_models, "add_tiny_vocab", add)
+    return tiny_models.write_model(path, "qwen3")
+
+
+def test_cli_refuses_unknown_pre_tokenizer(tmp_path, monkeypatch):
+    """`gmlx run` and `gmlx serve` exit 3 with one line naming the value (serve before it listens)."""
+    from typer.testing import CliRunner
+
+    from gmlx.cli.main import app
+
+    model = _model_with_pre(tmp_path / "martian.gguf", "martian-bpe", monkeypatch)
+    r = CliRunner().invoke(app, ["run", str(model), "--prompt", "hi", "-n", "2"])
+    assert r.exit_code == EXIT_BAD_MODEL and len(r.stderr.strip().splitlines()) == 1
+    assert "tokenizer.ggml.pre='martian-bpe'" in r.stderr
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run([sys.executable, "-m", "gmlx", "serve", str(model), "--port", str(port)],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == EXIT_BAD_MODEL and "tokenizer.ggml.pre='martian-bpe'" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr

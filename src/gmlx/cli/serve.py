@@ -111,6 +111,7 @@ def exposure_warning(settings: Settings) -> str | None:
 def _serve(settings: Settings) -> int:
     from gmlx.capacity.memory import kv_bytes_after_prefill
     from gmlx.gguf.header import read_header
+    from gmlx.gguf.tokenizer import check_tokenizer
     from gmlx.models.loader import architecture_for
     from gmlx.server.app import create_app
     from gmlx.server.build import build_engine
@@ -119,7 +120,8 @@ def _serve(settings: Settings) -> int:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     path = model_path(settings.model)
     with model_errors():  # a file we cannot serve fails now, not after the server is up
-        architecture_for(read_header(path))
+        architecture_for(header := read_header(path))
+        check_tokenizer(header)
     if settings.draft:  # so does a drafter that cannot draft for it (headers only, no weights)
         from gmlx.engine.drafting import check_drafter_files
 

@@ -31,6 +31,9 @@ _STRING, _ARRAY = 8, 9
 
 # Sliding-window layer patterns that llama.cpp's converter does not store in the file.
 _SLIDING_PATTERN_DEFAULTS = {"gemma3": 6, "gemma2": 2}
+# Files whose sliding_window llama.cpp ignores, attending to the whole context as mlx_lm's classes for them do
+# (Phi-3's converter writes one; a `llama` file may carry Mistral 7B v0.1's): a full-length KV cache on every layer.
+_WINDOW_IGNORED = ("llama", "phi3")
 
 
 class GGUFError(ValueError):
@@ -211,7 +214,8 @@ def _parse(path: Path, buf: mmap.mmap, size: int) -> GGUFHeader:
     alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
     data_offset = -(-cur.pos // alignment) * alignment
     tensors = {name: TensorInfo(name, shape, t, data_offset + off) for name, shape, t, off in infos}
-    end = max((t.offset + t.nbytes for t in tensors.values()), default=data_offset)
+    # A vocab-only file (no tensors, as llama.cpp's test vocabularies) may end before the padded data offset.
+    end = max((t.offset + t.nbytes for t in tensors.values()), default=0)
     if end > size:
         raise GGUFError(f"truncated GGUF: tensor data needs {end} bytes, the file has {size}")
     return GGUFHeader(path, version, metadata, tensors, data_offset, size, buf)
@@ -255,7 +259,7 @@ class ModelGeometry:
         kv = h.arch_key("attention.head_count_kv", n_heads)
         n_kv = tuple(int(x) for x in kv) if isinstance(kv, (list, np.ndarray)) else (int(kv),) * n_layers
         head_dim = n_embd // n_heads if n_heads else 0
-        window = h.arch_key("attention.sliding_window")
+        window = None if arch in _WINDOW_IGNORED else h.arch_key("attention.sliding_window")
         vocab = h.arch_key("vocab_size")
         if vocab is None:
             tokens = h.metadata.get("tokenizer.ggml.tokens")
@@ -306,6 +310,6 @@ def _sliding_layers(h: GGUFHeader, n_layers: int, has_window: bool) -> tuple[boo
     pattern = int(stored) if stored else _SLIDING_PATTERN_DEFAULTS.get(h.architecture)
     if not has_window:
         return (False,) * n_layers
-    if not pattern:  # a window with no pattern: every layer slides (Mistral v0.1)
+    if not pattern:  # a window with no pattern: every layer slides
         return (True,) * n_layers
     return tuple((i + 1) % pattern != 0 for i in range(n_layers))

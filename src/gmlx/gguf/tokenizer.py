@@ -7,8 +7,9 @@ converted and tested against:
   where the pair to merge next is the one whose merged piece has the highest score (ties:
   leftmost), with `<0xNN>` byte fallback for characters outside the vocabulary. A `tokenizers`
   BPE model whose merges are ranked by the merged piece's score does the same.
-- "gpt2" vocabularies are byte-level BPE with explicit merges and a split regex chosen by
-  `tokenizer.ggml.pre`.
+- "gpt2" vocabularies are byte-level BPE with explicit merges, over the pieces the regexes of
+  `tokenizer.ggml.pre` cut (gmlx.gguf.splits); "gemma4" ones are the same BPE over UTF-8 with
+  spaces as "▁". A pre-tokenizer gmlx cannot reproduce is refused, never guessed.
 - In both, llama.cpp cuts control and user-defined tokens (Gemma's "\\n", runs of spaces,
   HTML tags) out of the text before the model sees it; they become added tokens here.
 
@@ -38,37 +39,20 @@ from tokenizers import (
 
 from gmlx.gguf.chat_templates import chat_template_for
 from gmlx.gguf.header import GGUFError, GGUFHeader
+from gmlx.gguf.splits import CUSTOM_SPLIT, SPLITS, SPM_STYLE_BPE, Split
 from gmlx.paths import cache_dir as default_cache_dir
 
 if TYPE_CHECKING:
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 # Bump when the built tokenizer would change for the same file, to invalidate old caches.
-_BUILD_VERSION = 1
+_BUILD_VERSION = 2
 
 # llama.cpp's token types (gguf.TokenType) that decide how a token is matched.
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4
 
 # Tokens that close a chat turn in some family's template; generation must stop on them.
 END_OF_TURN_TOKENS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>")
-
-# Split regexes for byte-level vocabularies, by `tokenizer.ggml.pre` (as llama.cpp's
-# llama-vocab.cpp pairs them). Unlisted names use GPT-2's own regex.
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_SPLITS = {
-    "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
-}
-# Pre-tokenizers for which llama.cpp emits a whole word that is itself a token, unmerged.
-_IGNORE_MERGES = {"llama-bpe", "llama3", "smaug-bpe", "dbrx"}
-
 
 _SPECIAL_IDS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id",
                 "unk_token": "unknown_token_id", "pad_token": "padding_token_id"}
@@ -77,14 +61,12 @@ _SPECIAL_IDS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id",
 def load_tokenizer(header: GGUFHeader, cache_dir: Path | None = None) -> TokenizerWrapper:
     """The file's tokenizer as an mlx_lm `TokenizerWrapper`, built once and then read from cache."""
     # Imported here: mlx_lm imports mlx, which platform.py must be able to precede (BLAS preload).
-    from mlx_lm.tokenizer_utils import SPMStreamingDetokenizer, TokenizerWrapper
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
     from transformers import PreTrainedTokenizerFast
 
-    from gmlx.gguf.detokenizer import BPEDetokenizer
+    from gmlx.gguf.detokenizer import BPEDetokenizer, SPMDetokenizer
 
-    kind = header.get("tokenizer.ggml.model")
-    if kind not in ("llama", "gpt2"):
-        raise GGUFError(f"unsupported tokenizer model {kind!r} (gmlx reads 'llama' and 'gpt2'): {header.path}")
+    kind, _ = _kind_and_split(header)  # refused before any cache is read or written
     path = _cache_path(header, cache_dir or default_cache_dir())
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -105,34 +87,45 @@ def load_tokenizer(header: GGUFHeader, cache_dir: Path | None = None) -> Tokeniz
     eos_ids = [int(i) for k in ("eos_token_id", "eot_token_id", "eom_token_id")
                if (i := header.get(f"tokenizer.ggml.{k}")) is not None]
     eos_ids += [i for t in END_OF_TURN_TOKENS if (i := backend.token_to_id(t)) is not None]
-    if kind == "gpt2":
+    if kind == "gpt2" and not _spm_style(header):
         detokenizer = BPEDetokenizer
+    elif kind != "llama":  # SentencePiece-style BPE keeps every space it decodes
+        detokenizer = partial(SPMDetokenizer, trim_space=False)
     else:  # it trims a document's first space; gmlx.gguf.detokenizer keeps it where text continues
-        detokenizer = partial(SPMStreamingDetokenizer, trim_space=_add_space_prefix(header))
+        detokenizer = partial(SPMDetokenizer, trim_space=_add_space_prefix(header))
     return TokenizerWrapper(hf, detokenizer, eos_token_ids=eos_ids)
 
 
+def check_tokenizer(header: GGUFHeader) -> None:
+    """Raise a one-line GGUFError now (headers only) if the file's tokenizer is one gmlx would refuse."""
+    _kind_and_split(header)
+
+
 def build_backend(header: GGUFHeader) -> Tokenizer:
-    """A `tokenizers.Tokenizer` equivalent to llama.cpp's tokenizer for this file."""
+    """A `tokenizers.Tokenizer` equivalent to llama.cpp's tokenizer for this file; raises GGUFError
+    for a tokenizer or pre-tokenizer llama.cpp knows and gmlx does not."""
+    kind, split = _kind_and_split(header)
     tokens: list[str] = list(header.get("tokenizer.ggml.tokens"))
     n = len(tokens)
     types = _ints(header.get("tokenizer.ggml.token_type"), n, _NORMAL)
-    if header.get("tokenizer.ggml.model") == "gpt2":
-        tok = _byte_level(tokens, list(header.get("tokenizer.ggml.merges") or []), header.get("tokenizer.ggml.pre"))
+    if split is not None:
+        merges = [tuple(m.split(" ", 1)) for m in header.get("tokenizer.ggml.merges") or []]
+        tok = _bpe(tokens, merges, split, _spm_style(header))
     else:
         scores = header.get("tokenizer.ggml.scores")
         tok = _sentencepiece(tokens, types, [float(s) for s in scores] if scores is not None else [0.0] * n,
                              header.get("tokenizer.ggml.unknown_token_id"), _add_space_prefix(header))
 
     # llama.cpp matches these whole before running the model over the text between them.
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+    rstrip = _rstripped(header, tokens, types)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False, rstrip=t in rstrip)
                             for t, ty in zip(tokens, types) if ty in (_CONTROL, _UNKNOWN)])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False, rstrip=t in rstrip)
                     for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
 
     bos, eos = header.get("tokenizer.ggml.bos_token_id"), header.get("tokenizer.ggml.eos_token_id")
     # llama.cpp adds BOS to SentencePiece vocabularies that do not say otherwise.
-    add_bos = bool(header.get("tokenizer.ggml.add_bos_token", header.get("tokenizer.ggml.model") == "llama"))
+    add_bos = bool(header.get("tokenizer.ggml.add_bos_token", kind == "llama" or (split is not None and split.add_bos)))
     add_eos = bool(header.get("tokenizer.ggml.add_eos_token", False))
     first = [(tokens[bos], bos)] if add_bos and bos is not None else []
     last = [(tokens[eos], eos)] if add_eos and eos is not None else []
@@ -173,20 +166,59 @@ def _sentencepiece(tokens: list[str], types: list[int], scores: list[float], unk
     return tok
 
 
-def _byte_level(tokens: list[str], merges: list[str], pre: str | None) -> Tokenizer:
+def _bpe(tokens: list[str], merges: list[tuple[str, ...]], split: Split, spm_style: bool) -> Tokenizer:
     vocab = {t: i for i, t in enumerate(tokens)}
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
-    tok = Tokenizer(models.BPE(vocab, pairs, ignore_merges=pre in _IGNORE_MERGES))
-    split = _SPLITS.get(pre or "")
-    if split is None:
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    # SentencePiece-style BPE falls back to <0xNN> byte tokens where a piece is no token.
+    tok = Tokenizer(models.BPE(vocab, merges, ignore_merges=split.ignore_merges, byte_fallback=spm_style))
+    steps = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in split.regexes]
+    if spm_style:
+        tok.normalizer = normalizers.Replace(" ", "\u2581")
+        tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
+        tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
     else:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(split), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
-    tok.decoder = decoders.ByteLevel()
+        tok.pre_tokenizer = pre_tokenizers.Sequence([*steps, pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                                       use_regex=False)])
+        tok.decoder = decoders.ByteLevel()
     return tok
+
+
+def _rstripped(header: GGUFHeader, tokens: list[str], types: list[int]) -> set[str]:
+    """The tokens after which llama.cpp drops the whitespace: Phi-3's special ones, for a file whose
+    general.name says Phi-3 (llama.cpp's own test): no newline token follows "<|user|>"."""
+    name = str(header.get("general.name") or "").lower()
+    if "phi-3" not in name and "phi3" not in name:
+        return set()
+    special = {t for t, ty in zip(tokens, types) if ty in (_CONTROL, _UNKNOWN, _USER_DEFINED)}
+    return (special | {"</s>"}) - {"<unk>", "<s>", "<|endoftext|>"}
+
+
+def _kind_and_split(header: GGUFHeader) -> tuple[str, Split | None]:
+    """The tokenizer model and, for BPE, its split; raises a one-line GGUFError for what gmlx cannot
+    tokenize as llama.cpp does."""
+    kind = header.get("tokenizer.ggml.model")
+    if kind not in ("llama", "gpt2", "gemma4"):
+        raise GGUFError(f"unsupported tokenizer model tokenizer.ggml.model={kind!r} "
+                        f"(gmlx reads 'llama', 'gpt2' and 'gemma4'): {header.path}")
+    if kind == "llama":
+        return kind, None  # llama.cpp ignores tokenizer.ggml.pre for SentencePiece
+    pre = _pre_name(header)
+    if pre in CUSTOM_SPLIT:
+        raise GGUFError(f"unsupported pre-tokenizer tokenizer.ggml.pre={pre!r}: llama.cpp splits its text with "
+                        f"code of its own, which gmlx does not reproduce: {header.path}")
+    if pre not in SPLITS:
+        raise GGUFError(f"unknown pre-tokenizer tokenizer.ggml.pre={pre!r} (gmlx splits text as llama.cpp does "
+                        f"for {len(SPLITS)} known names, and does not guess): {header.path}")
+    return kind, SPLITS[pre]
+
+
+def _pre_name(header: GGUFHeader) -> str:
+    # Gemma 4's model name implies its split; files without the key get llama.cpp's default.
+    return "gemma4" if header.get("tokenizer.ggml.model") == "gemma4" else str(header.get("tokenizer.ggml.pre")
+                                                                              or "default")
+
+
+def _spm_style(header: GGUFHeader) -> bool:
+    return _pre_name(header) in SPM_STYLE_BPE
 
 
 def _add_space_prefix(header: GGUFHeader) -> bool:
