@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import gguf
 import mlx.core as mx
 import numpy as np
 import pytest
+import tiny_architectures as dense
 from gguf import GGMLQuantizationType as Q
 from tiny_models import ARCHES, write_model
 from typer.testing import CliRunner
@@ -16,6 +18,7 @@ from gmlx.cli.common import EXIT_BAD_MODEL
 from gmlx.cli.main import app
 from gmlx.gguf.header import GGUFError, read_header
 from gmlx.models import SUPPORTED
+from gmlx.models.export import export
 from gmlx.models.loader import ARCHITECTURES, load
 
 EXACT = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K]
@@ -95,7 +98,36 @@ def test_unknown_architecture_is_a_clear_error(tmp_path: Path) -> None:
         load(tmp_path / "m.gguf")
     r = CliRunner().invoke(app, ["inspect", str(tmp_path / "m.gguf")])  # header-only commands refuse it too
     assert r.exit_code == EXIT_BAD_MODEL and r.stderr.strip().splitlines() == [
-        "error: unsupported architecture 'mamba' (supported: gemma3, llama, qwen2, qwen3)"]
+        f"error: unsupported architecture 'mamba' (supported: {', '.join(SUPPORTED)})"]
+
+
+@pytest.mark.parametrize(("spec", "extra", "message"), [
+    (dense.PHI3, lambda t: t.vector("rope_factors_long.weight", 32), "phi3: LongRoPE (rope_factors_long) is not"),
+    (dense.OLMO2, lambda t: t.w.add_uint32("olmo2.attention.sliding_window", 32), "olmo2: a sliding window (Olmo 3)"),
+], ids=["phi3-longrope", "olmo3"])
+def test_unmapped_variants_are_refused_in_one_line(tmp_path: Path, spec: dense.Spec, extra, message: str) -> None:
+    path = dense.write(tmp_path / "m.gguf", spec, extra=extra)
+    with pytest.raises(GGUFError) as e:
+        load(path, "float")
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("spec", [dense.PHI3, dataclasses.replace(dense.MISTRAL, keys={"attention.sliding_window": 32})],
+                         ids=["phi3", "mistral-v0.1"])
+def test_a_window_llama_cpp_ignores_is_ignored(tmp_path: Path, spec: dense.Spec) -> None:
+    # Phi-3's converter writes a sliding_window, and a llama file may carry Mistral v0.1's; llama.cpp and
+    # mlx_lm attend to the whole context there, so the capacity model must count a full-length KV cache.
+    h = read_header(dense.write(tmp_path / "m.gguf", spec))
+    assert h.arch_key("attention.sliding_window") == 32
+    assert h.geometry.sliding_window is None and not any(h.geometry.sliding_layers)
+
+
+@pytest.mark.parametrize(("spec", "why"), [(dense.GRANITE, "rotate-half RoPE"), (dense.GEMMA2, "no sliding window"),
+                                           (dense.LLAMA3, "rope_freqs")], ids=["granite", "gemma2", "llama3"])
+def test_export_refuses_what_mlx_lm_would_rebuild_wrong(tmp_path: Path, spec: dense.Spec, why: str) -> None:
+    path = dense.write(tmp_path / "m.gguf", spec)
+    with pytest.raises(GGUFError, match=why):
+        export(path, tmp_path / "out")
 
 
 def test_supported_names_are_the_loaders() -> None:

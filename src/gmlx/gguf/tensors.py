@@ -35,6 +35,7 @@ GGUF_BLOCKS = 0  # quant[name] = (GGUF_BLOCKS, ggml_type): the weight is the fil
 # GGML types gmlx.kernels multiplies in their own blocks (kept in step with gmlx.kernels.TYPES,
 # which needs mlx and the extension; this module only needs the names).
 GGUF_KERNEL_TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
+EXPERTS = "_exps.weight"  # llama.cpp's merged experts, [in, out, n_expert]: blocks in gguf mode too
 
 # (q codes in element order (n_blocks, block_size), scale (n_blocks, groups), bias (n_blocks, groups))
 Unpacked = tuple[np.ndarray, np.ndarray, np.ndarray]
@@ -289,8 +290,9 @@ def load_tensors(
     (norms, biases) are always float.
 
     In gguf mode a 2-D weight of a type in GGUF_KERNEL_TYPES is the tensor's bytes as uint8
-    (rows, row_bytes) and quant["X.weight"] = (GGUF_BLOCKS, ggml_type); other quantized
-    tensors are dequantized to float32, and float tensors load as float32.
+    (rows, row_bytes), and merged experts (EXPERTS) as (experts, rows, row_bytes); quant["X.weight"] =
+    (GGUF_BLOCKS, ggml_type). Other quantized tensors are dequantized to float32, and float tensors
+    load as float32.
     """
     if mode not in ("native", "float", "gguf"):
         raise ValueError(f"mode must be 'native', 'float' or 'gguf', not {mode!r}")
@@ -322,8 +324,10 @@ def load_tensors(
             dtype = native_dtype if mode == "native" else float_dtype
             out = {name: _float(buf, info, dtype)}
             action = _DTYPE_NAMES.get(dtype, str(dtype))
-        elif mode == "gguf" and t in GGUF_KERNEL_TYPES and len(info.shape) == 2 and name.endswith(".weight"):
-            rows = _blocks(buf, info).reshape(info.shape[1], -1)  # (out features, row bytes), a view of the mmap
+        elif mode == "gguf" and t in GGUF_KERNEL_TYPES and name.endswith(".weight") and (
+                len(info.shape) == 2 or name.endswith(EXPERTS)):
+            # (out features, row bytes), or (experts, out features, row bytes) for merged experts: a view of the mmap
+            rows = _blocks(buf, info).reshape(*info.shape[:0:-1], -1)
             out = {name: mx.array(rows)}  # one copy into MLX: resident bytes == tensor bytes
             action = "gguf blocks"
             quant[name] = (GGUF_BLOCKS, int(t))

@@ -18,6 +18,11 @@ class Architecture:
     model_type: str  # module under mlx_lm.models
     block_names: dict[str, str] = BLOCK_NAMES
 
+    @property
+    def module(self) -> str:
+        """The module whose ModelArgs and Model the loader builds (gmlx's own where mlx_lm's lacks something)."""
+        return f"mlx_lm.models.{self.model_type}"
+
     def model_args(self, h: GGUFHeader) -> dict[str, Any]:
         g = h.geometry
         if len(set(g.n_kv_heads)) > 1:
@@ -41,12 +46,19 @@ class Architecture:
     def mlx_name(self, gguf_module: str) -> str | None:
         return mlx_name(gguf_module, self.block_names)
 
+    def prepare(self, model: nn.Module, h: GGUFHeader) -> None:
+        """Change the model mlx_lm built before any weight goes in (modules ModelArgs cannot express)."""
+
     def adjust(self, name: str, array: mx.array) -> mx.array:
         """Fix a float tensor whose convention differs between llama.cpp and mlx_lm."""
         return array
 
     def finish(self, model: nn.Module, h: GGUFHeader, arrays: dict[str, mx.array]) -> None:
         """Last changes once weights are in (for what ModelArgs cannot express)."""
+
+    def export_blocker(self, h: GGUFHeader) -> str | None:
+        """Why `mlx_lm.load` of an exported directory would not rebuild this model (None: it would)."""
+        return None
 
 
 def rope_scaling(h: GGUFHeader) -> dict[str, Any] | None:

@@ -35,8 +35,8 @@ def export(path: str | Path, out_dir: str | Path, weights: WeightsOption = "floa
     """Write `out_dir` so that `mlx_lm.load(out_dir)` gives the model `gmlx.models.loader.load` gives."""
     loaded = load(path, weights, progress)
     h = loaded.header
-    if "rope_freqs.weight" in h.tensors:
-        raise GGUFError(f"{h.path}: per-frequency RoPE factors (rope_freqs) have no mlx_lm config equivalent")
+    if (why := architecture_for(h).export_blocker(h)) is not None:
+        raise GGUFError(f"{h.path}: {why}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 

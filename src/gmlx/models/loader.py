@@ -19,12 +19,20 @@ from gmlx.gguf.tokenizer import load_tokenizer
 from gmlx.kernels import fast as kernels_fast
 from gmlx.models import check_supported
 from gmlx.models.architecture import Architecture
+from gmlx.models.deepseek2 import DeepSeek2
+from gmlx.models.experts import use_gguf_experts
+from gmlx.models.gemma2 import Gemma2
 from gmlx.models.gemma3 import Gemma3
-from gmlx.models.llama import Llama
+from gmlx.models.llama import Granite, Llama, SmolLM3
+from gmlx.models.moe import Qwen2Moe, Qwen3Moe
+from gmlx.models.olmo2 import Olmo2
+from gmlx.models.phi3 import Phi3
 from gmlx.models.qwen import Qwen2, Qwen3
 from gmlx.models.weights_mode import WeightsOption, choose_mode, gguf_kernels_reason
 
-ARCHITECTURES: dict[str, Architecture] = {a.gguf_name: a for a in (Llama(), Qwen2(), Qwen3(), Gemma3())}
+ARCHITECTURES: dict[str, Architecture] = {a.gguf_name: a for a in (
+    Llama(), Qwen2(), Qwen3(), Gemma2(), Gemma3(), Phi3(), Granite(), Olmo2(), SmolLM3(),
+    Qwen2Moe(), Qwen3Moe(), DeepSeek2())}
 _SUFFIXES = ("weight", "bias", "scales", "biases")
 _NAMES_SHOWN = 3  # parameter names an error lists before "and N more"
 
@@ -90,9 +98,10 @@ def load(path: str | Path, weights: WeightsOption = "auto", progress: Progress |
 def _build(
     arch: Architecture, h: GGUFHeader, arrays: dict[str, mx.array], quant: dict[str, tuple[int, int]]
 ) -> nn.Module:
-    module = importlib.import_module(f"mlx_lm.models.{arch.model_type}")
+    module = importlib.import_module(arch.module)
     args = module.ModelArgs.from_dict(arch.model_args(h))
     model = module.Model(args)
+    arch.prepare(model, h)
 
     weights: dict[str, mx.array] = {}
     configs: dict[str, dict] = {}
@@ -111,11 +120,12 @@ def _build(
             bits, group_size = quant[name]
             configs[target] = {"bits": bits, "group_size": group_size}
 
-    weights = model.sanitize(weights)
+    if hasattr(model, "sanitize"):  # not every mlx_lm class has one (gemma2)
+        weights = model.sanitize(weights)
     if configs:
         nn.quantize(model, class_predicate=lambda path, _: configs.get(path, False))
     if blocks:
-        _use_gguf_blocks(model, blocks)
+        _use_gguf_blocks(model, use_gguf_experts(model, blocks))  # merged 3-D experts first
     _check_names(h, set(tree_flatten(model.parameters(), destination={})), set(weights))
     try:
         model.load_weights(list(weights.items()), strict=True)

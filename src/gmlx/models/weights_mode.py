@@ -23,7 +23,9 @@ _FLOAT_SHARE_OF_MEMORY = 0.4
 
 def resident_bytes(h: GGUFHeader, mode: str) -> int:
     """Bytes the loaded weights take in MLX in this mode."""
-    return sum(_tensor_bytes(t.type_name, t.n_elements, mode, len(t.shape)) for t in h.tensors.values())
+    # gguf mode keeps llama.cpp's merged 3-D experts (gmlx.gguf.tensors.EXPERTS) in blocks too, as matrices
+    return sum(_tensor_bytes(t.type_name, t.n_elements, mode, 2 if t.name.endswith("_exps.weight") else len(t.shape))
+               for t in h.tensors.values())
 
 
 def _tensor_bytes(type_name: str, n: int, mode: str, ndim: int = 2) -> int:
