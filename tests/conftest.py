@@ -208,7 +208,8 @@ def offline_table(path: Path, memory: int, decode_batch: int = 4, context_length
 
 @pytest.fixture
 def small_memory_model(tmp_path: Path) -> tuple[Path, int]:
-    """A tiny model with a 4096-token window on a budget that holds about 1500 tokens of KV.
+    """A tiny model with a 4096-token window on a budget that holds about 2600 tokens of KV (a
+    1000-token stream, with what its caches outgrow in their last chunk and the batch term).
     (So small a budget is below the test process's own resident memory, which would turn the
     governor red; the servers on it run without one, as these tests are about the arithmetic.)"""
     from gmlx.capacity.budget import PROMPT_CACHE_SHARE
@@ -218,6 +219,6 @@ def small_memory_model(tmp_path: Path) -> tuple[Path, int]:
     kv_per_token = probe.stream_bytes(256) // 256
     budget = probe.budget
     # The prompt cache's default share of memory comes off the top too.
-    memory = int((budget.weight_bytes + budget.prefill_bytes + 512 * MiB + 1500 * kv_per_token)
+    memory = int((budget.weight_bytes + budget.prefill_bytes + 512 * MiB + 2600 * kv_per_token)
                  / (1 - 1 / PROMPT_CACHE_SHARE) / 0.999)
     return path, memory

@@ -24,6 +24,7 @@ from gmlx.capacity.memory import (
     kv_bytes_per_token,
     kv_layer_kinds,
     layer_bytes_per_token,
+    outgrown_bytes,
     rotating_prefill_bytes,
     stream_bytes,
     warmup_per_token,
@@ -272,10 +273,26 @@ def test_capacity_table_composes_budget_and_table() -> None:
     t = capacity_table(GEMMA3, weight_bytes=GiB, decode_batch=4, prefill_step=512, memory=8 * GiB, kv=FP32,
                        reserve_fraction=0.2, reserve_floor=0, context_length=8192)
     # The chunk sees the server's window, not the GGUF's, and grows the sliding caches.
-    prefill = prefill_working_bytes(GEMMA3, 512, 8192) + rotating_prefill_bytes(GEMMA3, 512, FP32)
-    assert t.budget == MemoryBudget(8 * GiB, GiB, prefill, 0, 0.2)
-    assert t.budget.kv_bytes == 8 * GiB - GiB - int(0.2 * 8 * GiB) - prefill
-    assert (t.context_length, t.decode_batch, t.kv) == (8192, 4, FP32)
+    # Once per batch, MLX's buffer cache holds about one stream's sliding-window transient more.
+    transient = rotating_prefill_bytes(GEMMA3, 512, FP32)
+    prefill = prefill_working_bytes(GEMMA3, 512, 8192) + transient
+    assert t.budget == MemoryBudget(8 * GiB, GiB, prefill, 0, 0.2, batch_bytes=transient)
+    assert t.budget.kv_bytes == 8 * GiB - GiB - int(0.2 * 8 * GiB) - prefill - transient
+    assert (t.context_length, t.decode_batch, t.kv, t.prefill_step) == (8192, 4, FP32, 512)
+
+
+def test_streams_arriving_together_each_bring_a_chunk_and_what_their_caches_outgrew() -> None:
+    t = capacity_table(GEMMA3, weight_bytes=GiB, decode_batch=8, prefill_step=512, memory=8 * GiB, kv=FP32,
+                       reserve_fraction=0.2, reserve_floor=0, context_length=8192)
+    # The full-attention layers' buffers before the last 512-token chunk of 2000 tokens: 1536 slots.
+    outgrown = outgrown_bytes(GEMMA3, 2000, 512, FP32)
+    full = [k for k in kv_layer_kinds(GEMMA3, FP32) if k.window is None]
+    assert outgrown == sum(k.bytes_per_token for k in full) * 1536 > 0
+    per_stream = t.stream_bytes(2000) + t.budget.prefill_bytes + outgrown
+    for width in (1, 4, 8):
+        assert t.streams_bytes(width, 2000) == width * per_stream + t.budget.batch_bytes + outgrown
+    # A prompt no longer than a chunk outgrows nothing.
+    assert outgrown_bytes(GEMMA3, 512, 512, FP32) == 0
 
 
 def test_rotating_caches_while_a_chunk_runs() -> None:
@@ -286,18 +303,18 @@ def test_rotating_caches_while_a_chunk_runs() -> None:
 
 
 def test_the_budget_counts_what_the_governor_counts() -> None:
-    """With a governor, the table leaves out the process's memory outside MLX, counts each
-    prefill twice (what the last chunk freed is not yet returned), and fills up to where orange starts."""
+    """With a governor, the table leaves out the process's memory outside MLX and fills up to
+    where orange starts; the prefill terms are those of a table without one."""
     kw = {"weight_bytes": 512 * MiB, "decode_batch": 4, "prefill_step": 512, "memory": 3 * GiB, "kv": FP32,
           "prompt_cache_bytes": 256 * MiB, "tiled_attention": True}
     plain, governed = capacity_table(GEMMA3, **kw), capacity_table(
         GEMMA3, **kw, governor=GovernorTerms(host_bytes=480 * MiB, ceiling=0.9))
     b = governed.budget
-    assert (b.host_bytes, b.freed_bytes, b.ceiling) == (480 * MiB, plain.budget.prefill_bytes, 0.9)
-    assert b.prefill_bytes == plain.budget.prefill_bytes  # what one request's estimate counts
+    assert (b.host_bytes, b.ceiling) == (480 * MiB, 0.9)
+    assert (b.prefill_bytes, b.batch_bytes) == (plain.budget.prefill_bytes, plain.budget.batch_bytes)
     assert b.usable_bytes == 3 * GiB - b.reserve_bytes
     assert b.drained_bytes == int(0.9 * b.usable_bytes) - 512 * MiB - 480 * MiB - 256 * MiB
-    assert b.kv_bytes == b.drained_bytes - 2 * b.prefill_bytes
+    assert b.kv_bytes == b.drained_bytes - b.prefill_bytes - b.batch_bytes
     assert 0 < governed.max_context_at_width(4) < plain.max_context_at_width(4)
     assert governed.to_json()["budget"]["host_bytes"] == 480 * MiB
 

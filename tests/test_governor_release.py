@@ -127,7 +127,7 @@ def test_offline_table_assumes_the_host_memory_estimate(tiny_models: dict[str, P
     on_cuda, _ = header_table(h, resolve_settings({}, env={}), mode="float", memory=8 * 2**30, host_memory=False)
     assert (governed.budget.host_bytes, governed.budget.ceiling) == (HOST_BYTES_ESTIMATE, 0.9)
     assert (plain.budget.host_bytes, plain.budget.ceiling) == (0, 1.0)
-    assert governed.budget.freed_bytes == plain.budget.prefill_bytes  # what a chunk freed counts too
+    assert governed.budget.prefill_bytes == plain.budget.prefill_bytes  # the arithmetic of MLX's own is the same
     assert on_cuda.budget.host_bytes == 0 and on_cuda.budget.ceiling == 0.9
     assert governed.budget.kv_bytes < on_cuda.budget.kv_bytes < plain.budget.kv_bytes
 
@@ -145,21 +145,22 @@ def _prompt(c: httpx.Client, salt: str, tokens: int) -> dict:
     return body(words)
 
 
-def _memory_for(budget: dict, kv_float_bytes: int, model: Path, width: int, depth: int) -> int:
-    """The smallest --memory (to a MiB) whose table, with this budget's measured figures, holds
-    `width` streams of `depth` tokens."""
+def _memory_for(capacity: dict, model: Path, width: int, depth: int) -> int:
+    """The smallest --memory (to a MiB) whose table, with this capacity section's measured
+    figures, holds `width` streams of `depth` tokens."""
     from gmlx.capacity.budget import MemoryBudget, default_prompt_cache_bytes
     from gmlx.capacity.memory import KVFormat
     from gmlx.capacity.table import build_table
     from gmlx.gguf.header import read_header
 
-    g = read_header(model).geometry
+    g, budget, kv = read_header(model).geometry, capacity["budget"], KVFormat(float_bytes=capacity["kv_format"]["float_bytes"])
 
     def fits(memory: int) -> bool:
         b = MemoryBudget(memory, budget["weight_bytes"], budget["prefill_bytes"],
-                         prompt_cache_bytes=default_prompt_cache_bytes(memory), host_bytes=budget["host_bytes"],
-                         freed_bytes=budget["freed_bytes"], ceiling=budget["ceiling"])
-        return build_table(g, b, width, KVFormat(float_bytes=kv_float_bytes)).max_context_at_width(width) >= depth
+                         prompt_cache_bytes=default_prompt_cache_bytes(memory), batch_bytes=budget["batch_bytes"],
+                         host_bytes=budget["host_bytes"], ceiling=budget["ceiling"])
+        table = build_table(g, b, width, kv, prefill_step=capacity["prefill_step"])
+        return table.max_context_at_width(width) >= depth
 
     lo, hi = 0, 64 * 1024  # MiB: lo does not fit, hi does
     while hi - lo > 1:
@@ -179,7 +180,7 @@ def test_plan_ok_keeps_the_band_at_yellow(default_model: Path, tmp_path: Path) -
     env = {"GMLX_GOVERNOR": "1", "GMLX_GOVERNOR_INTERVAL_S": "0.1"}
     with ServeProcess(default_model, tmp_path / "calibrate.log", *flags, "--memory", "8GiB", env=env) as s:
         capacity = httpx.get(f"{s.url}/v1/metrics", timeout=60).json()["server"]["capacity"]
-    memory = _memory_for(capacity["budget"], capacity["kv_format"]["float_bytes"], default_model, 4, 1024)
+    memory = _memory_for(capacity, default_model, 4, 1024)
 
     results: dict[int, dict] = {}
     with ServeProcess(default_model, tmp_path / "serve.log", *flags, "--memory", str(memory), env=env) as s, \

@@ -36,10 +36,11 @@ class MemoryBudget:
     reserve_floor_bytes: int = 512 * 2**20
     reserve_fraction: float = 0.10
     prompt_cache_bytes: int = 0  # the prompt cache's bound: KV kept for reuse, not for running streams
+    # What MLX's buffer cache holds while a batch's prefill chunk runs, once per batch (capacity_table).
+    batch_bytes: int = 0
     # What a memory governor counts that MLX's arithmetic leaves out (GovernorTerms); 0 and 1
     # without one.
     host_bytes: int = 0  # the process's memory outside MLX
-    freed_bytes: int = 0  # a stream's share of what the last prefill chunk freed, not yet returned
     ceiling: float = 1.0  # the share of usable_bytes the table fills: up to where orange starts
 
     @property
@@ -66,13 +67,13 @@ class MemoryBudget:
     @property
     def kv_bytes(self) -> int:
         """Room for one stream's KV cache (CapacityTable: each stream more brings its own prefill)."""
-        return max(0, self.drained_bytes - self.prefill_bytes - self.freed_bytes)
+        return max(0, self.drained_bytes - self.batch_bytes - self.prefill_bytes)
 
     def to_json(self) -> dict:
         return {"total_bytes": self.total_bytes, "weight_bytes": self.weight_bytes,
                 "reserve_bytes": self.reserve_bytes, "prefill_bytes": self.prefill_bytes,
-                "prompt_cache_bytes": self.prompt_cache_bytes, "host_bytes": self.host_bytes,
-                "freed_bytes": self.freed_bytes, "ceiling": self.ceiling, "kv_bytes": self.kv_bytes}
+                "batch_bytes": self.batch_bytes, "prompt_cache_bytes": self.prompt_cache_bytes,
+                "host_bytes": self.host_bytes, "ceiling": self.ceiling, "kv_bytes": self.kv_bytes}
 
 
 def prefill_working_bytes(g: ModelGeometry, chunk_tokens: int, context_tokens: int, tiled_attention: bool = False) -> int:

@@ -206,6 +206,14 @@ def rotating_prefill_bytes(g: ModelGeometry, chunk_tokens: int, kv: KVFormat = F
     return round(sum(k.bytes_per_token * (k.window - 1 + chunk_tokens) for k in kv_layer_kinds(g, kv) if k.window))
 
 
+def outgrown_bytes(g: ModelGeometry, depth: int, chunk_tokens: int, kv: KVFormat = FP16) -> int:
+    """What one stream's full-attention caches outgrew in the last prefill chunk of a `depth`-token
+    prompt: a KVCache grows by concatenation, and the buffer it had before that chunk stays in
+    MLX's buffer cache until the chunk ends (mlx_lm clears the cache after each chunk)."""
+    before = allocated_tokens(max(0, depth - chunk_tokens))
+    return round(sum(k.bytes_per_token * before for k in kv_layer_kinds(g, kv) if not k.window))
+
+
 def kv_bytes_after_prefill(g: ModelGeometry, depth: int, kv: KVFormat = FP16) -> int:
     """KV bytes of one stream right after its prompt is prefilled in one chunk: full-attention
     caches have grown in whole 256-token steps, while a RotatingKVCache has concatenated the

@@ -20,6 +20,7 @@ from gmlx.capacity.memory import (
     KVProfile,
     decode_overhead_bytes,
     kv_profile,
+    outgrown_bytes,
     profile_bytes,
     rotating_prefill_bytes,
 )
@@ -47,6 +48,7 @@ class CapacityTable:
     kv: KVFormat
     decode_batch: int
     context_length: int  # the window the server uses: the GGUF's, or max_kv_size when smaller
+    prefill_step: int | None = None  # the prefill chunk; None: prompts prefill whole, nothing is outgrown
 
     @cached_property
     def _profile(self) -> KVProfile:
@@ -60,11 +62,23 @@ class CapacityTable:
         """One stream's cache as allocated, plus what it holds to decode (see memory.stream_bytes)."""
         return profile_bytes(self._profile, depth, True) + self._overhead
 
-    def _need(self, depth: int) -> int:
-        """What one stream of `depth` tokens takes of the drained budget: the streams of a fan-out
-        arrive together, and mlx_lm prefills up to decode_batch prompts in one batch, so each
-        brings its own prefill chunk."""
-        return self.stream_bytes(depth) + self.budget.prefill_bytes + self.budget.freed_bytes
+    def _outgrown(self, depth: int) -> int:
+        return 0 if self.prefill_step is None else outgrown_bytes(self.geometry, depth, self.prefill_step, self.kv)
+
+    def _per_stream(self, depth: int) -> int:
+        """What each stream of `depth` tokens takes at the peak of a fan-out's prefill: the streams
+        arrive together and mlx_lm prefills up to decode_batch prompts as one batch, so each
+        brings its own chunk, and what its caches outgrew in their last chunk."""
+        return self.stream_bytes(depth) + self.budget.prefill_bytes + self._outgrown(depth)
+
+    def _per_batch(self, depth: int) -> int:
+        """What MLX's buffer cache holds beside them while a chunk runs, whatever the width: about
+        one stream's replaced buffers (docs/ARCHITECTURE.md, "Memory model": measured, not derived)."""
+        return self.budget.batch_bytes + self._outgrown(depth)
+
+    def streams_bytes(self, width: int, depth: int) -> int:
+        """What `width` streams of `depth` tokens arriving together take of the drained budget."""
+        return width * self._per_stream(depth) + self._per_batch(depth)
 
     def max_context_at_width(self, width: int) -> int:
         """Largest depth <= the window with `width` streams of it in the budget; 0 if 1 token does not fit."""
@@ -72,7 +86,7 @@ class CapacityTable:
         lo, hi = 0, self.context_length  # invariant: lo fits (0 always does); above hi is out of the window
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if width * self._need(mid) <= budget:
+            if self.streams_bytes(width, mid) <= budget:
                 lo = mid
             else:
                 hi = mid - 1
@@ -82,8 +96,8 @@ class CapacityTable:
         """Streams of `depth` tokens that fit, at most decode_batch; 0 past the window."""
         if depth > self.context_length:
             return 0
-        need = self._need(depth)
-        return self.decode_batch if need == 0 else min(self.decode_batch, max(0, self.budget.drained_bytes) // need)
+        need, room = self._per_stream(depth), self.budget.drained_bytes - self._per_batch(depth)
+        return self.decode_batch if need == 0 else min(self.decode_batch, max(0, room) // need)
 
     def widths(self) -> dict[int, int]:
         return {w: self.max_context_at_width(w) for w in range(1, self.decode_batch + 1)}
@@ -110,6 +124,7 @@ class CapacityTable:
             "budget": self.budget.to_json(),
             "decode_batch": self.decode_batch,
             "context_length": self.context_length,
+            "prefill_step": self.prefill_step,
             "headline": self.headline(),
             "widths": {str(w): c for w, c in self.widths().items()},
             "depths": {str(d): w for d, w in self.depths().items()},
@@ -121,13 +136,14 @@ def _streams(n: int) -> str:
 
 
 def build_table(
-    g: ModelGeometry, budget: MemoryBudget, decode_batch: int, kv: KVFormat = FP16, context_length: int | None = None
+    g: ModelGeometry, budget: MemoryBudget, decode_batch: int, kv: KVFormat = FP16, context_length: int | None = None,
+    prefill_step: int | None = None,
 ) -> CapacityTable:
     """`context_length` is max_kv_size where the server sets one; the GGUF's window caps it."""
     if decode_batch < 1:
         raise ValueError(f"decode_batch must be at least 1, not {decode_batch}")
     window = g.context_length if context_length is None else min(context_length, g.context_length)
-    return CapacityTable(g, budget, kv, decode_batch, window)
+    return CapacityTable(g, budget, kv, decode_batch, window, prefill_step)
 
 
 def capacity_table(
@@ -149,18 +165,20 @@ def capacity_table(
 
     A prompt's prefill holds the working set of a `prefill_step` chunk attending across the
     whole window (its scores whole, unless `tiled_attention`: gmlx's CPU kernels) and what the
-    chunk adds to its sliding-window caches. With a `governor`, the budget also counts what the
-    governor counts (GovernorTerms): the process's memory outside MLX comes off, the table fills
-    only up to where orange starts, and each stream's prefill counts twice: what the last chunk
-    freed stays in MLX's buffer cache and the heap until they are released (`freed_bytes`).
+    chunk adds to its sliding-window caches; once per batch, MLX's buffer cache holds about one
+    stream's sliding-window transient more (`batch_bytes`). With a `governor`, the budget also
+    counts what the governor counts (GovernorTerms): the process's memory outside MLX comes off,
+    and the table fills only up to where orange starts.
     """
     window = g.context_length if context_length is None else min(context_length, g.context_length)
-    prefill = prefill_working_bytes(g, prefill_step, window, tiled_attention) + \
-        rotating_prefill_bytes(g, min(prefill_step, window), kv)
-    budget = MemoryBudget(memory, weight_bytes, prefill, reserve_floor, reserve_fraction, prompt_cache_bytes)
+    chunk = min(prefill_step, window)
+    transient = rotating_prefill_bytes(g, chunk, kv)
+    prefill = prefill_working_bytes(g, prefill_step, window, tiled_attention) + transient
+    budget = MemoryBudget(memory, weight_bytes, prefill, reserve_floor, reserve_fraction, prompt_cache_bytes,
+                          batch_bytes=transient)
     if governor is not None:
-        budget = replace(budget, host_bytes=governor.host_bytes, freed_bytes=prefill, ceiling=governor.ceiling)
-    return build_table(g, budget, decode_batch, kv, window)
+        budget = replace(budget, host_bytes=governor.host_bytes, ceiling=governor.ceiling)
+    return build_table(g, budget, decode_batch, kv, window, chunk)
 
 
 class TableSettings(Protocol):

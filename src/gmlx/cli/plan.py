@@ -49,7 +49,7 @@ KV_TAIL_OPT = typer.Option(None, "--kv-tail-tokens", help="kvarn: newest tokens 
 MAX_KV_OPT = typer.Option(None, "--max-kv-size", min=1, help="Cap the context window, as `gmlx serve --max-kv-size` "
                           "does.  [default: the GGUF's trained window]", show_default=False)
 # The table's own fields in the capacity section of /v1/metrics (the rest is warm-up measurement).
-_TABLE_KEYS = ("kv_format", "budget", "decode_batch", "context_length", "headline", "widths", "depths")
+_TABLE_KEYS = ("kv_format", "budget", "decode_batch", "context_length", "prefill_step", "headline", "widths", "depths")
 
 
 @dataclass(frozen=True)
@@ -207,8 +207,8 @@ def _show_table(table: dict[str, Any]) -> None:
         usable += f" x {b['ceiling']:g} (up to orange)"
     console.print(f"{usable} - weights {human_bytes(b['weight_bytes'])} - outside MLX {human_bytes(b.get('host_bytes', 0))}"
                   f" - prompt cache {human_bytes(b['prompt_cache_bytes'])} - prefill {human_bytes(b['prefill_bytes'])}"
-                  f" - freed {human_bytes(b.get('freed_bytes', 0))} = KV {human_bytes(b['kv_bytes'])} for one stream "
-                  f"({table['kv_format']['describe']}); each stream more brings its own prefill and freed\n",
+                  f" - batch {human_bytes(b.get('batch_bytes', 0))} = KV {human_bytes(b['kv_bytes'])} for one stream "
+                  f"({table['kv_format']['describe']}); each stream more brings its own prefill\n",
                   highlight=False)
     widths = Table("width", "max context", box=None, pad_edge=False)
     for w, c in table["widths"].items():

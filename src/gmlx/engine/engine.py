@@ -8,7 +8,6 @@ prompts are prefilled in `prefill_step`-token chunks between decode steps.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import queue
 import threading
@@ -16,12 +15,15 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import mlx.core as mx
 import psutil
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.tokenizer_utils import StreamingDetokenizer
 
+from gmlx.engine.heap import map_large_buffers, trim_heap
 from gmlx.engine.logprobs import TokenLogprob, score_logprobs
 from gmlx.engine.processors import Decoding, LogitsProcessor
 from gmlx.engine.prompt_cache import MISS, Hit, PromptCache
@@ -63,6 +65,15 @@ class Failed:
 Event = Chunk | Finished | Failed
 
 
+class Phase(StrEnum):
+    """Where a request is: queued -> prefill -> decode -> done (strings, as snapshots show them)."""
+
+    QUEUED = "queued"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    DONE = "done"
+
+
 @dataclass
 class Request:
     id: str
@@ -77,7 +88,7 @@ class Request:
     # Keep the cache just before the prompt's last token: the request's other choices (n > 1) start from it.
     keep_prompt: bool = False
     # Live state, written by the engine thread and read by snapshots.
-    state: str = "queued"  # queued -> prefill -> decode -> done
+    state: Phase = Phase.QUEUED
     uid: int | None = None
     submitted_at: float = field(default_factory=time.monotonic)
     # When the server received it, and how long it waited at the gate since (both the server's):
@@ -110,6 +121,49 @@ class Request:
             return None
         span = (now or time.monotonic()) - self.first_token_at
         return (self.generated - 1) / span if span > 0 else None
+
+
+@dataclass(eq=False)
+class _Stream:
+    """A request's state on the engine thread, from its insertion into the batch to its end."""
+
+    req: Request
+    sampler: Sampler  # kept across handovers to and from the drafter's lane: its seed runs on
+    detok: StreamingDetokenizer
+    stops: StopMatcher
+    checkpoints: dict[int, str]  # prompt position -> kind of cache to keep there, still to take
+    draft_state: tuple | None = None  # the drafter's cache from the stream's last lane
+
+
+# Commands the engine thread takes from its queue.
+@dataclass(frozen=True)
+class _Submit:
+    request: Request
+
+
+@dataclass(frozen=True)
+class _Cancel:
+    request_id: str
+    error: Failed | None
+
+
+@dataclass(frozen=True)
+class _ReleaseMemory:
+    evict_bytes: int
+    done: Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class _CancelAll:
+    pass
+
+
+@dataclass(frozen=True)
+class _Stop:
+    pass
+
+
+_Command = _Submit | _Cancel | _ReleaseMemory | _CancelAll | _Stop
 
 
 def drafting_refused(req: Request) -> str | None:
@@ -210,24 +264,6 @@ class Measured:
     host_bytes: int = 0
 
 
-def _heap_trimmer() -> Callable[[int], int] | None:
-    """glibc's `malloc_trim`, or None where the C library has none (macOS, musl)."""
-    try:
-        return ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError, TypeError):
-        return None
-
-
-_malloc_trim = _heap_trimmer()
-
-
-def trim_heap() -> None:
-    """Give the heap's free pages back to the system. On Linux CPU, MLX's buffers come from
-    malloc, and what they free stays resident until trimmed."""
-    if _malloc_trim is not None:
-        _malloc_trim(0)
-
-
 def memory_outside_mlx() -> int:
     """This process's resident memory outside MLX's buffers (active and cached)."""
     return max(0, psutil.Process().memory_info().rss - mx.get_active_memory() - mx.get_cache_memory())
@@ -287,7 +323,7 @@ class Engine:
         self._load_draft = load_draft  # loads and checks the drafter against the served model
         self.draft: LoadedModel | None = None
         self.num_draft = num_draft
-        self._lane: tuple[Request, SpeculativeStream] | None = None  # the one request decoding with the drafter
+        self._lane: tuple[_Stream, SpeculativeStream] | None = None  # the one stream decoding with the drafter
         self._no_lane: str | None = None  # why this model's caches cannot decode speculatively at all
         self.loaded: LoadedModel | None = None
         self.measured: Measured | None = None
@@ -296,16 +332,11 @@ class Engine:
         self.decode_batch = decode_batch
         self.prefill_step = prefill_step
         self.stats = EngineStats()
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._active: dict[int, Request] = {}  # uid -> request, owned by the engine thread
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._active: dict[int, _Stream] = {}  # batch uid -> stream, owned by the engine thread
         self._requests: dict[str, Request] = {}  # id -> request, for snapshots and cancels
         self._lock = threading.Lock()
-        self._detok: dict[int, object] = {}
-        self._stops: dict[int, StopMatcher] = {}
-        self._checkpoints: dict[int, dict[int, str]] = {}  # uid -> {prompt position: kind} still to take
         self._sampling_failed: list[tuple[Request, str]] = []  # this step's, engine thread only
-        self._samplers: dict[str, Sampler] = {}  # request id -> its sampler, kept across handovers (its seed runs on)
-        self._draft_states: dict[str, tuple] = {}  # request id -> the drafter's cache from its last lane
         # Called on this thread with the seconds between each two tokens a stream emits (the
         # server's inter-token latency histogram); it must be thread-safe and quick.
         self.on_token_gap: Callable[[float], None] | None = None
@@ -314,17 +345,18 @@ class Engine:
     # --- called from any thread -------------------------------------------------------
 
     def start(self) -> None:
+        map_large_buffers()  # before the weights load: freed buffers must leave the process (engine/heap.py)
         self._thread.start()
 
     def submit(self, request: Request) -> None:
         with self._lock:
             self._requests[request.id] = request
-        self._commands.put(("submit", request))
+        self._commands.put(_Submit(request))
 
     def cancel(self, request_id: str, error: Failed | None = None) -> None:
         """Stop a request within one step; its slot and KV cache are freed. With an `error`
         the request ends with it, so its client learns why it was stopped."""
-        self._commands.put(("cancel", (request_id, error)))
+        self._commands.put(_Cancel(request_id, error))
 
     def release_memory(self, evict_bytes: int, done: Callable[[int, int], None]) -> None:
         """The governor's release, on the engine thread (neither step is a memory read): drop the
@@ -332,13 +364,13 @@ class Engine:
         buffer cache, and trim the heap, which now holds those buffers' pages. `done(evicted,
         released)` is then called here with the bytes of the entries dropped and the bytes MLX's
         cache returned to the system (which include the dropped entries' buffers)."""
-        self._commands.put(("release_memory", (evict_bytes, done)))
+        self._commands.put(_ReleaseMemory(evict_bytes, done))
 
     def cancel_all(self) -> None:
-        self._commands.put(("cancel_all", None))
+        self._commands.put(_CancelAll())
 
     def stop(self, timeout: float = 5.0) -> None:
-        self._commands.put(("stop", None))
+        self._commands.put(_Stop())
         self._thread.join(timeout)
 
     def requests(self) -> list[Request]:
@@ -352,7 +384,7 @@ class Engine:
 
     @property
     def decoding(self) -> int:
-        return sum(1 for r in self.requests() if r.state == "decode")
+        return sum(1 for r in self.requests() if r.state == Phase.DECODE)
 
     @property
     def alive(self) -> bool:
@@ -403,15 +435,15 @@ class Engine:
             except Exception as e:  # the thread must outlive any one request's failure
                 log.exception("engine step failed; failing %d request(s) and starting afresh", len(self._active))
                 self._lane = None
-                for req in list(self._active.values()):
-                    self._finish(req, Failed(f"generation failed: {e}"))
+                for stream in list(self._active.values()):
+                    self._finish(stream.req, Failed(f"generation failed: {e}"))
                 gen = self._new_generator()
-        for req in list(self._active.values()):
-            self._finish(req, self._cancelled(req))
+        for stream in list(self._active.values()):
+            self._finish(stream.req, self._cancelled(stream.req))
         gen.close()
 
     def _cancel(self, gen: BatchGenerator, req: Request, error: Failed | None = None) -> None:
-        if self._lane is not None and self._lane[0] is req:
+        if self._lane is not None and self._lane[0].req is req:
             self._lane = None
         gen.remove([req.uid])
         self._finish(req, error or self._cancelled(req))
@@ -425,33 +457,32 @@ class Engine:
         """Apply waiting commands; False once asked to stop."""
         while True:
             try:
-                kind, arg = self._commands.get(block=block)
+                command = self._commands.get(block=block)
             except queue.Empty:
                 return True
             block = False
-            if kind == "stop":
-                return False
-            if kind == "submit":
-                self._leave_lane(gen)  # the drafter cannot join a batch: the lane's stream goes back
-                self._insert(gen, arg)
-            elif kind == "cancel":
-                request_id, error = arg
-                req = self._requests.get(request_id)
-                if req is not None and req.uid in self._active:
-                    self._cancel(gen, req, error)
-            elif kind == "release_memory":
-                evict_bytes, done = arg
-                evicted = self.prompt_cache.evict_coldest(evict_bytes) if self.prompt_cache is not None else 0
-                released = mx.get_cache_memory()
-                mx.clear_cache()
-                trim_heap()
-                try:
-                    done(evicted, released)
-                except Exception:  # a report that fails must not fail the running requests
-                    log.exception("reporting a memory release failed")
-            elif kind == "cancel_all":
-                for req in list(self._active.values()):
-                    self._cancel(gen, req)
+            match command:
+                case _Stop():
+                    return False
+                case _Submit(request):
+                    self._leave_lane(gen)  # the drafter cannot join a batch: the lane's stream goes back
+                    self._insert(gen, request)
+                case _Cancel(request_id, error):
+                    req = self._requests.get(request_id)
+                    if req is not None and req.uid in self._active:
+                        self._cancel(gen, req, error)
+                case _ReleaseMemory(evict_bytes, done):
+                    evicted = self.prompt_cache.evict_coldest(evict_bytes) if self.prompt_cache is not None else 0
+                    released = mx.get_cache_memory()
+                    mx.clear_cache()
+                    trim_heap()
+                    try:
+                        done(evicted, released)
+                    except Exception:  # a report that fails must not fail the running requests
+                        log.exception("reporting a memory release failed")
+                case _CancelAll():
+                    for stream in list(self._active.values()):
+                        self._cancel(gen, stream.req)
 
     def _insert(self, gen: BatchGenerator, req: Request) -> None:
         assert self.loaded is not None
@@ -460,22 +491,20 @@ class Engine:
             return
         try:
             hit, cache = self.prompt_cache.fetch(req.prompt_ids) if self.prompt_cache is not None else (MISS, None)
-            checkpoints = self._checkpoint_plan(req, hit.warm_tokens)
+            stream = _Stream(req, self._guarded_sampler(req), continuation_detokenizer(self.loaded.tokenizer,
+                             req.prompt_ids), StopMatcher(req.stop), self._checkpoint_plan(req, hit.warm_tokens))
             [uid] = gen.insert_segments(
-                [_split(req.prompt_ids, hit.warm_tokens, sorted(checkpoints))], [req.max_tokens],
+                [_split(req.prompt_ids, hit.warm_tokens, sorted(stream.checkpoints))], [req.max_tokens],
                 caches=[cache or self._make_cache(self.loaded.model)], all_tokens=[req.prompt_ids[:hit.warm_tokens]],
-                samplers=[self._sampler(req)], logits_processors=[self._processors(req)])
+                samplers=[stream.sampler], logits_processors=[self._processors(req)])
         except Exception as e:  # not yet active, so the loop's handler would not end it: it would hang
             log.exception("request %s: starting it failed", req.id)
             self._finish(req, Failed(f"generation failed: {e}"))
             return
-        req.uid, req.state, req.cache, req.prefilled = uid, "prefill", hit, hit.warm_tokens
+        req.uid, req.state, req.cache, req.prefilled = uid, Phase.PREFILL, hit, hit.warm_tokens
         if self.draft is not None:
             req.speculative = SpeculativeCounters()
-        self._active[uid] = req
-        self._checkpoints[uid] = checkpoints
-        self._detok[uid] = continuation_detokenizer(self.loaded.tokenizer, req.prompt_ids)
-        self._stops[uid] = StopMatcher(req.stop)
+        self._active[uid] = stream
 
     def _checkpoint_plan(self, req: Request, warm: int) -> dict[int, str]:
         """Prompt positions at which to keep the cache while prefilling, and of what kind.
@@ -499,21 +528,16 @@ class Engine:
             plan[req.anchor_tokens] = "anchor"
         return {p: kind for p, kind in plan.items() if p > warm}
 
-    def _take_checkpoint(self, gen: BatchGenerator, req: Request, position: int) -> None:
-        kind = self._checkpoints[req.uid].pop(position, None)
+    def _take_checkpoint(self, gen: BatchGenerator, stream: _Stream, position: int) -> None:
+        kind = stream.checkpoints.pop(position, None)
         if kind is None or self.prompt_cache is None:
             return
-        for cache, tokens in gen.extract_cache([req.uid]).values():
+        for cache, tokens in gen.extract_cache([stream.req.uid]).values():
             self.prompt_cache.store(tokens, cache, kind)
 
     def _keep_final(self, cache: list | None, tokens: list[int] | None) -> None:
         if self.prompt_cache is not None and cache is not None and tokens:
             self.prompt_cache.store(list(tokens), cache, "final")
-
-    def _sampler(self, req: Request) -> Sampler:
-        if req.id not in self._samplers:
-            self._samplers[req.id] = self._guarded_sampler(req)
-        return self._samplers[req.id]
 
     def _guarded_sampler(self, req: Request) -> Sampler:
         """The request's sampler, made to fail that request alone: a raise inside the batch's
@@ -555,30 +579,33 @@ class Engine:
     def _may_speculate(self) -> bool:
         if self.draft is None or self._no_lane or len(self._active) != 1 or not self._commands.empty():
             return False
-        [req] = self._active.values()
+        [stream] = self._active.values()
+        req = stream.req
         if drafting_refused(req) is not None:
             return False
         # Leaving the batch costs a step: not for a request about to end, or about to reach a
         # sliding window (past it, rejected drafts could not be trimmed back).
         length = len(req.prompt_ids) + req.generated
-        return (req.state == "decode" and req.generated >= 1 and req.max_tokens - req.generated > self.num_draft
+        return (req.state == Phase.DECODE and req.generated >= 1 and req.max_tokens - req.generated > self.num_draft
                 and length + self.num_draft < self._trim_limit)
 
     def _enter_lane(self, gen: BatchGenerator) -> None:
         assert self.loaded is not None and self.draft is not None
-        [req] = self._active.values()
+        [stream] = self._active.values()
+        req = stream.req
         [(cache, tokens)] = gen.remove([req.uid], return_prompt_caches=True).values()
         lane = SpeculativeStream.from_batch(self.loaded.model, self.draft.model, cache, tokens,
-                                            sampler=self._sampler(req), num_draft=self.num_draft,
-                                            prefill_step=self.prefill_step,
-                                            draft_state=self._draft_states.pop(req.id, None))
+                                            sampler=stream.sampler, num_draft=self.num_draft,
+                                            prefill_step=self.prefill_step, draft_state=stream.draft_state)
+        stream.draft_state = None
         assert req.speculative is not None
         lane.counters = req.speculative  # the row shows the request's figures live
-        self._lane = (req, lane)
+        self._lane = (stream, lane)
 
     def _lane_round(self, gen: BatchGenerator) -> None:
         assert self._lane is not None and self.loaded is not None
-        req, lane = self._lane
+        stream, lane = self._lane
+        req = stream.req
         start = time.perf_counter()
         tokens = lane.round(req.max_tokens - req.generated, self.loaded.tokenizer.eos_token_ids)
         now, st = time.monotonic(), self.stats
@@ -593,8 +620,8 @@ class Engine:
         eos = self.loaded.tokenizer.eos_token_ids
         for token in tokens:
             finish = "stop" if token in eos else "length" if req.generated + 1 >= req.max_tokens else None
-            self._on_token(gen, req, token, finish, now)
-            if req.state == "done":
+            self._on_token(gen, stream, token, finish, now)
+            if req.state == Phase.DONE:
                 self._lane = None
                 self._keep_final(lane.cache, lane.history)
                 return
@@ -604,23 +631,22 @@ class Engine:
     def _leave_lane(self, gen: BatchGenerator) -> None:
         if self._lane is None:
             return
-        req, lane = self._lane
+        stream, lane = self._lane
         self._lane = None
-        self._rejoin(gen, req, *lane.release())
+        self._rejoin(gen, stream, *lane.release())
         if lane.draft_state is not None:  # a later lane catches the drafter up instead of prefilling it
-            self._draft_states[req.id] = lane.draft_state
+            stream.draft_state = lane.draft_state
 
-    def _rejoin(self, gen: BatchGenerator, req: Request, cache: list, history: list[int], pending: list[int]) -> None:
-        """Put a decoding request back in the batch under a new uid; the batch decodes on from `pending`."""
+    def _rejoin(self, gen: BatchGenerator, stream: _Stream, cache: list, history: list[int],
+                pending: list[int]) -> None:
+        """Put a decoding stream back in the batch under a new uid; the batch decodes on from `pending`."""
+        req = stream.req
         [uid] = gen.insert([pending], [req.max_tokens - req.generated], caches=[cache], all_tokens=[history],
-                           samplers=[self._sampler(req)])
-        old = req.uid
+                           samplers=[stream.sampler])
+        del self._active[req.uid]
         req.uid = uid
-        self._active[uid] = self._active.pop(old)
-        self._detok[uid] = self._detok.pop(old)
-        self._stops[uid] = self._stops.pop(old)
-        self._checkpoints[uid] = {}
-        self._checkpoints.pop(old, None)
+        self._active[uid] = stream
+        stream.checkpoints = {}
         assert req.speculative is not None
         req.speculative.batched = True
 
@@ -639,39 +665,41 @@ class Engine:
             st.recent_prefills.append((s.prompt_tokens, s.prompt_time))
         if self.draft is not None and len(generation_responses) > 1:  # decoding together, without the drafter
             for r in generation_responses:
-                if (req := self._active.get(r.uid)) is not None and req.speculative is not None:
-                    req.speculative.batched = True
+                if (stream := self._active.get(r.uid)) is not None and stream.req.speculative is not None:
+                    stream.req.speculative.batched = True
         if generation_responses:
             st.decode_tokens += len(generation_responses)
             st.decode_seconds += s.decode_time
             st.recent_steps.append((now, len(generation_responses)))
 
         for p in prompt_responses:
-            if (req := self._active.get(p.uid)) is not None and req.state == "prefill":
+            if (stream := self._active.get(p.uid)) is not None and stream.req.state == Phase.PREFILL:
+                req = stream.req
                 warm = req.cache.warm_tokens if req.cache else 0
                 req.prefilled = warm + p.progress[0]
                 if p.end_of_segment and not p.end_of_prompt:
-                    self._take_checkpoint(gen, req, req.prefilled)
+                    self._take_checkpoint(gen, stream, req.prefilled)
                 if p.end_of_prompt:
-                    req.state = "decode"
-        scoring = [(r, req) for r in generation_responses
-                   if (req := self._active.get(r.uid)) is not None and req.logprobs is not None]
+                    req.state = Phase.DECODE
+        scoring = [(r, stream.req) for r in generation_responses
+                   if (stream := self._active.get(r.uid)) is not None and stream.req.logprobs is not None]
         scored = dict(zip((r.uid for r, _ in scoring), score_logprobs(
             [r.logprobs for r, _ in scoring], [r.token for r, _ in scoring], [q.logprobs for _, q in scoring])))
         for r in generation_responses:
-            if (req := self._active.get(r.uid)) is not None:
+            if (stream := self._active.get(r.uid)) is not None:
                 if r.finish_reason is not None:
                     self._keep_final(r.prompt_cache, r.all_tokens)
-                self._on_token(gen, req, r.token, r.finish_reason, now, scored.get(r.uid))
+                self._on_token(gen, stream, r.token, r.finish_reason, now, scored.get(r.uid))
 
-    def _on_token(self, gen: BatchGenerator, req: Request, token: int, finish_reason: str | None, now: float,
+    def _on_token(self, gen: BatchGenerator, stream: _Stream, token: int, finish_reason: str | None, now: float,
                   logprob: TokenLogprob | None = None) -> None:
+        req = stream.req
         if req.first_token_at is None:
-            req.first_token_at, req.state = now, "decode"
+            req.first_token_at, req.state = now, Phase.DECODE
         elif finish_reason != "stop" and self.on_token_gap is not None:  # an EOS token is never sent
             self.on_token_gap(now - req.last_token_at)  # type: ignore[operator]
         req.last_token_at = now
-        detok, stops = self._detok[req.uid], self._stops[req.uid]
+        detok, stops = stream.detok, stream.stops
         if finish_reason != "stop":  # "stop" here means an EOS token, which has no text
             req.generated += 1
             detok.add_token(token)
@@ -696,13 +724,8 @@ class Engine:
     def _finish(self, req: Request, event: Event) -> None:
         if isinstance(event, Finished):
             self.stats.record(req, event)
-        req.state = "done"
+        req.state = Phase.DONE
         self._active.pop(req.uid, None)
-        self._detok.pop(req.uid, None)
-        self._stops.pop(req.uid, None)
-        self._checkpoints.pop(req.uid, None)
-        self._samplers.pop(req.id, None)
-        self._draft_states.pop(req.id, None)
         with self._lock:
             self._requests.pop(req.id, None)
         self._emit(req, event)

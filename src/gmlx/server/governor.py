@@ -56,7 +56,8 @@ import psutil
 
 from gmlx import platform
 from gmlx.capacity.governor import BANDS, Thresholds, bytes_to_release, next_band
-from gmlx.engine.engine import Failed, trim_heap
+from gmlx.engine.engine import Failed
+from gmlx.engine.heap import trim_heap
 
 if TYPE_CHECKING:
     from gmlx.server.state import ServerState
