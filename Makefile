@@ -25,6 +25,7 @@ system:
 	  $(PYTHON) -c 'import ensurepip, venv' 2>/dev/null || pkgs="$$pkgs python3 python3-venv"; \
 	  ldconfig -p | grep -q 'libopenblas.so.0' || pkgs="$$pkgs libopenblas0-pthread"; \
 	  command -v c++ >/dev/null || pkgs="$$pkgs g++"; \
+	  command -v haproxy >/dev/null || pkgs="$$pkgs haproxy"; \
 	  $(PYTHON) -c 'import os, sysconfig; raise SystemExit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
 	    2>/dev/null || pkgs="$$pkgs python3-dev"; \
 	  if [ -n "$$pkgs" ]; then \

@@ -23,7 +23,7 @@ from gmlx.server import metrics
 from gmlx.server.governor import MemoryReading
 from gmlx.server.metrics import snapshot
 
-SECTIONS = ["concurrency", "queue", "connections", "governor", "memory", "capacity", "rates", "totals", "prompt_cache", "requests", "resident_models"]
+SECTIONS = ["concurrency", "queue", "connections", "governor", "memory", "capacity", "rates", "totals", "kv_cache", "prompt_cache", "requests", "resident_models"]
 
 
 def prometheus_values(text: str) -> dict[tuple[str, tuple], float]:
@@ -45,7 +45,7 @@ def numeric_leaves(node: Any, path: Leaf = ()) -> dict[Leaf, float | None]:
     return {}
 
 
-MIRRORED = ("concurrency", "queue", "connections", "governor", "memory", "rates", "resident_models", "capacity")
+MIRRORED = ("concurrency", "queue", "connections", "governor", "memory", "rates", "resident_models", "capacity", "kv_cache")
 ACTION_SAMPLES = {"count": "gmlx_governor_actions_total", "bytes_freed": "gmlx_governor_freed_bytes_total",
                   "last_at": "gmlx_governor_action_last_at_seconds"}
 
@@ -69,7 +69,7 @@ def sample_of(path: Leaf, s: dict) -> tuple[str, tuple]:
             return "gmlx_governor_threshold", (("band", band),)
         case "governor", ["actions", action, field]:
             return ACTION_SAMPLES[field], (("action", action),)
-        case ("concurrency" | "queue" | "governor" | "memory"), [key]:
+        case ("concurrency" | "queue" | "governor" | "memory" | "kv_cache"), [key]:
             return f"gmlx_{section}_{key}", ()
         case "rates", [key]:
             return f"gmlx_rates_{key}", (("model", model),)
@@ -152,6 +152,7 @@ FIXED = [("concurrency", "decode_batch"), ("concurrency", "queue_cap"), ("queue"
          ("memory", "budget_bytes"), ("memory", "system_total_bytes"),
          ("capacity",),  # the table from the budget, and the warm-up measured at start
          ("prompt_cache", "max_bytes"), ("prompt_cache", "block_tokens"),
+         ("kv_cache", "budget_bytes"), ("kv_cache", "block_tokens"), ("kv_cache", "blocks"),
          ("resident_models", "0", "decode_batch"), ("resident_models", "0", "weight_bytes"),
          ("resident_models", "0", "context_length")]
 # Counts of what this load does not cause, each driven where named.

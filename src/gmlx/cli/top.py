@@ -9,13 +9,16 @@ from rich.markup import escape
 
 from gmlx.cli.common import EXIT_FAILED, err_console
 from gmlx.tui.client import Poller, Status
+from gmlx.tui.fleet import Target, targets
 from gmlx.tui.render import plain_text
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 
 
 def top_command(
-    url: list[str] = typer.Option([DEFAULT_URL], "--url", help="A server to watch; repeat for a fleet."),  # noqa: B008
+    url: list[str] = typer.Option([DEFAULT_URL], "--url",  # noqa: B008
+                                  help="A server to watch: URL, URL#KEY, or @FILE (a list of those, or an HAProxy "
+                                  "configuration); repeat for a fleet."),
     api_key: str = typer.Option(None, "--api-key", envvar="GMLX_API_KEY", help="The servers' API key.",
                                 show_default=False),
     interval: float = typer.Option(1.0, "--interval", min=0.05, help="Seconds between polls."),
@@ -23,12 +26,16 @@ def top_command(
                               "exit 1 when a server is unreachable or refuses the key."),
 ) -> None:
     """Watch servers: governor band, memory, queue, rates, capacity and every request in flight."""
+    try:
+        fleet = targets(url, api_key)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--url") from None
     if not once:
         from gmlx.tui.app import TopApp  # Textual loads only for the dashboard
 
-        TopApp(url, api_key, interval).run()
+        TopApp(fleet, interval=interval).run()
         return
-    pollers = asyncio.run(_poll_once(url, api_key, interval))
+    pollers = asyncio.run(_poll_once(fleet, interval))
     typer.echo(plain_text(pollers), nl=False)
     failed = [p for p in pollers if p.status is not Status.UP]
     for p in failed:
@@ -37,8 +44,8 @@ def top_command(
         raise typer.Exit(EXIT_FAILED)
 
 
-async def _poll_once(urls: list[str], api_key: str | None, interval: float) -> list[Poller]:
-    pollers = [Poller(u, api_key, interval) for u in urls]
+async def _poll_once(fleet: list[Target], interval: float) -> list[Poller]:
+    pollers = [Poller(t.url, t.api_key, interval) for t in fleet]
     await asyncio.gather(*(p.poll() for p in pollers))
     for p in pollers:
         await p.aclose()

@@ -107,6 +107,12 @@ async def metrics_route(request: Request) -> Response:
     return JSONResponse(snap)
 
 
+async def router_metrics(request: Request) -> Response:
+    """GET /metrics: the Prometheus text of /v1/metrics?format=prometheus plus the vLLM series routers read."""
+    state: ServerState = request.app.state.gmlx
+    return Response(state.histograms.render(snapshot(state), router=True), media_type=CONTENT_TYPE_LATEST)
+
+
 async def system_route(request: Request) -> Response:
     return JSONResponse(system_info(request.app.state.gmlx))
 
@@ -158,6 +164,7 @@ def create_app(settings: Settings, engine: Engine, model_id: str) -> Starlette:
         Route("/v1/capacity/plan", capacity_plan, methods=["GET"]),
         Route("/v1/estimate", estimate_route, methods=["POST"]),
         Route("/v1/metrics", metrics_route, methods=["GET"]),
+        Route("/metrics", router_metrics, methods=["GET"]),
         Route("/system", system_route, methods=["GET"]),
         Route("/openapi.json", openapi_route, methods=["GET"]),
     ]

@@ -75,8 +75,9 @@ async def generate(request: Request, chat: bool) -> Response:
     finally:
         del state.queued[rid]
 
-    gen = Generation(state, p, rid, prompt_ids, anchor, max_tokens, decoding, row.arrived_at,
-                     row.queued_s(time.monotonic()))
+    queued_s = row.queued_s(time.monotonic())
+    state.histograms.observe_queue_wait(queued_s)
+    gen = Generation(state, p, rid, prompt_ids, anchor, max_tokens, decoding, row.arrived_at, queued_s)
     gen.start()
     if p.stream:
         return StreamingResponse(gen.stream(), media_type="text/event-stream",

@@ -12,7 +12,8 @@ from typing import Any
 import mlx.core as mx
 import psutil
 
-from gmlx.capacity.memory import kv_bytes_after_prefill, warmup_per_token
+from gmlx.capacity.memory import kv_bytes_after_prefill, kv_bytes_per_token, warmup_per_token
+from gmlx.capacity.table import CapacityTable
 from gmlx.engine.engine import drafting_refused
 from gmlx.server.admission import RETRY_AFTER_FULL_S
 from gmlx.server.state import ServerState
@@ -20,6 +21,7 @@ from gmlx.server.state import ServerState
 log = logging.getLogger("gmlx.metrics")
 
 Probe = Callable[[ServerState], Any]
+ROUTER_SATURATION = 0.8  # where the Gateway API Inference Extension's picker calls a server saturated
 
 
 def _concurrency(s: ServerState) -> dict:
@@ -42,6 +44,9 @@ def _governor(s: ServerState) -> dict:
     return s.governor.snapshot() if s.governor is not None else {"band": None, "enabled": False}
 
 
+_PROCESS = psutil.Process()  # this server's process: looked up once, read at every snapshot
+
+
 def _memory(s: ServerState) -> dict:
     active, cache = mx.get_active_memory(), mx.get_cache_memory()
     table = s.table()
@@ -53,17 +58,23 @@ def _memory(s: ServerState) -> dict:
         "peak_bytes": mx.get_peak_memory(),  # MLX's high-water mark since the start-up warm-up
         "headroom_bytes": usable - active - cache if usable is not None else None,
         "budget_bytes": table.budget.total_bytes if table else None,
-        "process_rss_bytes": psutil.Process().memory_info().rss,
+        "process_rss_bytes": _PROCESS.memory_info().rss,
         "system_available_bytes": vm.available,
         "system_total_bytes": vm.total,
     }
 
 
+_table_json: tuple[CapacityTable, dict] | None = None  # the last table and its JSON (a table never changes)
+
+
 def _capacity(s: ServerState) -> dict | None:
+    global _table_json
     table, measured = s.table(), s.engine.measured
     if table is None:
         return None
-    out = table.to_json()
+    if _table_json is None or _table_json[0] is not table:  # its binary searches cost more than the rest
+        _table_json = (table, table.to_json())
+    out = dict(_table_json[1])  # the warm-up is added below; nothing changes the nested parts
     if measured is not None:
         out["warmup"] = {
             "tokens": measured.tokens,
@@ -117,6 +128,38 @@ def _requests(s: ServerState) -> list[dict]:
     return rows
 
 
+def kv_usage(table_usage: float | None, governor_fraction: float | None, band: str | None,
+             yellow: float, ready: bool = True) -> float:
+    """The 0-1 figure a router reads as KV-cache usage (vllm:kv_cache_usage_perc; a picker saturates
+    at 0.8): the larger of the table's share and the governor's fraction scaled so that yellow's
+    threshold reads 0.8, and 1 at orange or red or while loading (docs/ARCHITECTURE.md, "Behind a
+    router"). The table's share anticipates: it counts a request's whole prompt once the engine has
+    it, before prefill allocates it. The governor's share sees what the arithmetic misses."""
+    if not ready or band in ("orange", "red"):
+        return 1.0
+    governed = 0.0 if governor_fraction is None else governor_fraction * ROUTER_SATURATION / yellow
+    return round(min(1.0, max(table_usage or 0.0, governed)), 4)
+
+
+def _kv_cache(s: ServerState) -> dict:
+    """KV bytes the running streams hold (the table's arithmetic, at each one's prompt plus what it
+    generated) against the table's KV budget; the prompt cache's bound is already off that budget."""
+    table, cache = s.table(), s.engine.prompt_cache
+    used = budget = table_usage = blocks = None
+    if table is not None:
+        used = sum(table.stream_bytes(len(r.prompt_ids) + r.generated) for r in s.engine.requests())
+        budget = table.budget.kv_bytes
+        table_usage = round(used / budget, 4) if budget else 1.0
+        if cache is not None and cache.enabled:
+            blocks = int(cache.max_bytes // (cache.block_tokens * kv_bytes_per_token(table.geometry, table.kv)))
+    gov = s.governor.snapshot() if s.governor is not None and s.governor.enabled else {}
+    yellow = (gov.get("thresholds") or {}).get("yellow", ROUTER_SATURATION)
+    return {"used_bytes": used, "budget_bytes": budget, "table_usage": table_usage,
+            "governor_fraction": gov.get("fraction"),
+            "usage": kv_usage(table_usage, gov.get("fraction"), gov.get("band"), yellow, s.ready),
+            "block_tokens": cache.block_tokens if blocks is not None else None, "blocks": blocks}
+
+
 def _prompt_cache(s: ServerState) -> dict:
     cache = s.engine.prompt_cache
     return cache.snapshot() if cache is not None else {"enabled": False}
@@ -144,6 +187,8 @@ SECTIONS: dict[str, tuple[Probe, tuple[str, ...]]] = {
     "rates": (_rates, ("decode_tok_s", "decode_streams", "prefill_tok_s_recent", "decode_tok_s_recent",
                        "decode_tok_s_lifetime", "speculative_accept_rate")),
     "totals": (_totals, ("requests_finished", "prompt_tokens", "generated_tokens")),
+    "kv_cache": (_kv_cache, ("used_bytes", "budget_bytes", "table_usage", "governor_fraction", "usage",
+                             "block_tokens", "blocks")),
     "prompt_cache": (_prompt_cache, ("enabled", "max_bytes", "bytes", "entries", "hits", "misses", "hit_rate",
                                      "reused_tokens", "stored_bytes", "evicted_bytes")),
     "requests": (_requests, ()),

@@ -305,6 +305,10 @@ PATHS: dict[str, dict[str, dict]] = {
         "The live snapshot, as JSON or Prometheus text",
         {"description": "The snapshot", "content": {**_json(_ref("Metrics")), "text/plain": {"schema": {"type": "string"}}}},
         400, params=[_query("format", {"enum": ["json", "prometheus"]})])},
+    "/metrics": {"get": _op(
+        "Prometheus text for routers: /v1/metrics?format=prometheus plus vllm:num_requests_waiting, "
+        "vllm:num_requests_running, vllm:kv_cache_usage_perc (0-1) and vllm:cache_config_info",
+        {"description": "Prometheus text", "content": {"text/plain": {"schema": {"type": "string"}}}})},
     "/system": {"get": _op("What runs where; open, no content", {"description": "System facts",
                                                                   "content": _json(_ref("System"))})},
     "/openapi.json": {"get": _op("This document", {"description": "OpenAPI 3.1", "content": _json({"type": "object"})})},

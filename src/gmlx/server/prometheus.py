@@ -1,7 +1,9 @@
-"""Prometheus text for /v1/metrics?format=prometheus, rendered by prometheus_client from the
-JSON snapshot itself (so both answer the same at the same moment), plus latency histograms.
-Every numeric field of the concurrency, queue, connections, memory, governor, capacity, rates and
-resident_models sections becomes a sample; counts since start are counters (`_total`)."""
+"""Prometheus text for /v1/metrics?format=prometheus and /metrics, rendered by prometheus_client from
+the JSON snapshot itself (so both answer the same at the same moment), plus latency histograms.
+Every numeric field of the concurrency, queue, connections, memory, governor, capacity, kv_cache,
+rates and resident_models sections becomes a sample; counts since start are counters (`_total`).
+/metrics adds the vLLM series that routers scrape (the Gateway API Inference Extension's endpoint
+picker, vLLM's production-stack router, llmtop): one series per name, as they read it."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 BANDS = ("green", "yellow", "orange", "red")
 _TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1, 2)
+_QUEUE_BUCKETS = (0.005, 0.025, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
 class _Snapshot:
@@ -21,12 +24,15 @@ class _Snapshot:
 
     def __init__(self) -> None:
         self.snap: dict[str, Any] = {}
+        self.router = False  # /metrics: add the vLLM series
 
     def collect(self) -> Iterator[Metric]:
         s = self.snap.get("server", {})
         models = s.get("resident_models") or []
         model = models[0]["model"] if models else ""
-        for section in ("concurrency", "queue", "memory"):
+        if self.router:
+            yield from _vllm(s, model)
+        for section in ("concurrency", "queue", "memory", "kv_cache"):
             yield from _gauges(f"gmlx_{section}", s.get(section) or {}, skip=("rejections", "timeouts"))
         queue = s.get("queue") or {}
         rejected = CounterMetricFamily("gmlx_queue_rejections", "Requests turned away at the gate", labels=["reason"])
@@ -45,7 +51,6 @@ class _Snapshot:
             if conns.get(key) is not None:
                 yield CounterMetricFamily(f"gmlx_connections_{key}", what, value=conns[key])
         yield from _governor(s.get("governor") or {})
-        yield from _capacity(s.get("capacity"))
         yield from _gauges("gmlx_rates", s.get("rates") or {}, labels={"model": model})
         yield GaugeMetricFamily("gmlx_requests", "Requests queued or running", value=len(s.get("requests") or []))
         totals = s.get("totals") or {}
@@ -76,6 +81,27 @@ def _gauges(prefix: str, section: dict, skip: tuple[str, ...] = (), labels: dict
         g = GaugeMetricFamily(f"{prefix}_{key}", f"{prefix.removeprefix('gmlx_')} {key}", labels=list(labels))
         g.add_metric(list(labels.values()), value)
         yield g
+
+
+def _vllm(s: dict, model: str) -> Iterator[Metric]:
+    """The series a router reads by vLLM's names, with their meaning (docs/ARCHITECTURE.md, "Behind a
+    router"): waiting counts queued requests only; running, the slots held (a request with n choices
+    holds n, as vLLM counts sequences); KV usage is kv_cache.usage."""
+    conc, kv = s.get("concurrency") or {}, s.get("kv_cache") or {}
+    for name, what, value in (
+            ("num_requests_waiting", "Requests waiting in the admission queue", conc.get("waiting")),
+            ("num_requests_running", "Requests holding a decode slot", conc.get("in_flight")),
+            ("kv_cache_usage_perc", "KV-cache usage, 0-1: the capacity table's share, the governor's band",
+             kv.get("usage"))):
+        if value is not None:
+            g = GaugeMetricFamily(f"vllm:{name}", what, labels=["model_name"])
+            g.add_metric([model], value)
+            yield g
+    if kv.get("blocks") is not None:
+        info = GaugeMetricFamily("vllm:cache_config_info", "The prompt cache's block size and block count",
+                                 labels=["block_size", "num_gpu_blocks"])
+        info.add_metric([str(kv["block_tokens"]), str(kv["blocks"])], 1.0)
+        yield info
 
 
 def _prompt_cache(pc: dict, model: str) -> Iterator[Metric]:
@@ -150,6 +176,16 @@ def _capacity(cap: dict | None) -> Iterator[Metric]:
             yield from _gauges(f"gmlx_capacity_{key}", part)
 
 
+class _Capacity:
+    """A collector over the capacity section it was last given."""
+
+    def __init__(self) -> None:
+        self.cap: dict | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        yield from _capacity(self.cap)
+
+
 class Histograms:
     """Latency histograms, and the registry the text is rendered from. TTFT is observed as each
     request finishes; inter-token latency at every gap between two tokens of a stream (the
@@ -159,10 +195,17 @@ class Histograms:
         self.registry = CollectorRegistry(auto_describe=False)
         self._snapshot = _Snapshot()
         self.registry.register(self._snapshot)
+        # The capacity table's 40-odd samples change only with the table: rendered once per table.
+        self._capacity = _Capacity()
+        self._capacity_registry = CollectorRegistry(auto_describe=False)
+        self._capacity_registry.register(self._capacity)
+        self._capacity_text = b""
         self.ttft = Histogram("gmlx_ttft_seconds", "Time to first token, from the request's arrival (queue wait included)", registry=self.registry,
                               buckets=_TTFT_BUCKETS)
         self.itl = Histogram("gmlx_inter_token_latency_seconds", "Time between two tokens of a stream",
                              registry=self.registry, buckets=_ITL_BUCKETS)
+        self.queue_wait = Histogram("gmlx_queue_wait_seconds", "Time a request waited at the admission gate",
+                                    registry=self.registry, buckets=_QUEUE_BUCKETS)
 
     def observe_ttft(self, ttft_s: float | None) -> None:
         if ttft_s is not None:
@@ -171,6 +214,15 @@ class Histograms:
     def observe_gap(self, seconds: float) -> None:
         self.itl.observe(seconds)
 
-    def render(self, snap: dict) -> bytes:
-        self._snapshot.snap = snap
-        return generate_latest(self.registry)
+    def observe_queue_wait(self, seconds: float) -> None:
+        """Once per request that passed the gate (one refused or gone while queued is not counted)."""
+        self.queue_wait.observe(seconds)
+
+    def render(self, snap: dict, router: bool = False) -> bytes:
+        """The text for `snap`; with `router`, the vLLM series too (/metrics). On the event loop only."""
+        self._snapshot.snap, self._snapshot.router = snap, router
+        capacity = snap.get("server", {}).get("capacity")
+        if capacity != self._capacity.cap:
+            self._capacity.cap = capacity
+            self._capacity_text = generate_latest(self._capacity_registry)
+        return generate_latest(self.registry) + self._capacity_text

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 from textual.app import App, ComposeResult
@@ -18,6 +18,7 @@ from textual.widgets import DataTable, Footer, Label, Sparkline, Static
 from gmlx.tui import format as fmt
 from gmlx.tui import render
 from gmlx.tui.client import Poller
+from gmlx.tui.fleet import Target, targets
 
 HELP = """\
 [b]gmlx top[/b]: polls /v1/metrics, /system and /health?ready=1 of each server.
@@ -26,7 +27,7 @@ HELP = """\
   [b]p[/b]    pause or resume polling
   [b]s[/b]    cycle the sort of the request table (queue, elapsed, tok/s, id)
   [b]r[/b]    reconnect now (skips the backoff after a failure)
-  [b]tab[/b]  next server, when several --url are given
+  [b]tab[/b]  next server, when several --url are given (URL, URL#KEY, or @FILE: a list or an HAProxy config)
   [b]?[/b]    this help
 
 The band is the memory governor's: [green]green[/], [yellow]yellow[/] (one admission at a time),
@@ -74,9 +75,10 @@ class TopApp(App[None]):
         return (("decode", "decode", h.decode, fmt.rate), ("prefill", "prefill", h.prefill, fmt.rate),
                 ("queue", "queue depth", h.queue, fmt.count))
 
-    def __init__(self, urls: list[str], api_key: str | None = None, interval: float = 1.0):
+    def __init__(self, urls: Sequence[str | Target], api_key: str | None = None, interval: float = 1.0):
+        """`urls`: as `gmlx top --url` takes them (URL, URL#KEY, @FILE; gmlx.tui.fleet)."""
         super().__init__()
-        self.pollers = [Poller(u, api_key, interval) for u in urls]
+        self.pollers = [Poller(t.url, t.api_key, interval) for t in targets(urls, api_key)]
         self.selected = 0
         self.paused = False
         self.sort = render.SORTS[0]

@@ -65,7 +65,8 @@ class Poller:
         self.ready = _json(ready)
         if metrics.status_code == 401:
             self.metrics = {}
-            return self._fail(Status.AUTH, "this server needs an API key: pass --api-key KEY or set GMLX_API_KEY")
+            return self._fail(Status.AUTH, "this server needs its API key: --url URL#KEY, a fleet file, "
+                              "or --api-key KEY (GMLX_API_KEY) for every server")
         if not metrics.is_success:
             message = dict_of(dict_of(_json(metrics)).get("error")).get("message")
             return self._fail(Status.DOWN, f"HTTP {metrics.status_code} from /v1/metrics" + (f": {message}" if message else ""))
