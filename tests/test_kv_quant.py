@@ -25,9 +25,9 @@ from gmlx.capacity.memory import (
     tail_tokens_held,
 )
 from gmlx.engine.kv_cache import (
-    BatchQuantizedKVCache,
+    BatchPackedKVCache,
     BatchUniformKVCache,
-    QuantizedKVCache,
+    PackedKVCache,
     UniformKVCache,
     make_cache_factory,
 )
@@ -232,7 +232,7 @@ def test_close_to_float(tiny_long: dict[str, LoadedModel], arch: str) -> None:
 def test_prompt_cache_operations(tiny_long: dict[str, LoadedModel]) -> None:
     """What the prompt cache does to a request's caches: deepcopy, trim, nbytes, extract/merge."""
     m = tiny_long["llama"]
-    for cls, s in ((UniformKVCache, UNIFORM4), (QuantizedKVCache, KVARN_SHORT)):
+    for cls, s in ((UniformKVCache, UNIFORM4), (PackedKVCache, KVARN_SHORT)):
         factory = _factory(m, s)
         cache = factory(m.model)
         assert all(type(c) is cls for c in cache)
@@ -251,7 +251,7 @@ def test_prompt_cache_operations(tiny_long: dict[str, LoadedModel]) -> None:
         assert mx.abs(a - b).max().item() < 0.1
         assert sum(c.nbytes for c in copied) > 0
         batch = cls.merge([c[0] for c in (copied, short)])
-        assert isinstance(batch, BatchUniformKVCache if cls is UniformKVCache else BatchQuantizedKVCache)
+        assert isinstance(batch, BatchUniformKVCache if cls is UniformKVCache else BatchPackedKVCache)
         assert type(batch.extract(1)) is cls and batch.extract(1).offset == 61
 
 

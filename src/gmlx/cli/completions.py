@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from typer._completion_shared import get_completion_script
+from gmlx import upstream
 
 # Where each shell looks for a completion script, by name.
 SCRIPTS = {"bash": "gmlx.bash", "zsh": "_gmlx", "fish": "gmlx.fish"}
@@ -27,7 +27,7 @@ def script(shell: str) -> str:
     """The script `gmlx --show-completion` prints under `shell`: it calls back into `gmlx` with
     `_GMLX_COMPLETE=complete_<shell>`, so completions follow the typer app (typer has no public
     way to ask for another shell's script than the one it detects)."""
-    return get_completion_script(prog_name="gmlx", complete_var="_GMLX_COMPLETE", shell=shell) + "\n"
+    return upstream.completion_script("gmlx", "_GMLX_COMPLETE", shell) + "\n"
 
 
 def write(root: Path = ROOT) -> list[Path]:

@@ -26,6 +26,7 @@ import llguidance.numpy
 import mlx.core as mx
 import numpy as np
 
+from gmlx import upstream
 from gmlx.gguf.vocab import token_bytes
 
 if TYPE_CHECKING:
@@ -82,7 +83,7 @@ class _GGUFTokens:
     def __init__(self, loaded: LoadedModel):
         header = loaded.header
         # The HF tokenizer inside, not the wrapper: that is _vocabularies' key, which this must not keep alive.
-        self._encode = loaded.tokenizer._tokenizer.encode
+        self._encode = upstream.hf_tokenizer(loaded.tokenizer).encode
         self.tokens = token_bytes(header)
         types = header.get("tokenizer.ggml.token_type")
         self.special_token_ids = [] if types is None else [i for i, t in enumerate(types) if int(t) in _SPECIAL_TYPES]

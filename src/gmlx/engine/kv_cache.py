@@ -39,8 +39,9 @@ import copy
 from collections.abc import Callable
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache, _BaseCache, make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
+from gmlx import upstream
 from gmlx.capacity.kv_quant import KVQuantPlan
 
 TAIL_STEP = 256  # the tail is cut back to tail_tokens once it holds this many more
@@ -59,7 +60,7 @@ def _overlay(full: mx.array, tail: mx.array, valid: mx.array | None) -> mx.array
     return recent if n == length else mx.concatenate([full[..., : length - n, :], recent], axis=2)
 
 
-class _QuantizedLayerCache(_BaseCache):
+class _PackedLayerCache:
     """What the per-request and the batch forms share; `parts` are three float caches holding
     (key words, value words), (key scales, value scales) and (key biases, value biases)."""
 
@@ -157,7 +158,7 @@ class _QuantizedLayerCache(_BaseCache):
         return sum(c.nbytes for c in self._all())
 
 
-class QuantizedKVCache(_QuantizedLayerCache):
+class PackedKVCache(_PackedLayerCache):
     """One request's quantized cache for one full-attention layer (dequantized attention)."""
 
     def __init__(self, key_bits: int = 4, value_bits: int = 4, group_size: int = 64, tail_tokens: int = 0):
@@ -174,7 +175,7 @@ class QuantizedKVCache(_QuantizedLayerCache):
             t.offset = keep
 
     @classmethod
-    def merge(cls, caches: list[QuantizedKVCache]) -> BatchQuantizedKVCache:
+    def merge(cls, caches: list[PackedKVCache]) -> BatchPackedKVCache:
         first = caches[0]
         out = cls.batch_cls.__new__(cls.batch_cls)
         out._setup(first.key_bits, first.value_bits, first.group_size, first.tail_tokens)
@@ -183,7 +184,7 @@ class QuantizedKVCache(_QuantizedLayerCache):
         return out
 
 
-class BatchQuantizedKVCache(_QuantizedLayerCache):
+class BatchPackedKVCache(_PackedLayerCache):
     """The batch form: left-padded rows, as mlx_lm's BatchKVCache."""
 
     def __init__(self, left_padding: list[int], key_bits: int = 4, value_bits: int = 4, group_size: int = 64,
@@ -201,18 +202,19 @@ class BatchQuantizedKVCache(_QuantizedLayerCache):
         # is in flight end `right padding` slots before the last; never the row's invalid front.
         t, n = self.tail, tk.shape[2]
         start = n - self.tail_tokens
-        if t._right_padding is not None:
-            start = start - t._right_padding
+        if (padding := upstream.right_padding(t)) is not None:
+            start = start - padding
         start = mx.maximum(t.left_padding, start)
         return tk, tv, (mx.arange(n)[None] >= start[:, None])[:, None, :, None]
 
     def _cut_tail(self) -> None:
         t = self.tail
-        if t._idx >= self.tail_tokens + TAIL_STEP:
-            cut = t._idx - self.tail_tokens
-            t.keys = mx.contiguous(t.keys[..., cut: t._idx, :])
-            t.values = mx.contiguous(t.values[..., cut: t._idx, :])
-            t._idx = self.tail_tokens
+        filled = upstream.filled(t)
+        if filled >= self.tail_tokens + TAIL_STEP:
+            cut = filled - self.tail_tokens
+            t.keys = mx.contiguous(t.keys[..., cut:filled, :])
+            t.values = mx.contiguous(t.values[..., cut:filled, :])
+            upstream.set_filled(t, self.tail_tokens)
             t.left_padding = mx.maximum(t.left_padding - cut, 0)
 
     def prepare(self, **kwargs) -> None:
@@ -227,11 +229,11 @@ class BatchQuantizedKVCache(_QuantizedLayerCache):
         for c in self._all():
             c.filter(batch_indices)
 
-    def extend(self, other: BatchQuantizedKVCache) -> None:
+    def extend(self, other: BatchPackedKVCache) -> None:
         for mine, theirs in zip(self._all(), other._all()):
             mine.extend(theirs)
 
-    def extract(self, idx: int) -> QuantizedKVCache:
+    def extract(self, idx: int) -> PackedKVCache:
         out = self.single_cls.__new__(self.single_cls)
         out._setup(self.key_bits, self.value_bits, self.group_size, self.tail_tokens)
         out.parts = [p.extract(idx) for p in self.parts]
@@ -241,7 +243,7 @@ class BatchQuantizedKVCache(_QuantizedLayerCache):
         return out
 
 
-class UniformKVCache(QuantizedKVCache):
+class UniformKVCache(PackedKVCache):
     """`uniform`: one width for keys and values and no tail, so attention runs quantized."""
 
     _quantized_attention = True
@@ -254,7 +256,7 @@ class UniformKVCache(QuantizedKVCache):
         return self.key_bits
 
 
-class BatchUniformKVCache(BatchQuantizedKVCache):
+class BatchUniformKVCache(BatchPackedKVCache):
     _quantized_attention = True
 
     @property
@@ -262,8 +264,8 @@ class BatchUniformKVCache(BatchQuantizedKVCache):
         return self.key_bits
 
 
-QuantizedKVCache.batch_cls = BatchQuantizedKVCache
-BatchQuantizedKVCache.single_cls = QuantizedKVCache
+PackedKVCache.batch_cls = BatchPackedKVCache
+BatchPackedKVCache.single_cls = PackedKVCache
 UniformKVCache.batch_cls = BatchUniformKVCache
 BatchUniformKVCache.single_cls = UniformKVCache
 
@@ -283,7 +285,7 @@ def make_cache_factory(plan: KVQuantPlan | None) -> CacheFactory:
             return layer_cache
         if plan.scheme == "uniform":
             return UniformKVCache(plan.bits, plan.group_size)
-        return QuantizedKVCache(plan.bits, plan.value_bits, plan.group_size, plan.tail_tokens)
+        return PackedKVCache(plan.bits, plan.value_bits, plan.group_size, plan.tail_tokens)
 
     def make_cache(model: object) -> list:
         return [one(c) for c in make_prompt_cache(model)]

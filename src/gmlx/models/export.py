@@ -15,6 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from gmlx import upstream
 from gmlx.gguf.header import GGUFError
 from gmlx.models.loader import Progress, architecture_for, load
 from gmlx.models.weights_mode import GROUP_SIZE, WeightsOption
@@ -53,7 +54,7 @@ def export(path: str | Path, out_dir: str | Path, weights: WeightsOption = "floa
     params = dict(tree_flatten(loaded.model.parameters()))
     mx.save_safetensors(str(out / WEIGHTS_FILE), params, metadata={"format": "mlx"})
 
-    hf = loaded.tokenizer._tokenizer
+    hf = upstream.hf_tokenizer(loaded.tokenizer)
     hf.save_pretrained(str(out))
     # The template goes inside tokenizer_config.json too, and the class is named as transformers 4
     # and 5 both know it, so the directory reads the same under either.

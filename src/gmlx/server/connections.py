@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from gmlx import upstream
 
 log = logging.getLogger("gmlx.server")
 FD_RESERVE = 64  # descriptors kept free of connections: model files, logs, /proc reads, the listener
@@ -81,7 +81,7 @@ def error_bytes(status: int, reason: str, message: str, code: str, retry_after: 
     return ("\r\n".join(head) + "\r\n\r\n").encode() + body
 
 
-def guarded_protocol(stats: ConnectionStats, header_timeout_s: float) -> type[H11Protocol]:
+def guarded_protocol(stats: ConnectionStats, header_timeout_s: float) -> type:
     """uvicorn's h11 protocol with the cap and the header deadline; pass it as `Config(http=...)`.
 
     At the cap, a new connection takes the place of a stalled one, which holds no work: one that
@@ -122,7 +122,7 @@ def guarded_protocol(stats: ConnectionStats, header_timeout_s: float) -> type[H1
         elif fresh and time.monotonic() - next(iter(fresh.values())) >= FRESH_GRACE_S:
             next(iter(fresh))._close("evicted")
 
-    class GuardedProtocol(H11Protocol):
+    class GuardedProtocol(upstream.H11Protocol):
         _admitted = False  # counted in stats.open, from admission until closed
         _answered = False  # gmlx wrote its own final answer (400, 408): what still arrives is dropped
         _header_timer: asyncio.TimerHandle | None = None

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import socket
 from collections.abc import Callable
 from types import FrameType
@@ -14,6 +13,7 @@ from types import FrameType
 import uvicorn
 from starlette.applications import Starlette
 
+from gmlx import upstream
 from gmlx.server.connections import connection_cap, guarded_protocol, limit_log_repeats, raise_fd_limit
 from gmlx.server.state import ServerState
 
@@ -54,7 +54,7 @@ class DrainingServer(uvicorn.Server):
         await super().shutdown(sockets)
         # uvicorn re-raises a captured signal once it has stopped, so the process would die of the
         # SIGTERM or SIGINT it just handled (exit -15, or 130); a drained shutdown is a clean exit, 0.
-        self._captured_signals = [s for s in self._captured_signals if s not in (signal.SIGTERM, signal.SIGINT)]
+        upstream.forget_signals(self)
 
 
 async def drain(state: ServerState, timeout: float, hurried: Callable[[], bool] = lambda: False) -> None:

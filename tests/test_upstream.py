@@ -1,0 +1,71 @@
+"""Each private part of mlx_lm, uvicorn and typer that gmlx.upstream reaches still behaves as it
+did in the version it was checked against. (uvicorn's h11 protocol internals, which
+gmlx.server.connections subclasses, are checked by tests/test_connections.py.)"""
+
+from __future__ import annotations
+
+import signal
+from importlib.metadata import version
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+import uvicorn
+from mlx_lm.models.cache import BatchKVCache
+from transformers import PreTrainedTokenizerFast
+
+from gmlx import upstream
+
+
+def test_the_checked_versions_are_the_ones_installed_or_within_the_pins() -> None:
+    for package, checked in upstream.CHECKED.items():
+        assert version(package).split(".")[:2] == checked.split(".")[:2], (package, version(package), checked)
+
+
+def test_a_batch_cache_reports_its_filled_slots_and_right_padding() -> None:
+    cache = BatchKVCache([0, 0])
+    assert upstream.right_padding(cache) is None and upstream.filled(cache) == 0
+    keys = mx.zeros((2, 1, 3, 4))
+    cache.update_and_fetch(keys, keys)
+    assert upstream.filled(cache) == 3 and cache.keys.shape[2] >= 3  # written slots, not the buffer's length
+    upstream.set_filled(cache, 1)
+    k, _ = cache.update_and_fetch(keys[:, :, :1], keys[:, :, :1])
+    assert k.shape[2] == 2  # the next write lands after the slots set, and attention sees only those
+
+    padded = BatchKVCache([0, 0])
+    padded.prepare(lengths=[3, 1], right_padding=[0, 2])
+    assert upstream.right_padding(padded).tolist() == [0, 2]
+    padded.update_and_fetch(keys, keys)
+    padded.finalize()
+    assert upstream.right_padding(padded) is None  # gone once the padded rows are rolled into place
+
+
+def test_a_tokenizer_wrapper_holds_a_fast_transformers_tokenizer(tiny_models: dict[str, Path]) -> None:
+    from gmlx.gguf.header import read_header
+    from gmlx.gguf.tokenizer import load_tokenizer
+
+    wrapper = load_tokenizer(read_header(tiny_models["llama"]))
+    hf = upstream.hf_tokenizer(wrapper)
+    assert isinstance(hf, PreTrainedTokenizerFast)
+    assert hf.encode("hello world") == wrapper.encode("hello world")
+
+
+def test_uvicorn_forgets_the_signals_it_would_raise_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    raised: list[int] = []
+    monkeypatch.setattr(signal, "raise_signal", raised.append)
+
+    async def app(scope, receive, send) -> None:  # never called
+        raise AssertionError
+
+    server = uvicorn.Server(uvicorn.Config(app))
+    with server.capture_signals():
+        server.handle_exit(signal.SIGTERM, None)
+        server.handle_exit(signal.SIGHUP, None)
+        upstream.forget_signals(server)
+    assert raised == [signal.SIGHUP]  # uvicorn re-raises what it captured, less what gmlx forgot
+
+
+def test_typer_writes_each_shells_completion_script() -> None:
+    for shell, marker in (("bash", "complete -o"), ("zsh", "compdef"), ("fish", "complete --command")):
+        script = upstream.completion_script("gmlx", "_GMLX_COMPLETE", shell)
+        assert marker in script and "_GMLX_COMPLETE" in script, shell
