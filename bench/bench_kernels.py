@@ -83,8 +83,10 @@ def _worker(model: str, mode: str) -> None:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
+    from gmlx.kernels import fast as kernels_fast
     from gmlx.models.loader import load
 
+    kernels_fast.install()  # as a server's engine does
     t0 = time.perf_counter()
     m = load(model, mode.split(":")[0])  # type: ignore[arg-type]
     import gmlx.kernels as gk

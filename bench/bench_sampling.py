@@ -45,8 +45,10 @@ def main() -> None:
     from gmlx import kernels
     from gmlx.default_model import resolve_model
     from gmlx.engine import sampling
+    from gmlx.kernels import fast as kernels_fast
     from gmlx.models.loader import load
 
+    kernels_fast.install()  # as a server's engine does
     path = resolve_model(args.model)
     m = load(path, "auto")
     prompts = [m.tokenizer.encode(PROMPTS[i % len(PROMPTS)]) for i in range(args.rows)]

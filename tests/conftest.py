@@ -206,6 +206,15 @@ def offline_table(path: Path, memory: int, decode_batch: int = 4, context_length
                           else prompt_cache_bytes, tiled_attention=fast.enabled())
 
 
+@pytest.fixture(scope="session", autouse=True)
+def fast_ops() -> None:
+    """Models loaded directly run with MLX's fast ops as gmlx's CPU kernels, as a server's engine
+    installs them at start (gmlx.kernels.fast; nothing off the CPU or without the extension)."""
+    from gmlx.kernels import fast
+
+    fast.install()
+
+
 @pytest.fixture
 def small_memory_model(tmp_path: Path) -> tuple[Path, int]:
     """A tiny model with a 4096-token window on a budget that holds about 2600 tokens of KV (a

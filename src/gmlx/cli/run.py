@@ -69,8 +69,10 @@ def run_command(
 
     from gmlx.engine.sampling import SamplingParams, make_sampler
     from gmlx.gguf.detokenizer import continuation_detokenizer
+    from gmlx.kernels import fast as kernels_fast
     from gmlx.models.loader import load
 
+    kernels_fast.install()  # as a server's engine does
     with model_errors(), load_progress() as step:
         loaded = load(path, weights, progress=step)  # type: ignore[arg-type]
     tokenizer = loaded.tokenizer

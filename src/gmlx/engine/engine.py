@@ -23,6 +23,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import StreamingDetokenizer
 
+from gmlx.engine.embeddings import embed
 from gmlx.engine.heap import map_large_buffers, trim_heap
 from gmlx.engine.logprobs import TokenLogprob, score_logprobs
 from gmlx.engine.processors import Decoding, LogitsProcessor
@@ -31,6 +32,7 @@ from gmlx.engine.sampling import Sampler, SamplingParams, greedy, make_sampler
 from gmlx.engine.speculative import SpeculativeCounters, SpeculativeStream, can_speculate
 from gmlx.engine.stops import StopMatcher
 from gmlx.gguf.detokenizer import continuation_detokenizer
+from gmlx.kernels import fast as kernels_fast
 from gmlx.models.loader import LoadedModel
 
 log = logging.getLogger("gmlx.engine")
@@ -154,6 +156,13 @@ class _ReleaseMemory:
 
 
 @dataclass(frozen=True)
+class _Embed:
+    inputs: list[list[int]]
+    pooling: str
+    done: Callable[[list[list[float]] | None, str | None], None]  # (vectors, None) or (None, why it failed)
+
+
+@dataclass(frozen=True)
 class _CancelAll:
     pass
 
@@ -163,7 +172,7 @@ class _Stop:
     pass
 
 
-_Command = _Submit | _Cancel | _ReleaseMemory | _CancelAll | _Stop
+_Command = _Submit | _Cancel | _ReleaseMemory | _Embed | _CancelAll | _Stop
 
 
 def drafting_refused(req: Request) -> str | None:
@@ -345,7 +354,11 @@ class Engine:
     # --- called from any thread -------------------------------------------------------
 
     def start(self) -> None:
-        map_large_buffers()  # before the weights load: freed buffers must leave the process (engine/heap.py)
+        """Start the engine thread, first setting what it needs process-wide: large buffers freed
+        straight back to the system (engine/heap.py), and MLX's fast ops as gmlx's CPU kernels
+        (gmlx.kernels.fast; nothing off the CPU or without the extension)."""
+        map_large_buffers()
+        kernels_fast.install()
         self._thread.start()
 
     def submit(self, request: Request) -> None:
@@ -365,6 +378,12 @@ class Engine:
         released)` is then called here with the bytes of the entries dropped and the bytes MLX's
         cache returned to the system (which include the dropped entries' buffers)."""
         self._commands.put(_ReleaseMemory(evict_bytes, done))
+
+    def embed(self, inputs: list[list[int]], pooling: str,
+              done: Callable[[list[list[float]] | None, str | None], None]) -> None:
+        """Embed each token list (engine/embeddings.py) between two steps; `done` is called on this
+        thread. The batch waits meanwhile, as it waits for a prefill chunk."""
+        self._commands.put(_Embed(inputs, pooling, done))
 
     def cancel_all(self) -> None:
         self._commands.put(_CancelAll())
@@ -480,9 +499,26 @@ class Engine:
                         done(evicted, released)
                     except Exception:  # a report that fails must not fail the running requests
                         log.exception("reporting a memory release failed")
+                case _Embed(inputs, pooling, done):
+                    self._embed(inputs, pooling, done)
                 case _CancelAll():
                     for stream in list(self._active.values()):
                         self._cancel(gen, stream.req)
+
+    def _embed(self, inputs: list[list[int]], pooling: str,
+               done: Callable[[list[list[float]] | None, str | None], None]) -> None:
+        assert self.loaded is not None
+        try:
+            vectors = [embed(self.loaded, self._make_cache, ids, pooling, self.prefill_step) for ids in inputs]
+        except Exception as e:  # a failed embedding fails its request, not the engine
+            log.exception("embedding failed")
+            vectors, error = None, f"embedding failed: {e}"
+        else:
+            error = None
+        try:
+            done(vectors, error)
+        except Exception:  # as for a memory release's report: the running requests must not fail for it
+            log.exception("delivering embeddings failed")
 
     def _insert(self, gen: BatchGenerator, req: Request) -> None:
         assert self.loaded is not None

@@ -16,7 +16,6 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from gmlx.gguf.header import GGUFError, GGUFHeader, ModelGeometry, read_header
 from gmlx.gguf.tensors import GGUF_BLOCKS, LoadReport, load_tensors
 from gmlx.gguf.tokenizer import load_tokenizer
-from gmlx.kernels import fast as kernels_fast
 from gmlx.models import check_supported
 from gmlx.models.architecture import Architecture
 from gmlx.models.deepseek2 import DeepSeek2
@@ -82,8 +81,6 @@ def load(path: str | Path, weights: WeightsOption = "auto", progress: Progress |
     if mode == "gguf" and (why := gguf_kernels_reason()) is not None:
         raise GGUFError(f"weights mode gguf is not available here: {why}")
 
-    # MLX's fast ops as single CPU graph nodes (does nothing off the CPU or without the extension)
-    kernels_fast.install()
     step("weights")
     arrays, quant, report = load_tensors(h, mode)  # type: ignore[arg-type]
     step("model")
