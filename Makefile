@@ -37,7 +37,7 @@ system:
 
 venv: system $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml CMakeLists.txt $(wildcard csrc/*)
+$(VENV)/.installed: pyproject.toml CMakeLists.txt $(wildcard csrc/* csrc/kernels/*)
 	[ -x $(VENV)/bin/python ] || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
 	$(VENV)/bin/python -m pip install -q -e '.[demo,test]'

@@ -1,10 +1,10 @@
 // Quantized matrix multiply over GGUF (GGML) block formats, CPU.
 //
-// The same source (kernels_impl.cpp) is compiled once per instruction set (generic,
-// AVX2+FMA+F16C, AVX-512, AVX-512 with AMX's int8 tiles) into its own namespace; ops.cpp
-// picks one at run time with __builtin_cpu_supports (and cpuid, for AMX). Nothing from the C++ standard
-// library crosses this interface, so no inline function compiled for a wider
-// ISA can leak into code that runs on a narrower one.
+// The same source (kernels_impl.cpp and the headers of kernels/ it includes) is compiled once per
+// instruction set (generic, AVX2+FMA+F16C, AVX-512, AVX-512 with AMX's int8 tiles) into its own
+// namespace; ops.cpp picks one at run time with __builtin_cpu_supports (and cpuid, for AMX).
+// Nothing from the C++ standard library crosses this interface, so no inline function compiled
+// for a wider ISA can leak into code that runs on a narrower one.
 #pragma once
 
 #include <cstdint>
@@ -17,7 +17,32 @@ enum GGMLType : int {
   Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
 };
 
-// Weights per block and bytes per block; 0 for a type this library does not handle.
+// The block formats this library handles, the one table of their sizes: weights and bytes per
+// block, and whether a block has a minimum (y = d * q + m) as well as a scale.
+struct BlockFormat {
+  int type, block, bytes;
+  bool has_min;
+};
+inline constexpr BlockFormat FORMATS[] = {
+    {Q4_0, 32, 18, false},
+    {Q4_1, 32, 20, true},
+    {Q5_0, 32, 22, false},
+    {Q5_1, 32, 24, true},
+    {Q8_0, 32, 34, false},
+    {Q4_K, 256, 144, true},
+    {Q5_K, 256, 176, true},
+    {Q6_K, 256, 210, false},
+};
+
+// A format at compile time, for the kernels' templates (consteval: no code of it lands in an ISA's
+// object); block 0 for a type not in the table.
+consteval BlockFormat format_of(int type) {
+  for (const BlockFormat& f : FORMATS)
+    if (f.type == type) return f;
+  return {type, 0, 0, false};
+}
+
+// The same at run time (ops.cpp): weights per block and bytes per block; 0 for a type not handled.
 int block_size(int type);
 int type_size(int type);
 
@@ -82,7 +107,8 @@ struct Impl {
   // each pass of INT_ROWS rows at (xq, xd, xs) + its first row's offset (row m0 at xq + m0 * K,
   // xd + m0 * K/32); quantize_x codes one pass (a.M <= INT_ROWS rows) at a time.
   // int_supported: this ISA has the path for (type, M). matmul_rows_int takes every row of x,
-  // INT_ROWS at a time; scratch holds INT_SCRATCH_PER_K * K bytes, 64-byte aligned.
+  // INT_ROWS at a time; scratch holds INT_SCRATCH_PER_K * K bytes, 64-byte aligned. The three
+  // are null where the ISA has no integer path (generic).
   bool (*int_supported)(int type, int64_t M);
   void (*quantize_x)(const MatmulArgs& a, int bits, int16_t* xq, float* xd, float* xs);
   void (*matmul_rows_int)(const MatmulArgs& a, const int16_t* xq, const float* xd, const float* xs,

@@ -26,25 +26,15 @@
 namespace gmlx_kernels {
 
 int block_size(int type) {
-  switch (type) {
-    case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: return 32;
-    case Q4_K: case Q5_K: case Q6_K: return 256;
-    default: return 0;
-  }
+  for (const BlockFormat& f : FORMATS)
+    if (f.type == type) return f.block;
+  return 0;
 }
 
 int type_size(int type) {
-  switch (type) {
-    case Q4_0: return 18;
-    case Q4_1: return 20;
-    case Q5_0: return 22;
-    case Q5_1: return 24;
-    case Q8_0: return 34;
-    case Q4_K: return 144;
-    case Q5_K: return 176;
-    case Q6_K: return 210;
-    default: return 0;
-  }
+  for (const BlockFormat& f : FORMATS)
+    if (f.type == type) return f.bytes;
+  return 0;
 }
 
 int n_threads() {
@@ -195,7 +185,7 @@ void run_matmuls(const MatmulArgs* parts, int n_parts) {
   const Impl* impl = active_impl();
   const MatmulArgs& a = parts[0];
   const int bits = act_bits();
-  bool integer = bits > 0;
+  bool integer = bits > 0 && impl->int_supported;  // null: this ISA has no integer path
   for (int i = 0; i < n_parts; i++) integer = integer && impl->int_supported(parts[i].type, a.M);
   if (!integer) {
     for (int i = 0; i < n_parts; i++) run_float(parts[i]);

@@ -14,8 +14,8 @@ all of them; and an MLP down(act(gate(x)) * up(x)) becomes one GatedMLP node (fu
 with a vectorized activation where MLX's CPU backend calls a scalar tanh). gmlx.kernels.fast
 does the same for MLX's norms, RoPE and attention.
 
-Paths (csrc/kernels_impl.cpp): for fewer than 64 activation rows (decode, short prompts,
-speculative verification), each activation is coded as a 16-bit integer with one scale per
+Paths (a header each in csrc/kernels/; csrc/kernels_impl.cpp picks them): for fewer than 64
+activation rows (decode, short prompts, speculative verification), each activation is coded as a 16-bit integer with one scale per
 32-block (error about 1/65000 of the block's max) and each weight block, unpacked once to
 int16, meets 8 rows at a time in integer dot products (AVX2/AVX-512 madd); more rows (prefill)
 go through OpenBLAS's sgemm on dequantized panels, or without it dequantize 16 weight rows at a

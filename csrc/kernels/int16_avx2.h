@@ -1,0 +1,86 @@
+// The int16 path's dot product of one weight row with AVX2 (row_dot: see int16_rows.h): each
+// 32-block's codes widened to two registers of int16 meet a row's codes in two madds.
+#pragma once
+
+#include "kernels/int_codes.h"
+
+namespace gmlx_kernels::GMLX_ISA {
+namespace {
+
+inline void widen(const W32& v, bool scaled, __m256i* lo, __m256i* hi) {
+  *lo = i16_lo(v.q);
+  *hi = i16_hi(v.q);
+  if (scaled) {
+    *lo = _mm256_mullo_epi16(*lo, _mm256_set1_epi16((short)v.s0));
+    *hi = _mm256_mullo_epi16(*hi, _mm256_set1_epi16((short)v.s1));
+  }
+}
+
+template <int TYPE, int MC>
+inline void row_dot(const uint8_t* w, const XQ& x, int M_, float* out) {
+  using B = Blocks<TYPE>;
+  constexpr int U = MC == 1 ? 4 : MC == 2 ? 2 : 1;
+  constexpr int MR = MC > 0 ? MC : INT_ROWS;
+  const int M = MC > 0 ? MC : M_;
+  const int64_t K = x.K, nb32 = K / 32;
+  __m256 acc[U][MR];
+  float mins[MR];
+#pragma GCC unroll 8
+  for (int m = 0; m < M; m++) {  // unrolled: a loop here becomes a memset through memory
+    mins[m] = 0.f;
+    for (int u = 0; u < U; u++) acc[u][m] = _mm256_setzero_ps();
+  }
+  // block<u>(b): 32-block b (decoded in wb[b % NW]) into accumulator set u, a compile-time index
+  // so the sets stay in registers
+  constexpr int NW = B::NB > U ? B::NB : U;
+  W32 wb[NW];
+  auto block = [&]<int u>(int64_t b) {
+    const W32& wv = wb[b % NW];
+    __m256i lo, hi;
+    widen(wv, TYPE == Q6_K, &lo, &hi);
+    for (int m = 0; m < M; m++) {
+      const int16_t* xq = x.q + m * K + b * 32;
+      const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i*)xq)),
+                                         _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i*)(xq + 16))));
+      acc[u][m] = _mm256_fmadd_ps(_mm256_set1_ps(wv.d * x.d[m * nb32 + b]), _mm256_cvtepi32_ps(p), acc[u][m]);
+      if constexpr (TYPE == Q4_1 || TYPE == Q5_1) mins[m] += wv.m * x.s[m * nb32 + b];
+    }
+  };
+  auto blocks_u = [&](int64_t b) {  // blocks b .. b + U - 1, one per accumulator set
+    block.template operator()<0>(b);
+    if constexpr (U > 1) block.template operator()<1>(b + 1);
+    if constexpr (U > 2) {
+      block.template operator()<2>(b + 2);
+      block.template operator()<3>(b + 3);
+    }
+  };
+  if constexpr (B::NB == 1) {
+    int64_t b = 0;
+    for (; b + U <= nb32; b += U) {
+      for (int u = 0; u < U; u++) B::decode(w, b + u, wb + u);
+      blocks_u(b);
+    }
+    for (; b < nb32; b++) {
+      B::decode(w, b, wb + b % NW);
+      block.template operator()<0>(b);
+    }
+  } else {
+    static_assert(B::NB % U == 0);
+    for (int64_t c = 0; c < nb32 / B::NB; c++) {
+      B::decode(w, c, wb);
+      for (int i = 0; i < B::NB; i += U) blocks_u(c * B::NB + i);
+      if constexpr (TYPE == Q4_K || TYPE == Q5_K) {  // the 8 minima against the 8 activation sums, in the lanes
+        const __m256 mv = _mm256_setr_ps(wb[0].m, wb[1].m, wb[2].m, wb[3].m, wb[4].m, wb[5].m, wb[6].m, wb[7].m);
+        for (int m = 0; m < M; m++) acc[0][m] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(x.s + m * nb32 + c * 8), acc[0][m]);
+      }
+    }
+  }
+  for (int m = 0; m < M; m++) {
+    __m256 total = acc[0][m];
+    for (int u = 1; u < U; u++) total = _mm256_add_ps(total, acc[u][m]);
+    out[m] = hsum8(total) + mins[m];
+  }
+}
+
+}  // namespace
+}  // namespace gmlx_kernels::GMLX_ISA

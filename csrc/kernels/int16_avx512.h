@@ -1,0 +1,138 @@
+// The int16 path's dot product of one weight row with AVX-512 (row_dot: see int16_rows.h).
+//
+// A 32-block's int16 weights fill one register and meet a row's codes in one madd.
+// Scales differ per block and row, so each block's int32 sums become float there (no integer
+// accumulation across blocks); the scales of G blocks are multiplied for each row at once, so
+// per block and row it is madd, convert and an FMA whose scale is a broadcast from memory.
+#pragma once
+
+#include "kernels/int_codes.h"
+
+namespace gmlx_kernels::GMLX_ISA {
+namespace {
+
+inline uint16_t u16_at(const uint8_t* p) {
+  uint16_t h;
+  memcpy(&h, p, 2);
+  return h;
+}
+
+template <int C>  // the C (4 or 8) halves at p, p + stride, ...; lanes past C are 0
+inline __m256 f16x(const uint8_t* p, int64_t stride) {
+  __m128i h = _mm_cvtsi32_si128(u16_at(p));
+  h = _mm_insert_epi16(h, u16_at(p + stride), 1);
+  h = _mm_insert_epi16(h, u16_at(p + 2 * stride), 2);
+  h = _mm_insert_epi16(h, u16_at(p + 3 * stride), 3);
+  if constexpr (C == 4) return _mm256_cvtph_ps(h);
+  h = _mm_insert_epi16(h, u16_at(p + 4 * stride), 4);
+  h = _mm_insert_epi16(h, u16_at(p + 5 * stride), 5);
+  h = _mm_insert_epi16(h, u16_at(p + 6 * stride), 6);
+  h = _mm_insert_epi16(h, u16_at(p + 7 * stride), 7);
+  return _mm256_cvtph_ps(h);
+}
+
+// The float scales (d) and minimum multipliers (m) of the C 32-blocks from block b0 (C = 8: a
+// super-block of the K types), in the lanes: built from the raw bytes, not block by block.
+template <int TYPE, int C>
+inline void scales(const uint8_t* w, int64_t b0, __m256* d, __m256* m) {
+  using B = Blocks<TYPE>;
+  if constexpr (B::NB == 1) {  // d, then m for the _1 types, are the block's first halves
+    const uint8_t* b = w + b0 * B::TS;
+    *d = f16x<C>(b, B::TS);
+    if constexpr (has_min(TYPE)) *m = f16x<C>(b + 2, B::TS);
+  } else if constexpr (TYPE == Q6_K) {
+    *d = _mm256_set1_ps(f16_at(w + b0 / 8 * B::TS + 208));
+  } else {  // the 12 bytes of 6-bit scales and minima (scale_min_k4), 4 lanes per 32-bit word
+    const uint8_t* b = w + b0 / 8 * B::TS;
+    uint32_t u[3];
+    memcpy(u, b + 4, 12);
+    const uint32_t lo6 = 0x3f3f3f3f, lo4 = 0x0f0f0f0f, lo2 = 0x03030303;
+    const uint64_t sc = (u[0] & lo6) | (uint64_t)((u[2] & lo4) | ((u[0] >> 6) & lo2) << 4) << 32;
+    const uint64_t mn = (u[1] & lo6) | (uint64_t)(((u[2] >> 4) & lo4) | ((u[1] >> 6) & lo2) << 4) << 32;
+    const auto f8 = [](uint64_t v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)v))); };
+    *d = _mm256_mul_ps(_mm256_set1_ps(f16_at(b)), f8(sc));
+    *m = _mm256_mul_ps(_mm256_set1_ps(-f16_at(b + 2)), f8(mn));
+  }
+}
+
+template <int TYPE, int MC>
+inline void row_dot(const uint8_t* w, const XQ& x, int M_, float* out) {
+  using B = Blocks<TYPE>;
+  constexpr int G = 8;  // blocks per chunk: one vector of G scales per row
+  static_assert(B::NB == 1 || B::NB == G);
+  constexpr int U = MC == 1 ? 4 : MC == 2 ? 2 : 1;
+  constexpr int MR = MC > 0 ? MC : INT_ROWS;
+  const int M = MC > 0 ? MC : M_;
+  const int64_t K = x.K, nb32 = K / 32;
+  __m512 acc[U][MR];
+  __m256 mins[MR];
+#pragma GCC unroll 8
+  for (int m = 0; m < M; m++) {  // unrolled: a loop here becomes a memset through memory
+    mins[m] = _mm256_setzero_ps();
+    for (int u = 0; u < U; u++) acc[u][m] = _mm512_setzero_ps();
+  }
+  W32 wb[G];
+  alignas(32) float sc[MR][G];
+  // blocks b0 .. b0 + C - 1 (C = G, or G / 2 at a ragged end of one-block types)
+  auto chunk = [&]<int C>(int64_t b0) {
+    constexpr __mmask8 lanes = (1 << C) - 1;
+    if constexpr (B::NB == 1) {
+      for (int i = 0; i < C; i++) B::decode(w, b0 + i, wb + i);
+    } else {
+      B::decode(w, b0 / G, wb);
+    }
+    __m256 wd, wm;
+    scales<TYPE, C>(w, b0, &wd, &wm);
+    for (int m = 0; m < M; m++)
+      _mm256_store_ps(sc[m], _mm256_mul_ps(wd, _mm256_maskz_loadu_ps(lanes, x.d + m * nb32 + b0)));
+    asm("" : "+m"(sc));  // keep sc in memory: each use below is then a broadcast load, not a shuffle
+    if constexpr (has_min(TYPE)) {  // the C minima against the C activation sums, in the lanes
+      for (int m = 0; m < M; m++)
+        mins[m] = _mm256_fmadd_ps(wm, _mm256_maskz_loadu_ps(lanes, x.s + m * nb32 + b0), mins[m]);
+    }
+    __m512i s16;  // Q6_K: the super-block's 16 int8 scales as int16, lane j scales codes 16j..16j+15
+    if constexpr (TYPE == Q6_K)
+      s16 = _mm512_cvtepi8_epi16(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(w + b0 / 8 * B::TS + 192))));
+#pragma GCC unroll 8
+    for (int i = 0; i < C; i++) {
+      __m512i wv = _mm512_cvtepi8_epi16(wb[i].q);
+      if constexpr (TYPE == Q6_K) {
+        const __m512i lanes =
+            _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * i)), _mm256_set1_epi16((short)(2 * i + 1)), 1);
+        wv = _mm512_mullo_epi16(wv, _mm512_permutexvar_epi16(lanes, s16));
+      }
+      for (int m = 0; m < M; m++) {
+        const __m512i p = _mm512_madd_epi16(wv, _mm512_loadu_si512(x.q + m * K + (b0 + i) * 32));
+        acc[i % U][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(sc[m][i]), acc[i % U][m]);
+      }
+    }
+  };
+  int64_t b = 0;
+  for (; b + G <= nb32; b += G) chunk.template operator()<G>(b);
+  if constexpr (B::NB == 1) {
+    if (b + G / 2 <= nb32) {
+      chunk.template operator()<G / 2>(b);
+      b += G / 2;
+    }
+  }
+  float tail[MR] = {};
+  if constexpr (B::NB == 1) {
+    for (; b < nb32; b++) {  // the last nb32 % 4 blocks (super-block types have none: K % 256 == 0)
+      B::decode(w, b, wb);
+      const __m512i wv = _mm512_cvtepi8_epi16(wb[0].q);
+      for (int m = 0; m < M; m++) {
+        const __m512i p = _mm512_madd_epi16(wv, _mm512_loadu_si512(x.q + m * K + b * 32));
+        acc[0][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(wb[0].d * x.d[m * nb32 + b]), acc[0][m]);
+        if constexpr (has_min(TYPE)) tail[m] += wb[0].m * x.s[m * nb32 + b];
+      }
+    }
+  }
+  for (int m = 0; m < M; m++) {
+    __m512 total = acc[0][m];
+    for (int u = 1; u < U; u++) total = _mm512_add_ps(total, acc[u][m]);
+    out[m] = _mm512_reduce_add_ps(total) + (has_min(TYPE) ? hsum8(mins[m]) + tail[m] : 0.f);
+  }
+}
+
+}  // namespace
+}  // namespace gmlx_kernels::GMLX_ISA

@@ -1,0 +1,75 @@
+// The int16 integer path (AVX2, AVX-512): fewer than INT16_MAX_ROWS activation rows, coded as
+// int16 per element with a scale per 32, against each weight row's blocks unpacked to int16.
+//
+// row_dot<TYPE, MC>(w, x, M, out), one per ISA: one weight row against M (<= INT_ROWS) coded
+// activation rows; writes out[m] for each m. MC > 0: the row count is the compile-time MC
+// (accumulators stay in registers); else M. Blocks are spread over U accumulators per row: a
+// single chain would wait out the FMA's latency at every block, and for one or two rows
+// (decode) that latency bounds the LM head.
+#pragma once
+
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+#include "kernels/int16_avx512.h"
+#else
+#include "kernels/int16_avx2.h"
+#endif
+
+namespace gmlx_kernels::GMLX_ISA {
+namespace {
+
+// The integer path's contract with kernels_impl.cpp (int_amx.h keeps it too): the rows it takes,
+// the largest code for `bits`, each activation row's codes in its layout, and the weight rows
+// n0..n1 against every row of x.
+constexpr int64_t INT_MAX_ROWS = INT16_MAX_ROWS;
+
+inline float code_max(int bits) { return (float)((1 << (bits - 1)) - 1); }
+
+// Row-major: row m's codes at xq + m * K, its scales and sums at xd, xs + m * K/32.
+inline void code_row(const MatmulArgs& a, int64_t m, float qmax, int16_t* xq, float* xd, float* xs) {
+  const int64_t nb = a.K / 32;
+  quantize_row(a.x + m * a.K, a.K, qmax, xq + m * a.K, xd + m * nb, xs + m * nb);
+}
+
+// Bytes ahead of the row in work that its weights are prefetched: the hardware prefetcher alone
+// leaves a single thread's stream (the LM head at batch 1) well below the core's bandwidth.
+// Past the tensor's end a prefetch is dropped, never a fault.
+constexpr int64_t PREFETCH_AHEAD = 8192;
+
+template <int TYPE, int MC>
+void rows_int_m(const MatmulArgs& a, const XQ& x, int64_t n0, int64_t n1) {
+  float out[INT_ROWS];
+  const int M = (int)a.M;
+  for (int64_t n = n0; n < n1; n++) {
+    const uint8_t* ahead = a.w + n * a.row_bytes + PREFETCH_AHEAD;
+    for (int64_t off = 0; off < a.row_bytes; off += 64) _mm_prefetch((const char*)ahead + off, _MM_HINT_T0);
+    row_dot<TYPE, MC>(a.w + n * a.row_bytes, x, M, out);
+    for (int m = 0; m < M; m++) a.y[m * a.N + n] = out[m];
+  }
+}
+
+template <int TYPE>
+void rows_int(const MatmulArgs& a, const XQ& x, int64_t n0, int64_t n1) {
+  switch (a.M) {
+    case 1: rows_int_m<TYPE, 1>(a, x, n0, n1); break;
+    case 2: rows_int_m<TYPE, 2>(a, x, n0, n1); break;
+    case 3: rows_int_m<TYPE, 3>(a, x, n0, n1); break;
+    case 4: rows_int_m<TYPE, 4>(a, x, n0, n1); break;
+    case 8: rows_int_m<TYPE, 8>(a, x, n0, n1); break;
+    default: rows_int_m<TYPE, 0>(a, x, n0, n1); break;
+  }
+}
+
+template <int TYPE>
+void int_rows(const MatmulArgs& a, const int16_t* xq, const float* xd, const float* xs, int64_t n0, int64_t n1,
+              void*) {
+  const int64_t nb = a.K / 32;
+  for (int64_t m0 = 0; m0 < a.M; m0 += INT_ROWS) {  // each thread's slice of weights stays in cache for the next
+    MatmulArgs g = a;
+    g.M = a.M - m0 < INT_ROWS ? a.M - m0 : INT_ROWS;
+    g.y += m0 * a.N;
+    rows_int<TYPE>(g, XQ{xq + m0 * a.K, xd + m0 * nb, xs + m0 * nb, a.K}, n0, n1);
+  }
+}
+
+}  // namespace
+}  // namespace gmlx_kernels::GMLX_ISA
