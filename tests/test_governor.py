@@ -17,8 +17,8 @@ from conftest import LiveServer, ServeProcess
 from tiny_models import write_model
 
 from gmlx import platform
-from gmlx.capacity.governor import Thresholds, band_for, bytes_to_release, next_band
-from gmlx.server.governor import STOP_MESSAGE, DeviceMemory, MemoryReading, in_use
+from gmlx.capacity.bands import Thresholds, band_for, bytes_to_release, next_band
+from gmlx.server.memory_governor import STOP_MESSAGE, DeviceMemory, MemoryReading, in_use
 
 T = Thresholds(yellow=0.80, orange=0.90, red=0.97, hysteresis=0.05)
 CHAT = "/v1/chat/completions"

@@ -15,9 +15,9 @@ import pytest
 from conftest import LiveServer, ServeProcess
 from tiny_models import write_model
 
-import gmlx.server.governor as governor_module
-from gmlx.capacity.governor import Thresholds
-from gmlx.server.governor import MemoryReading
+import gmlx.server.memory_governor as governor_module
+from gmlx.capacity.bands import Thresholds
+from gmlx.server.memory_governor import MemoryReading
 
 CHAT = "/v1/chat/completions"
 MiB = 2**20

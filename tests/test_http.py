@@ -111,7 +111,7 @@ def test_a_client_gone_before_the_queue_takes_no_place_and_is_no_rejection(
 
     rejections = server.state.gate.rejections
     monkeypatch.setattr(server.state, "tokenize_with_anchor", slow)
-    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 400,
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 200,
                        "stream": True}).encode()
     holder = raw_post(server, body)  # takes the only slot for a while
     try:

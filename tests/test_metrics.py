@@ -20,7 +20,7 @@ from tiny_models import write_model
 
 from gmlx.engine.engine import Request
 from gmlx.server import metrics
-from gmlx.server.governor import MemoryReading
+from gmlx.server.memory_governor import MemoryReading
 from gmlx.server.metrics import snapshot
 
 SECTIONS = ["concurrency", "queue", "connections", "governor", "memory", "capacity", "rates", "totals", "kv_cache", "prompt_cache", "requests", "resident_models"]

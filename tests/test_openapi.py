@@ -84,7 +84,7 @@ def keyed_schema(keyed_server: LiveServer):
 def _clamp(case) -> None:
     """Huge max_tokens are fuzzed for parsing; a valid one would only make the model run long."""
     if isinstance(case.body, dict):
-        for name in ("max_tokens", "max_completion_tokens"):
+        for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             value = case.body.get(name)
             if _integral(value) and value > MAX_TOKENS:
                 case.body[name] = MAX_TOKENS
@@ -111,8 +111,9 @@ def _check_body(response, case) -> None:
         # distinct), a schema constrained decoding cannot compile (a tool's parameters, a
         # response_format's), or a logit_bias token id past the vocabulary.
         error = response.json()["error"]
+        # Nor whether previous_response_id names an answer the server still keeps (/v1/responses).
         assert error["code"] == "context_length_exceeded" or error["param"] in (
-            "tools", "tool_choice", "response_format", "logit_bias"), (
+            "tools", "tool_choice", "response_format", "logit_bias", "previous_response_id"), (
             case.body, text[:500])
 
 

@@ -235,7 +235,7 @@ def test_signal_drains_and_exits_0(tiny_models: dict[str, Path], tmp_path: Path,
         started = threading.Barrier(streams + 1)  # the running streams and this thread
 
         def stream(i: int) -> None:
-            with httpx.stream("POST", server.url + CHAT, json=chat_body(f"go {i}", max_tokens=240, stream=True),
+            with httpx.stream("POST", server.url + CHAT, json=chat_body(f"go {i}", max_tokens=230, stream=True),
                               timeout=30) as r:
                 lines = []
                 for line in r.iter_lines():
@@ -269,7 +269,7 @@ def test_a_second_signal_cancels_running_streams_at_once(tiny_models: dict[str, 
         started = threading.Event()
 
         def stream() -> None:
-            body = chat_body("go", max_tokens=100_000, stream=True)
+            body = chat_body("go", max_tokens=32_000, stream=True)  # within the window: more is a 400
             with httpx.stream("POST", server.url + CHAT, json=body, timeout=60) as r:
                 lines = []
                 for line in r.iter_lines():

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tiny_models import write_model
 
 from gmlx.capacity.budget import PROMPT_CACHE_SHARE
-from gmlx.server.governor import MemoryReading
+from gmlx.server.memory_governor import MemoryReading
 from gmlx.server.metrics import ROUTER_SATURATION, kv_usage
 
 VLLM = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc")

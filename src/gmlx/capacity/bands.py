@@ -1,7 +1,7 @@
 """Governor bands: how close the process is to its memory budget, as green < yellow < orange < red.
 
 Pure arithmetic on the fraction of the budget in use; the sampler that measures it lives in
-`gmlx.server.governor`. A band rises as soon as the fraction reaches its threshold (straight to
+`gmlx.server.memory_governor`. A band rises as soon as the fraction reaches its threshold (straight to
 the highest band reached), and falls only once the fraction is below that threshold minus the
 hysteresis, one band per sample, so a fraction wobbling around a threshold does not flap and a
 sudden release reopens admission gradually (red -> orange -> yellow -> green).

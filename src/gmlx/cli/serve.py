@@ -37,6 +37,7 @@ def serve_command(
     host: str = typer.Option(None, help="Address to listen on.  [default: 127.0.0.1]", show_default=False),
     port: int = typer.Option(None, help="Port to listen on.  [default: 8080]", show_default=False),
     api_key: str = typer.Option(None, "--api-key", help="Require `Authorization: Bearer KEY` on every route but /health."),
+    cors_origins: list[str] = typer.Option(None, "--cors-origins", help="Browser origins allowed to call the API (repeat it, or separate with commas), or '*' for any.  [default: none, CORS off]", show_default=False),
     decode_batch: int = typer.Option(None, "--decode-batch", help="Streams decoding together.  [default: 8]", show_default=False),
     queue_size: int = typer.Option(None, "--queue-size", help="Requests that may wait for a slot.  [default: 2 x decode batch]", show_default=False),
     queue_timeout: float = typer.Option(None, "--queue-timeout", help="Seconds a request may wait for a slot.  [default: 120]", show_default=False),
@@ -69,7 +70,8 @@ def serve_command(
     json_out: bool = JSON_OPT,
 ) -> None:
     """Serve a GGUF model over an OpenAI-compatible API with continuous batching."""
-    flags = dict(model=model, host=host, port=port, api_key=api_key, decode_batch=decode_batch, queue_size=queue_size,
+    flags = dict(model=model, host=host, port=port, api_key=api_key, cors_origins=cors_origins or None,
+                 decode_batch=decode_batch, queue_size=queue_size,
                  queue_timeout=queue_timeout, max_body_bytes=max_body_bytes, max_connections=max_connections,
                  header_timeout=header_timeout, body_timeout=body_timeout, keep_alive_timeout=keep_alive_timeout,
                  weights=weights, prefill_step=prefill_step,

@@ -18,13 +18,18 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gmlx.engine.engine import Engine
 from gmlx.server.admission import RETRY_AFTER_FULL_S
+from gmlx.server.aliases import UnprefixedAliases
 from gmlx.server.capacity_routes import capacity_plan, estimate_route
+from gmlx.server.cors import CORS
+from gmlx.server.embeddings import embeddings
 from gmlx.server.errors import APIError
 from gmlx.server.generation import generate
-from gmlx.server.governor import Governor
+from gmlx.server.memory_governor import Governor
 from gmlx.server.http import ClientGone
+from gmlx.server.messages import messages
 from gmlx.server.metrics import snapshot
 from gmlx.server.openapi import openapi_route
+from gmlx.server.responses import ResponseStore, responses
 from gmlx.server.settings import Settings
 from gmlx.server.state import LOADING_RETRY_AFTER_S, ServerState
 from gmlx.server.system import system_info
@@ -64,6 +69,19 @@ async def completions(request: Request) -> Response:
 async def models(request: Request) -> Response:
     state: ServerState = request.app.state.gmlx
     state.require_ready()
+    return JSONResponse({"object": "list", "data": [_model_entry(state)]})
+
+
+async def model_retrieve(request: Request) -> Response:
+    """GET /v1/models/{id}: the openai client's `models.retrieve`; another id is a 404 `model_not_found`."""
+    state: ServerState = request.app.state.gmlx
+    state.require_ready()
+    model_id = request.path_params["model_id"]
+    state.check_model(model_id)
+    return JSONResponse(_model_entry(state))
+
+
+def _model_entry(state: ServerState) -> dict[str, Any]:
     entry: dict[str, Any] = {"id": state.model_id, "object": "model", "created": int(state.started_at), "owned_by": "gmlx"}
     if (loaded := state.engine.loaded) is not None:
         entry["context_length"] = loaded.context_length
@@ -71,7 +89,7 @@ async def models(request: Request) -> Response:
     entry["max_context_at_width_1"] = table.max_context_at_width(1) if table else None
     if loaded is not None and (kv_quant := getattr(state.engine, "kv_quant", None)) is not None:
         entry["kv_quant"] = kv_quant.to_json()
-    return JSONResponse({"object": "list", "data": [entry]})
+    return entry
 
 
 async def health(request: Request) -> Response:
@@ -145,7 +163,12 @@ async def _not_found(request: Request, exc: Exception) -> Response:
 def create_app(settings: Settings, engine: Engine, model_id: str) -> Starlette:
     state = ServerState(settings, engine, model_id)
     engine.on_token_gap = state.histograms.observe_gap  # on the engine thread; prometheus_client locks
-    governor = state.governor = Governor(state)  # disabled by GMLX_GOVERNOR=0, but still reports so
+
+    def publish_band(band: str) -> None:  # on the governor's thread; readers take the latest
+        state.band = band
+
+    # Disabled by GMLX_GOVERNOR=0, but still reports so.
+    governor = state.governor = Governor(settings, state.table, engine, state.gate, publish_band)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -159,7 +182,11 @@ def create_app(settings: Settings, engine: Engine, model_id: str) -> Starlette:
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/embeddings", embeddings, methods=["POST"]),
+        Route("/v1/responses", responses, methods=["POST"]),
+        Route("/v1/messages", messages, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model_id}", model_retrieve, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/v1/capacity/plan", capacity_plan, methods=["GET"]),
         Route("/v1/estimate", estimate_route, methods=["POST"]),
@@ -172,5 +199,9 @@ def create_app(settings: Settings, engine: Engine, model_id: str) -> Starlette:
                     exception_handlers={APIError: _api_error, ClientGone: _client_gone, 404: _not_found,
                                         405: _not_found, Exception: _internal_error})
     app.state.gmlx = state
+    app.state.responses = ResponseStore()  # what previous_response_id can name (server/responses.py)
     app.add_middleware(APIKeyMiddleware, key=settings.api_key)
+    app.add_middleware(UnprefixedAliases, routes=routes)
+    if settings.cors_origins:  # outermost: a preflight is answered before the key is asked for
+        app.add_middleware(CORS, origins=settings.cors_origins)
     return app

@@ -31,6 +31,7 @@ from gmlx.server import logprobs, openai_api, tools
 from gmlx.server.admission import RETRY_AFTER_FULL_S, Slot
 from gmlx.server.capacity_routes import estimate_body
 from gmlx.server.errors import APIError, bad_request
+from gmlx.server.fingerprint import system_fingerprint
 from gmlx.server.http import ClientGone, read_json, relay, unless_disconnected
 from gmlx.server.state import QueuedRow, ServerState
 
@@ -45,7 +46,25 @@ async def generate(request: Request, chat: bool) -> Response:
     body = await read_json(request, state)
     if chat and isinstance(body, dict) and body.get("dry_run") is True:
         return JSONResponse(await estimate_body(state, body))
-    p = openai_api.parse(body, chat)
+    gen = await admit(request, state, openai_api.parse(body, chat), arrived)
+    if isinstance(gen, Response):
+        return gen
+    if gen.p.stream:
+        return sse(gen.stream())
+    answer = await complete(request, gen)
+    return answer if isinstance(answer, Response) else JSONResponse(answer)
+
+
+def sse(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def admit(request: Request, state: ServerState, p: openai_api.GenerationParams,
+                arrived: float) -> Generation | Response:
+    """A parsed request, from its checks through the admission gate to its started Generation (or a
+    499 for a client gone meanwhile). The chat and completions routes and /v1/responses share it."""
+    chat = p.chat
     state.check_model(p.model)
     if p.n > state.gate.width:  # its choices decode side by side, each a row of the batch
         raise bad_request(f"'n' must be at most {state.gate.width}, the server's decode batch", "n")
@@ -53,10 +72,7 @@ async def generate(request: Request, chat: bool) -> Response:
         p = replace(p, sampling=replace(p.sampling, top_k=0))  # keeping every token is no top-k (mlx_lm refuses it)
     prompt_ids, anchor = await asyncio.to_thread(state.tokenize_with_anchor, p)
     context = state.engine.loaded.context_length  # type: ignore[union-attr]
-    if len(prompt_ids) >= context:
-        raise APIError(400, f"the prompt has {len(prompt_ids)} tokens; the context window holds {context}",
-                       "context_length_exceeded", param="messages" if chat else "prompt")
-    max_tokens = min(p.max_tokens or state.settings.max_tokens_default, context - len(prompt_ids))
+    max_tokens = openai_api.completion_budget(p, len(prompt_ids), context, state.settings.max_tokens_default)
     decoding = await _decoding(state, p)
 
     rid = openai_api.new_id(chat)
@@ -79,9 +95,13 @@ async def generate(request: Request, chat: bool) -> Response:
     state.histograms.observe_queue_wait(queued_s)
     gen = Generation(state, p, rid, prompt_ids, anchor, max_tokens, decoding, row.arrived_at, queued_s)
     gen.start()
-    if p.stream:
-        return StreamingResponse(gen.stream(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return gen
+
+
+async def complete(request: Request, gen: Generation) -> dict | Response:
+    """A non-streamed Generation read to its end: the completion, a 499 for a client gone, or the
+    failure as an APIError."""
+    state = gen.state
     try:
         failure = await unless_disconnected(request, gen.run())
     except ClientGone:
@@ -94,7 +114,7 @@ async def generate(request: Request, chat: bool) -> Response:
                        retry_after=state.gate.retry_after() if pressure else None)
     if failure is not None:
         raise APIError(503, "the server is shutting down", "shutting_down", retry_after=RETRY_AFTER_FULL_S)
-    return JSONResponse(gen.completion())
+    return gen.completion()
 
 
 async def _decoding(state: ServerState, p: openai_api.GenerationParams) -> Decoding:
@@ -154,6 +174,7 @@ class Generation:
                  anchor: int, max_tokens: int, decoding: Decoding, arrived_at: float | None = None,
                  queued_s: float = 0.0):
         self.state, self.p, self.rid = state, p, rid
+        self.fingerprint = system_fingerprint(state.engine)
         self.prompt_for_log = p.messages if p.chat else p.prompt
         self._events: asyncio.Queue[tuple[Choice, Event]] = asyncio.Queue()
         self._rest: asyncio.Task[None] | None = None
@@ -239,7 +260,7 @@ class Generation:
             content, calls = c.parser.parse(c.text) if c.parser is not None else (c.text, [])
             choices.append(openai_api.choice(p, c.index, content, tools.finish_reason(c.end.finish_reason, calls),
                                              logprobs.shape(p.chat, c.scored, vocab), calls))
-        return openai_api.completion(p, self.rid, self.state.model_id, choices, self._usage())
+        return openai_api.completion(p, self.rid, self.state.model_id, choices, self._usage(), self.fingerprint)
 
     def _piece_chunks(self, c: Choice, pieces: list[tools.Piece], shaped: dict | None) -> Iterator[str]:
         """The chunks for a stretch of a choice's output: text, or a call's deltas; its logprobs
@@ -247,11 +268,13 @@ class Generation:
         p, rid, model = self.p, self.rid, self.state.model_id
         for piece in pieces or ([""] if shaped is not None else []):
             if isinstance(piece, str):
-                yield _sse_data(openai_api.chunk(p, rid, model, c.index, text=piece, logprobs=shaped))
+                yield _sse_data(openai_api.chunk(p, rid, model, c.index, text=piece, logprobs=shaped,
+                                                 fingerprint=self.fingerprint))
             else:
                 assert c.parser is not None
                 for delta in tools.call_deltas(piece, c.parser.calls.index(piece)):
-                    yield _sse_data(openai_api.chunk(p, rid, model, c.index, tool_call=delta, logprobs=shaped))
+                    yield _sse_data(openai_api.chunk(p, rid, model, c.index, tool_call=delta, logprobs=shaped,
+                                                     fingerprint=self.fingerprint))
                     shaped = None
             shaped = None
 
@@ -262,7 +285,7 @@ class Generation:
         try:
             if p.chat:
                 for c in self.choices:
-                    yield _sse_data(openai_api.chunk(p, rid, model, c.index, role=True))
+                    yield _sse_data(openai_api.chunk(p, rid, model, c.index, role=True, fingerprint=self.fingerprint))
             failure: Finished | Failed | None = None
             while self.running and failure is None:
                 c, e = await self.next()
@@ -278,13 +301,14 @@ class Generation:
                     for data in self._piece_chunks(c, c.parser.close() if c.parser else [], None):
                         yield data
                     finish = tools.finish_reason(e.finish_reason, c.parser.calls if c.parser else [])
-                    yield _sse_data(openai_api.chunk(p, rid, model, c.index, finish=finish))
+                    yield _sse_data(openai_api.chunk(p, rid, model, c.index, finish=finish,
+                                                     fingerprint=self.fingerprint))
             if failure is not None:
                 message, code = ((failure.message, failure.code) if isinstance(failure, Failed)
                                  else ("the server is shutting down", "shutting_down"))
                 yield _sse_data({"error": {"message": message, "type": "server_error", "code": code}})
             elif p.include_usage:
-                yield _sse_data(openai_api.chunk(p, rid, model, use=self._usage()))
+                yield _sse_data(openai_api.chunk(p, rid, model, use=self._usage(), fingerprint=self.fingerprint))
             yield "data: [DONE]\n\n"
         finally:
             self.abandon("client_gone")  # the client went away mid-stream; once all have ended, nothing

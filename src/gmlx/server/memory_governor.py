@@ -1,4 +1,4 @@
-"""The memory governor: samples memory a few times a second, sets `state.band`, and acts on it.
+"""The memory governor: samples memory a few times a second, publishes its band, and acts on it.
 
 The limit is the capacity table's budget: total memory less the reserve. "In use" is the largest
 of three readings, since each misses something the others see:
@@ -55,12 +55,15 @@ import mlx.core as mx
 import psutil
 
 from gmlx import platform
-from gmlx.capacity.governor import BANDS, Thresholds, bytes_to_release, next_band
+from gmlx.capacity.bands import BANDS, Thresholds, bytes_to_release, next_band
 from gmlx.engine.engine import Failed
 from gmlx.engine.heap import trim_heap
 
 if TYPE_CHECKING:
-    from gmlx.server.state import ServerState
+    from gmlx.capacity.table import CapacityTable
+    from gmlx.engine.engine import Engine
+    from gmlx.server.admission import AdmissionGate
+    from gmlx.server.settings import Settings
 
 log = logging.getLogger("gmlx.governor")
 ACTIONS = ("single_admission", "hold_admission", "evict_prompt_cache", "clear_cache", "stop_stream")
@@ -159,10 +162,17 @@ class _Action:
 
 
 class Governor:
-    def __init__(self, state: ServerState, probe: Callable[[], MemoryReading] = read_memory):
+    """What it reads: `table()` (the budget; None while loading), the engine's requests and the
+    gate's counts. What it changes: the band, through `publish_band`; the gate's admission, through
+    `gate.admission_allowed`; and, on the engine thread, memory (`engine.release_memory`) and the
+    newest stream under red (`engine.cancel`)."""
+
+    def __init__(self, s: Settings, table: Callable[[], CapacityTable | None], engine: Engine, gate: AdmissionGate,
+                 publish_band: Callable[[str], None], probe: Callable[[], MemoryReading] = read_memory):
         """`probe` reads memory; tests swap in a fake to drive the bands."""
-        s = state.settings
-        self.state, self.probe = state, probe
+        self._table, self._engine, self._gate, self._publish_band = table, engine, gate, publish_band
+        self.probe = probe
+        self.band: str | None = None  # None until the first sample
         self.enabled = s.governor
         self.thresholds = Thresholds(s.governor_yellow, s.governor_orange, s.governor_red, s.governor_hysteresis)
         self.interval_s = s.governor_interval_s
@@ -187,7 +197,7 @@ class Governor:
         if not self.enabled:
             return
         self._loop = asyncio.get_running_loop()
-        self.state.gate.admission_allowed = self._admission_allowed
+        self._gate.admission_allowed = self._admission_allowed
         self._thread = threading.Thread(target=self._run, name="gmlx-governor", daemon=True)
         self._thread.start()
 
@@ -199,7 +209,7 @@ class Governor:
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
             return {
-                "band": self.state.band if self.enabled else None,
+                "band": self.band if self.enabled else None,
                 "enabled": self.enabled,
                 "thresholds": self.thresholds.to_json(),
                 "interval_s": self.interval_s,
@@ -213,11 +223,11 @@ class Governor:
     # --- on the event loop -----------------------------------------------------------------
 
     def _admission_allowed(self) -> bool:
-        band = self.state.band
+        band = self.band
         if band == "yellow":
             # Every slot holder has left prefill: one queued at the engine, in prefill, or between
             # the gate and the engine holds a slot without a decode row.
-            return self.state.engine.decoding >= self.state.gate.running
+            return self._engine.decoding >= self._gate.running
         return band not in ("orange", "red")
 
     # --- on the governor's thread ----------------------------------------------------------
@@ -233,18 +243,19 @@ class Governor:
                 self._last_error = str(e)
 
     def _sample(self) -> None:
-        table = self.state.table()
+        table = self._table()
         if table is None:  # still loading: no budget to measure against yet
             return
         limit = table.budget.total_bytes - table.budget.reserve_bytes
         reading = self.probe()
         used = in_use(reading, limit, self._host_memory)
         fraction = used / limit if limit > 0 else 1.0
-        previous = self.state.band
+        previous = self.band
         band = next_band(previous, fraction, self.thresholds)
         now = time.time()
         with self._lock:
-            self.state.band = band
+            self.band = band
+            self._publish_band(band)
             self.fraction, self.used_bytes, self.limit_bytes = fraction, used, limit
             if self._host_memory:
                 self.host_bytes = max(0, reading.rss_bytes - reading.active_bytes - reading.cache_bytes)
@@ -258,7 +269,7 @@ class Governor:
                 self._idle_yellow = False
             if band != "green" and (stopped or now - self._last_release >= RELEASE_EVERY_S):
                 # Queued after the stop, so it frees that stream's buffers too.
-                self.state.engine.release_memory(self._to_evict(band, used, limit), self._released)
+                self._engine.release_memory(self._to_evict(band, used, limit), self._released)
                 self._last_release = now
         if self._host_memory and now - self._last_trim >= RELEASE_EVERY_S:
             trim_heap()  # in any band: what ended streams freed would otherwise stay resident
@@ -266,21 +277,21 @@ class Governor:
         if band != previous:
             log.log(logging.WARNING if level >= _ORANGE else logging.INFO,
                     "memory governor: %s -> %s (%.1f%% of %d MiB in use)", previous, band, 100 * fraction, limit >> 20)
-        if self.state.gate.waiting:  # the band, or a stream leaving prefill, may let a waiter in
+        if self._gate.waiting:  # the band, or a stream leaving prefill, may let a waiter in
             assert self._loop is not None
-            self._loop.call_soon_threadsafe(self.state.gate.poke)
+            self._loop.call_soon_threadsafe(self._gate.poke)
 
     def _to_evict(self, band: str, used: int, limit: int) -> int:
         """Prompt-cache bytes this release drops (see the module's docstring): under yellow, none
         until a release with nothing running has left it yellow; then what brings it to green."""
         if band != "yellow":
             return bytes_to_release(used, limit, self.thresholds)
-        idle = self.state.gate.running == 0 and self.state.engine.in_flight == 0
+        idle = self._gate.running == 0 and self._engine.in_flight == 0
         evict, self._idle_yellow = idle and self._idle_yellow, idle
         return bytes_to_release(used, limit, self.thresholds, "yellow") if evict else 0
 
     def _stop_newest(self, now: float) -> bool:
-        engine = self.state.engine
+        engine = self._engine
         rows = engine.requests()
         if self._victim is not None and any(r.id == self._victim for r in rows):
             return False  # the last stop has not taken effect yet

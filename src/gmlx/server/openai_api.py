@@ -50,7 +50,7 @@ def _typed(body: dict, name: str, types: type | tuple[type, ...], what: str) -> 
     return value
 
 
-def _is_integer(value: Any) -> bool:
+def is_integer(value: Any) -> bool:
     """An int, or a float with an integral value: 169.0 is an integer to JSON Schema too."""
     return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and value.is_integer())
 
@@ -59,7 +59,7 @@ def _integer(body: dict, name: str) -> int | None:
     value = body.get(name)
     if value is None:
         return None
-    if not _is_integer(value):
+    if not is_integer(value):
         raise bad_request(f"'{name}' must be an integer", name)
     return int(value)
 
@@ -120,7 +120,7 @@ def _prompt(body: dict) -> str | list[int]:
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         return prompt
-    if isinstance(prompt, list) and prompt and all(_is_integer(t) for t in prompt):
+    if isinstance(prompt, list) and prompt and all(is_integer(t) for t in prompt):
         return [int(t) for t in prompt]
     raise bad_request("'prompt' must be a string or a list of token ids (one prompt per request)", "prompt")
 
@@ -265,6 +265,22 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     return (top or 0) if on else None
 
 
+def completion_budget(p: GenerationParams, prompt_tokens: int, context: int, default: int) -> int:
+    """The tokens a request may generate. A prompt at or over the window, or one that leaves less
+    room than `max_tokens` asks, is a 400 `context_length_exceeded` before it queues, as OpenAI and
+    vLLM answer, rather than a `length` finish the client did not ask for. Without `max_tokens`
+    the server's default applies, cut to what the window leaves."""
+    param = "messages" if p.chat else "prompt"
+    if prompt_tokens >= context:
+        raise bad_request(f"the prompt has {prompt_tokens} tokens; the context window holds {context}", param,
+                          code="context_length_exceeded")
+    if p.max_tokens is not None and prompt_tokens + p.max_tokens > context:
+        raise bad_request(f"the context window holds {context} tokens, but {prompt_tokens + p.max_tokens} were asked "
+                          f"for ({prompt_tokens} in the {param}, {p.max_tokens} to generate): ask for at most "
+                          f"{context - prompt_tokens}, or leave max_tokens out", param, code="context_length_exceeded")
+    return p.max_tokens or min(default, context - prompt_tokens)
+
+
 def new_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
 
@@ -288,18 +304,20 @@ def choice(p: GenerationParams, index: int, text: str | None, finish: str, logpr
     return out
 
 
-def completion(p: GenerationParams, rid: str, model: str, choices: list[dict], use: dict) -> dict:
+def completion(p: GenerationParams, rid: str, model: str, choices: list[dict], use: dict, fingerprint: str) -> dict:
     kind = "chat.completion" if p.chat else "text_completion"
-    return {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices": choices, "usage": use}
+    return {"id": rid, "object": kind, "created": int(time.time()), "model": model, "system_fingerprint": fingerprint,
+            "choices": choices, "usage": use}
 
 
 def chunk(p: GenerationParams, rid: str, model: str, index: int = 0, text: str | None = None,
           finish: str | None = None, role: bool = False, use: dict | None = None, logprobs: dict | None = None,
-          tool_call: dict | None = None) -> dict:
+          tool_call: dict | None = None, *, fingerprint: str) -> dict:
     """One streamed chunk of choice `index`: a text delta, a tool-call delta (tools.call_deltas),
-    the opening role, the finish, or the usage (no choices)."""
+    the opening role, the finish, or the usage (no choices). Each carries the system_fingerprint, as OpenAI's do."""
     kind = "chat.completion.chunk" if p.chat else "text_completion"
-    out: dict[str, Any] = {"id": rid, "object": kind, "created": int(time.time()), "model": model}
+    out: dict[str, Any] = {"id": rid, "object": kind, "created": int(time.time()), "model": model,
+                           "system_fingerprint": fingerprint}
     if use is not None:
         out["choices"], out["usage"] = [], use
         return out

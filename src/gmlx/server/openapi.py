@@ -23,6 +23,7 @@ from gmlx.server.openai_api import ROLES
 
 OPEN_PATHS = frozenset({"/health", "/system"})  # the same as app.OPEN_PATHS (a test checks)
 MAX_STOPS = 16  # openai_api._MAX_STOPS
+MAX_EMBEDDING_INPUTS = 2048  # embeddings.MAX_INPUTS
 MEDIA_PARTS = ["image_url", "input_image", "image", "input_audio", "audio", "video", "video_url", "file"]
 
 
@@ -43,7 +44,8 @@ _RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before trying ag
                                 "schema": {"type": "string", "pattern": "^[0-9]+$"}}}
 _ERRORS = {
     400: "Bad request: a malformed body or HTTP request, a wrong type or range, JSON nested over 64 levels, a "
-         "string that is not valid Unicode, a prompt over the context window.",
+         "string that is not valid Unicode, a prompt over the context window or max_tokens past what it leaves "
+         "(context_length_exceeded).",
     401: "A missing or wrong API key.",
     404: "The model is not served here.",
     408: "The body did not arrive within the server's body timeout (`body_timeout`).",
@@ -140,6 +142,29 @@ def _body(required: str, first: dict, chat: bool, **more: Any) -> dict:
     return body
 
 
+def _token_ids(vocab_size: int | None) -> dict:
+    token = {"type": "integer", "minimum": 0} | ({} if vocab_size is None else {"maximum": vocab_size - 1})
+    return {"type": "array", "items": token, "minItems": 1}
+
+
+def _embedding_request(vocab_size: int | None) -> dict:
+    ids, text = _token_ids(vocab_size), {"type": "string", "minLength": 1}
+    many = {"type": "array", "minItems": 1, "maxItems": MAX_EMBEDDING_INPUTS, "items": {"anyOf": [text, ids]}}
+    return {
+        "type": "object", "required": ["input"], "additionalProperties": False,
+        "properties": {
+            "input": {"anyOf": [text, ids, many],
+                      "description": "Each input tokenized (with BOS) must fit the context window."},
+            "model": _nullable({"type": "string", "description": "The served model's id; any other is a 404."}),
+            "encoding_format": _nullable({"enum": ["float", "base64"],
+                                          "description": "base64: little-endian float32, base64-encoded."}),
+            "dimensions": {"type": "null", "description": "Not supported."},
+            "user": {"description": "Accepted; changes nothing."}},
+        "description": "Pooled as llama.cpp's server pools: the GGUF's pooling_type, else the last token; "
+                       "L2-normalised.",
+    }
+
+
 def _completion_request(vocab_size: int | None) -> dict:
     """The completions body; the token ids' bound is the served model's vocabulary, once it is loaded."""
     token = {"type": "integer", "minimum": 0} | ({} if vocab_size is None else {"maximum": vocab_size - 1})
@@ -189,6 +214,77 @@ _USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "
           "properties": {k: {"type": "integer", "minimum": 0}
                          for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
 
+def _object(required: list[str], **properties: Any) -> dict:
+    return {"type": "object", "required": required, "properties": properties}
+
+
+def _closed(required: list[str], properties: dict, no_effect: tuple[str, ...], unsupported: dict) -> dict:
+    """A body of one of the translated APIs: its fields, those that change nothing, and the unsupported
+    ones at the values that ask for nothing (server/fields.py)."""
+    return {"type": "object", "required": required, "additionalProperties": False, "properties": {
+        **properties, **{n: {"description": "Accepted; changes nothing."} for n in no_effect},
+        **{n: {"enum": list(v), "description": "Not supported: only these values."} for n, v in unsupported.items()}}}
+
+
+_STRING = {"type": "string"}
+_PARTS_TEXT = {"anyOf": [_STRING, {"type": "array", "items": _object(
+    ["type", "text"], type={"enum": ["input_text", "output_text"]}, text=_STRING)}]}
+_RESPONSE_ITEM = {"anyOf": [
+    _object(["role", "content"], type={"const": "message"}, role={"enum": ["user", "assistant", "system", "developer"]},
+            content=_PARTS_TEXT),
+    _object(["type", "call_id", "name", "arguments"], type={"const": "function_call"}, call_id=_STRING, name=_STRING,
+            arguments=_STRING),
+    _object(["type", "call_id", "output"], type={"const": "function_call_output"}, call_id=_STRING, output=_PARTS_TEXT)]}
+_NAME = {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}
+_RESPONSES_REQUEST = _closed(["input"], {
+    "input": {"anyOf": [_STRING, {"type": "array", "minItems": 1, "items": _RESPONSE_ITEM}],
+              "description": "Text, or messages, function calls and their outputs (text content only)."},
+    "instructions": _nullable({**_STRING, "description": "A system message first; not carried over."}),
+    "previous_response_id": _nullable({**_STRING, "description": "One of the server's last 256 stored answers."}),
+    "store": _nullable({"type": "boolean", "description": "false: previous_response_id cannot name this answer."}),
+    "max_output_tokens": _SAMPLING["max_tokens"], "temperature": _SAMPLING["temperature"], "top_p": _SAMPLING["top_p"],
+    "model": _SAMPLING["model"], "stream": _SAMPLING["stream"], "parallel_tool_calls": _TOOLS["parallel_tool_calls"],
+    "tools": _nullable({"type": "array", "items": _object(
+        ["type", "name"], type={"const": "function"}, name=_NAME, description=_nullable(_STRING),
+        parameters=_nullable({"type": "object"}), strict=_nullable({"type": "boolean"})),
+        "description": "Function tools only; names are distinct."}),
+    "tool_choice": _nullable({"anyOf": [{"enum": ["none", "auto", "required"]},
+                                        _object(["type", "name"], type={"const": "function"}, name=_STRING)]}),
+    "text": _nullable({"type": "object", "additionalProperties": False, "properties": {
+        "format": _nullable(_RESPONSE_FORMAT["response_format"]["anyOf"][0] | {"properties": {
+            "type": {"enum": ["text", "json_object", "json_schema"]}, "name": _STRING, "schema": {"type": "object"},
+            "strict": _nullable({"type": "boolean"})},
+            "then": {"required": ["type", "name"]}}),
+        "verbosity": {"type": "null"}}}),
+}, fields.NO_EFFECT_RESPONSES, fields.UNSUPPORTED_RESPONSES)
+_TEXT_BLOCK = _object(["type", "text"], type={"const": "text"}, text=_STRING)
+_MESSAGES_REQUEST = _closed(["model", "max_tokens", "messages"], {
+    "model": {**_STRING, "description": "The served model's id; any other is a 404."},
+    "max_tokens": {"type": "integer", "minimum": 1},
+    "messages": {"type": "array", "minItems": 1, "items": {"anyOf": [
+        _object(["role", "content"], role={"const": role}, content={"anyOf": [_STRING, {
+            "type": "array", "items": {"anyOf": [_TEXT_BLOCK, block]}}]})
+        for role, block in (
+            ("user", _object(["type", "tool_use_id"], type={"const": "tool_result"}, tool_use_id=_STRING,
+                             content={"anyOf": [_STRING, {"type": "array", "items": _TEXT_BLOCK}]},
+                             is_error={"type": "boolean"})),
+            ("assistant", _object(["type", "id", "name"], type={"const": "tool_use"}, id=_STRING, name=_STRING,
+                                  input={"type": "object"})))],
+        "description": "tool_result blocks in user messages, tool_use blocks in assistant ones."}},
+    "system": {"anyOf": [_STRING, {"type": "array", "items": _TEXT_BLOCK}, {"type": "null"}]},
+    "temperature": _SAMPLING["temperature"], "top_p": _SAMPLING["top_p"], "top_k": _SAMPLING["top_k"],
+    "stop_sequences": _nullable({"type": "array", "items": _STRING, "maxItems": MAX_STOPS}),
+    "stream": _SAMPLING["stream"],
+    "tools": _nullable({"type": "array", "items": _object(
+        ["name"], type={"const": "custom"}, name=_NAME, description=_nullable(_STRING),
+        input_schema=_nullable({"type": "object"})),
+        "description": "Custom tools only; names are distinct."}),
+    "tool_choice": _nullable({"anyOf": [
+        _object(["type"], type={"enum": ["auto", "any", "none"]}, disable_parallel_tool_use={"type": "boolean"}),
+        _object(["type", "name"], type={"const": "tool"}, name=_STRING, disable_parallel_tool_use={"type": "boolean"})]}),
+}, fields.NO_EFFECT_MESSAGES, fields.UNSUPPORTED_MESSAGES)
+
+
 SCHEMAS: dict[str, dict] = {
     "Error": {
         "type": "object", "required": ["error"],
@@ -236,13 +332,27 @@ SCHEMAS: dict[str, dict] = {
             "decode_batch": {"type": "integer"}, "in_flight": {"type": "integer"}, "waiting": {"type": "integer"},
             "slots": {"type": "integer"}, "admit_now": {"type": "boolean"}, "reason": {"type": "string"}},
     },
+    "Model": {
+        "type": "object", "required": ["id", "object", "created", "owned_by", "max_context_at_width_1"],
+        "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
+                       "owned_by": {"type": "string"}, "context_length": {"type": "integer"},
+                       "max_context_at_width_1": {"type": ["integer", "null"]}, "kv_quant": {"type": "object"}},
+    },
     "ModelList": {
         "type": "object", "required": ["object", "data"],
-        "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": {
-            "type": "object", "required": ["id", "object", "created", "owned_by", "max_context_at_width_1"],
-            "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
-                           "owned_by": {"type": "string"}, "context_length": {"type": "integer"},
-                           "max_context_at_width_1": {"type": ["integer", "null"]}, "kv_quant": {"type": "object"}}}}},
+        "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": _ref("Model")}},
+    },
+    "ResponsesRequest": _RESPONSES_REQUEST,
+    "MessagesRequest": _MESSAGES_REQUEST,
+    "Embeddings": {
+        "type": "object", "required": ["object", "model", "data", "usage"],
+        "properties": {"object": {"const": "list"}, "model": {"type": "string"},
+                       "data": {"type": "array", "items": {
+                           "type": "object", "required": ["object", "index", "embedding"],
+                           "properties": {"object": {"const": "embedding"}, "index": {"type": "integer"},
+                                          "embedding": {"anyOf": [{"type": "array", "items": {"type": "number"}},
+                                                                  {"type": "string"}]}}}},
+                       "usage": {"type": "object", "required": ["prompt_tokens", "total_tokens"]}},
     },
     "Health": {
         "type": "object", "required": ["status", "pid"],
@@ -285,7 +395,25 @@ PATHS: dict[str, dict[str, dict]] = {
                                          400, 404, 408, 413, 503, body="ChatCompletionRequest")},
     "/v1/completions": {"post": _op("Text completion", _GENERATION_OK, 400, 404, 408, 413, 503,
                                     body="CompletionRequest")},
+    "/v1/embeddings": {"post": _op("One normalised vector per input", {
+        "description": "The vectors", "content": _json(_ref("Embeddings"))}, 400, 404, 408, 413, 503,
+        body="EmbeddingRequest")},
+    "/v1/responses": {"post": _op(
+        "OpenAI's Responses API on the chat path; with stream=true, its events (response.created, "
+        "response.output_text.delta, ..., response.completed)",
+        {"description": "A Response object, or server-sent events",
+         "content": {**_json({"type": "object"}), "text/event-stream": {"schema": _SSE_EVENT}}},
+        400, 404, 408, 413, 503, body="ResponsesRequest")},
+    "/v1/messages": {"post": _op(
+        "Anthropic's Messages API on the chat path; with stream=true, its events (message_start, ..., message_stop)",
+        {"description": "A message, or server-sent events",
+         "content": {**_json({"type": "object"}), "text/event-stream": {"schema": _SSE_EVENT}}},
+        400, 404, 408, 413, 503, body="MessagesRequest")},
     "/v1/models": {"get": _op("The served model", {"description": "One entry", "content": _json(_ref("ModelList"))})},
+    "/v1/models/{model_id}": {"get": _op(
+        "One model (the openai client's models.retrieve); any id but the served one is a 404 model_not_found",
+        {"description": "The model", "content": _json(_ref("Model"))}, 404, 503,
+        params=[{"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}])},
     "/health": {"get": _op("Liveness, and with ready=1 readiness", {"description": "Healthy (and ready)",
                                                                     "content": _json(_ref("Health"))},
                            params=[_query("ready", {"type": "string"},
@@ -328,7 +456,8 @@ def document(api_key: bool, vocab_size: int | None = None, decode_batch: int | N
     for path, methods in PATHS.items():
         paths[path] = {}
         for method, op in methods.items():
-            op = {**op, "operationId": f"{method}_{path.strip('/').replace('/', '_').replace('.', '_')}"}
+            name = path.strip("/").replace("/", "_").replace(".", "_").replace("{", "").replace("}", "")
+            op = {**op, "operationId": f"{method}_{name}"}
             if api_key and path not in OPEN_PATHS:
                 op["responses"] = {**op["responses"], **_errors(401)}
             elif api_key:
@@ -337,9 +466,14 @@ def document(api_key: bool, vocab_size: int | None = None, decode_batch: int | N
     doc: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {"title": "gmlx", "version": gmlx.__version__,
-                 "description": "OpenAI-compatible server for GGUF models on MLX. Errors have the OpenAI shape."},
+                 "description": "OpenAI-compatible server for GGUF models on MLX. Errors have the OpenAI shape. "
+                                "Every /v1 path also answers without the prefix (/chat/completions, /models, ...), "
+                                "as llama-server's do, except where the bare path is a route of its own (/metrics); "
+                                "the aliases are not listed again, so a generated client has one method per "
+                                "operation."},
         "paths": paths,
-        "components": {"schemas": {**SCHEMAS, "CompletionRequest": _completion_request(vocab_size)}},
+        "components": {"schemas": {**SCHEMAS, "CompletionRequest": _completion_request(vocab_size),
+                                   "EmbeddingRequest": _embedding_request(vocab_size)}},
     }
     if decode_batch is not None:
         schemas = doc["components"]["schemas"]

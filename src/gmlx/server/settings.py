@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from gmlx.capacity.budget import default_prompt_cache_bytes, parse_bytes
-from gmlx.capacity.governor import Thresholds
+from gmlx.capacity.bands import Thresholds
 from gmlx.capacity.kv_quant import BITS as _KV_BITS
 from gmlx.capacity.kv_quant import GROUP_SIZES as _KV_GROUPS
 from gmlx.capacity.kv_quant import SCHEME_CHOICES as _KV_SCHEMES
@@ -116,6 +116,23 @@ def _directory(v: Any) -> str | None:
     return str(path)
 
 
+def _origins(v: Any) -> tuple[str, ...]:
+    """Origins separated by commas or spaces, in one string (environment) or several (a repeated flag, a list)."""
+    items = v if isinstance(v, (list, tuple)) else [v]
+    return tuple(origin for item in items for origin in _str(item).replace(",", " ").split())
+
+
+def _cors_origins(origins: tuple[str, ...]) -> None:
+    """`*` alone, or origins as browsers send them: scheme://host[:port], no path, no trailing slash
+    (`http://localhost:3000/` would never match, and the page would fail with no hint why)."""
+    if "*" in origins and len(origins) > 1:
+        raise ValueError("gives '*', which allows every origin, beside others: give it alone")
+    for origin in origins:
+        scheme, sep, rest = origin.partition("://")
+        if origin != "*" and (not sep or scheme not in ("http", "https") or not rest or "/" in rest):
+            raise ValueError(f"has {origin!r}, not an origin (scheme://host[:port], no path or trailing slash)")
+
+
 def _int_in(*choices: int) -> Check:
     def check(v: Any) -> None:
         if v not in choices:
@@ -161,6 +178,8 @@ class Settings:
     host: str = _f("127.0.0.1", _str, "GMLX_HOST", check=_nonempty)
     port: int = _f(8080, _int, "GMLX_PORT", "PORT", check=_port)
     api_key: str | None = _f(None, _opt_str, "GMLX_API_KEY")
+    # Browser origins allowed to call the API (server/cors.py); empty: CORS off; ("*",): any.
+    cors_origins: tuple[str, ...] = _f((), _origins, "GMLX_CORS_ORIGINS", check=_cors_origins)
     decode_batch: int = _f(8, _int, "GMLX_DECODE_BATCH", "MAX_CONCURRENCY", check=_at_least(1))
     # None until resolved; resolve_settings always stores an int (2 x decode_batch when unset).
     queue_size: int = _f(None, _int, "GMLX_QUEUE_SIZE", "QUEUE_SIZE", check=_at_least(0))
@@ -299,6 +318,8 @@ def _show(name: str, value: Any) -> str:
         return "not set"
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, tuple):
+        return ", ".join(value) or "not set"
     return str(value)
 
 

@@ -21,7 +21,7 @@ from gmlx.server.prometheus import Histograms
 from gmlx.server.settings import Settings
 
 if TYPE_CHECKING:
-    from gmlx.server.governor import Governor
+    from gmlx.server.memory_governor import Governor
 
 LOADING_RETRY_AFTER_S = 5
 

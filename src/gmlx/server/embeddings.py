@@ -1,0 +1,134 @@
+"""POST /v1/embeddings: one vector per input, from the served model, on its engine thread.
+
+The input is a string, a list of strings, a list of token ids, or a list of such lists (OpenAI's
+shapes); each is tokenized as a completions prompt is (with the vocabulary's BOS), must be non-empty
+and fit the context window. The vectors are pooled and normalised as llama.cpp's server does
+(engine/embeddings.py), and come back as floats or, with `encoding_format: base64`, as the base64 of
+little-endian float32 (what the openai client asks for by default). A request takes one admission
+slot while the engine computes, so embeddings queue with generation rather than beside it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+from typing import Any
+
+import numpy as np
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from gmlx.engine.embeddings import pooling_for
+from gmlx.server.admission import Slot
+from gmlx.server.errors import APIError, bad_request
+from gmlx.server.fields import check_embedding_fields
+from gmlx.server.http import ClientGone, read_json, unless_disconnected
+from gmlx.server.openai_api import is_integer
+from gmlx.server.state import ServerState
+
+log = logging.getLogger("gmlx.server")
+MAX_INPUTS = 2048  # OpenAI's bound on one request's inputs
+_SHAPES = "a string, a list of strings, a list of token ids, or a list of those"
+
+
+def _inputs(body: Any) -> list[str | list[int]]:
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    check_embedding_fields(body)
+    value = body.get("input")
+    if isinstance(value, str) or (isinstance(value, list) and value and all(is_integer(t) for t in value)):
+        value = [value]  # one input
+    if not isinstance(value, list) or not value:
+        raise bad_request(f"'input' must be {_SHAPES}, not empty", "input")
+    if len(value) > MAX_INPUTS:
+        raise bad_request(f"'input' holds {len(value)} inputs; at most {MAX_INPUTS}", "input")
+    out: list[str | list[int]] = []
+    for item in value:
+        if isinstance(item, list) and item and all(is_integer(t) for t in item):
+            out.append([int(t) for t in item])
+        elif isinstance(item, str) and item:
+            out.append(item)
+        else:
+            raise bad_request(f"'input' must be {_SHAPES}; none of them empty", "input")
+    fmt = body.get("encoding_format")
+    if fmt not in (None, "float", "base64"):
+        raise bad_request(f"'encoding_format' must be float or base64, not {fmt!r}", "encoding_format")
+    if body.get("model") is not None and not isinstance(body["model"], str):
+        raise bad_request("'model' must be a string", "model")
+    return out
+
+
+def _tokenize(state: ServerState, inputs: list[str | list[int]]) -> list[list[int]]:
+    """Each input's ids, checked against the vocabulary and the window (off the loop)."""
+    loaded = state.engine.loaded
+    assert loaded is not None
+    vocab, context, out = loaded.geometry.vocab_size, loaded.context_length, []
+    for i, item in enumerate(inputs):
+        if isinstance(item, str):
+            with state._tokenizer_lock:  # the tokenizer is shared with the generation routes
+                ids = loaded.tokenizer.encode(item)
+        else:
+            ids = item
+            if not all(0 <= t < vocab for t in ids):
+                raise bad_request(f"input {i}: token ids must be in [0, {vocab})", "input")
+        if not ids:
+            raise bad_request(f"input {i} is empty", "input")
+        if len(ids) > context:
+            raise bad_request(f"input {i} has {len(ids)} tokens; the context window holds {context}", "input",
+                              code="context_length_exceeded")
+        out.append(ids)
+    return out
+
+
+def _encoded(vector: list[float], fmt: str | None) -> list[float] | str:
+    if fmt != "base64":
+        return vector
+    return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
+
+
+async def _run(state: ServerState, ids: list[list[int]], pooling: str) -> list[list[float]]:
+    loop = asyncio.get_running_loop()
+    answer: asyncio.Future[list[list[float]]] = loop.create_future()
+
+    def settle(vectors: list[list[float]] | None, error: str | None) -> None:  # on the loop
+        if answer.done():  # its client left meanwhile
+            return
+        if vectors is None:
+            answer.set_exception(APIError(500, error or "embedding failed", "embedding_failed"))
+        else:
+            answer.set_result(vectors)
+
+    state.engine.embed(ids, pooling, lambda v, e: loop.call_soon_threadsafe(settle, v, e))
+    return await answer
+
+
+async def embeddings(request: Request) -> Response:
+    state: ServerState = request.app.state.gmlx
+    state.require_ready()
+    body = await read_json(request, state)
+    inputs = _inputs(body)
+    state.check_model(body.get("model"))
+    ids = await asyncio.to_thread(_tokenize, state, inputs)
+    loaded = state.engine.loaded
+    assert loaded is not None
+    pooling = pooling_for(loaded.header)
+    try:
+        await unless_disconnected(request, state.gate.acquire(1))
+    except ClientGone:
+        return Response(status_code=499)
+    slot = Slot(state.gate)
+    try:
+        vectors = await unless_disconnected(request, _run(state, ids, pooling))
+    except ClientGone:
+        return Response(status_code=499)
+    finally:
+        slot.release()
+    tokens = sum(len(x) for x in ids)
+    log.info("embeddings inputs=%d tokens=%d pooling=%s", len(ids), tokens, pooling)
+    fmt = body.get("encoding_format")
+    return JSONResponse({
+        "object": "list", "model": state.model_id,
+        "data": [{"object": "embedding", "index": i, "embedding": _encoded(v, fmt)} for i, v in enumerate(vectors)],
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    })
