@@ -5,7 +5,7 @@ VENV ?= .venv
 ARGS ?=
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: serve test test-fast system venv
+.PHONY: serve test test-fast lint system venv
 
 serve: venv
 	$(VENV)/bin/gmlx serve $(ARGS)
@@ -15,6 +15,11 @@ test: venv
 
 test-fast: venv
 	$(VENV)/bin/python -m pytest -q -m "not slow" $(ARGS)
+
+# The formatter and the linter, as configured in pyproject.toml; CI runs this before the tests.
+lint: venv
+	$(VENV)/bin/ruff format --check src tests bench
+	$(VENV)/bin/ruff check src tests bench
 
 # MLX's Linux CPU wheel links the reference BLAS; gmlx preloads OpenBLAS instead (docs/ARCHITECTURE.md, decision 4).
 # gmlx.kernels (the `gguf` weight mode) is compiled at install: a C++ compiler and Python's headers.

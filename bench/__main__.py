@@ -37,10 +37,8 @@ from gmlx.gguf.tokenizer import load_tokenizer
 
 RESULTS = Path(__file__).parent / "results"
 BUSY_LOAD = 0.5  # 1-minute load average above which the machine counts as busy
-QUICK = Plan(widths=(1, 2, 4, 8), requests_per_client=2, max_tokens=64, prompt_lengths=(128, 512, 2048),
-             ttft_repeats=2)
-FULL = Plan(widths=(1, 2, 4, 8), requests_per_client=4, max_tokens=128, prompt_lengths=(128, 512, 2048),
-            ttft_repeats=3)
+QUICK = Plan(widths=(1, 2, 4, 8), requests_per_client=2, max_tokens=64, prompt_lengths=(128, 512, 2048), ttft_repeats=2)
+FULL = Plan(widths=(1, 2, 4, 8), requests_per_client=4, max_tokens=128, prompt_lengths=(128, 512, 2048), ttft_repeats=3)
 
 
 def load_average() -> list[float]:
@@ -48,17 +46,33 @@ def load_average() -> list[float]:
 
 
 def machine() -> dict[str, Any]:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() \
+    cpu = (
+        next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")
+            ),
+            platform.processor(),
+        )
+        if Path("/proc/cpuinfo").exists()
         else platform.processor()
+    )
     packages = {}
     for name in ("gmlx", "mlx", "mlx-lm", "transformers", "tokenizers", "numpy"):
         try:
             packages[name] = version(name)
         except PackageNotFoundError:
             packages[name] = None
-    return {"cpu": cpu, "cores": cores(), "memory_bytes": psutil.virtual_memory().total, "os": platform.platform(), "python": platform.python_version(), "packages": packages,
-            "blas": {"name": gmlx.BLAS.name, "path": gmlx.BLAS.path}}
+    return {
+        "cpu": cpu,
+        "cores": cores(),
+        "memory_bytes": psutil.virtual_memory().total,
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "packages": packages,
+        "blas": {"name": gmlx.BLAS.name, "path": gmlx.BLAS.path},
+    }
 
 
 def ratios(peers: dict[str, Any]) -> dict[str, Any]:
@@ -69,11 +83,17 @@ def ratios(peers: dict[str, Any]) -> dict[str, Any]:
         if name == "gmlx" or "decode" not in other or "decode" not in ours:
             continue
         out[name] = {
-            "aggregate": {a["width"]: round(a["aggregate_tok_s"] / b["aggregate_tok_s"], 2)
-                          for a, b in zip(ours["decode"], other["decode"])},
-            "per_stream": {a["width"]: round(a["per_stream_decode_tok_s"] / b["per_stream_decode_tok_s"], 2)
-                           for a, b in zip(ours["decode"], other["decode"])},
-            "ttft": {a["target_tokens"]: round(b["ttft_s"] / a["ttft_s"], 2) for a, b in zip(ours["ttft"], other["ttft"])},
+            "aggregate": {
+                a["width"]: round(a["aggregate_tok_s"] / b["aggregate_tok_s"], 2)
+                for a, b in zip(ours["decode"], other["decode"])
+            },
+            "per_stream": {
+                a["width"]: round(a["per_stream_decode_tok_s"] / b["per_stream_decode_tok_s"], 2)
+                for a, b in zip(ours["decode"], other["decode"])
+            },
+            "ttft": {
+                a["target_tokens"]: round(b["ttft_s"] / a["ttft_s"], 2) for a, b in zip(ours["ttft"], other["ttft"])
+            },
         }
     return out
 
@@ -81,16 +101,26 @@ def ratios(peers: dict[str, Any]) -> dict[str, Any]:
 def table(results: dict[str, Any]) -> str:
     plan, peers = results["plan"], results["peers"]
     widths, lengths = plan["widths"], plan["prompt_lengths"]
-    head = ["server"] + [f"agg w{w}" for w in widths] + [f"stream w{w}" for w in widths] + \
-        [f"TTFT {n}" for n in lengths] + ["ready", "RSS idle / w8"]
+    head = (
+        ["server"]
+        + [f"agg w{w}" for w in widths]
+        + [f"stream w{w}" for w in widths]
+        + [f"TTFT {n}" for n in lengths]
+        + ["ready", "RSS idle / w8"]
+    )
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, p in peers.items():
         if "decode" not in p:
             lines.append(f"| {name} | " + p.get("missing", p.get("failed", "")) + " |")
             continue
-        cells = [f"{r['aggregate_tok_s']}" for r in p["decode"]] + [f"{r['per_stream_decode_tok_s']}" for r in p["decode"]]
+        cells = [f"{r['aggregate_tok_s']}" for r in p["decode"]] + [
+            f"{r['per_stream_decode_tok_s']}" for r in p["decode"]
+        ]
         cells += [f"{t['ttft_s']} s ({t['prefill_tok_s']:.0f}/s)" for t in p["ttft"]]
-        cells += [f"{p['ready_s']} s", f"{p['rss_idle_bytes'] / 2**20:.0f} / {p['rss_width_max_bytes'] / 2**20:.0f} MiB"]
+        cells += [
+            f"{p['ready_s']} s",
+            f"{p['rss_idle_bytes'] / 2**20:.0f} / {p['rss_width_max_bytes'] / 2**20:.0f} MiB",
+        ]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     for name, r in results["ratios"].items():
         at = lambda d, k: d[k] if k in d else d[str(k)]  # noqa: E731 (int keys are strings once read back from JSON)
@@ -103,8 +133,10 @@ def table(results: dict[str, Any]) -> str:
 def busy_warning(load: list[float]) -> str | None:
     if load[0] <= BUSY_LOAD:
         return None
-    return (f"the 1-minute load average was {load[0]} at the start (above {BUSY_LOAD}): other work shares the "
-            f"{cores()} cores, so every figure here is low; rerun when the machine is quiet")
+    return (
+        f"the 1-minute load average was {load[0]} at the start (above {BUSY_LOAD}): other work shares the "
+        f"{cores()} cores, so every figure here is low; rerun when the machine is quiet"
+    )
 
 
 def shout(message: str) -> None:
@@ -146,14 +178,27 @@ def serve(args: argparse.Namespace) -> None:
             peers[name] = {"failed": f"{type(e).__name__}: {e}", "command": command_line(ready[name])}
             log(f"{name}: failed: {e}")
     peers = {name: peers[name] for name in names}
-    results = {"model": model.name, "created": time.strftime("%Y-%m-%d %H:%M:%S"),
-               "duration_s": round(time.monotonic() - started, 1), "prepare_s": round(prepare_s, 1),
-               "machine": {**machine(), "load_average_at_start": load_start, "load_average_at_end": load_average(),
-                           "busy_at_start": warning is not None},
-               "warnings": [warning] if warning else [],
-               "plan": {**plan.__dict__, "quick": args.quick, "endpoint": "/v1/completions", "greedy": True,
-                        "llama_context_per_slot": context},
-               "peers": peers}
+    results = {
+        "model": model.name,
+        "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "duration_s": round(time.monotonic() - started, 1),
+        "prepare_s": round(prepare_s, 1),
+        "machine": {
+            **machine(),
+            "load_average_at_start": load_start,
+            "load_average_at_end": load_average(),
+            "busy_at_start": warning is not None,
+        },
+        "warnings": [warning] if warning else [],
+        "plan": {
+            **plan.__dict__,
+            "quick": args.quick,
+            "endpoint": "/v1/completions",
+            "greedy": True,
+            "llama_context_per_slot": context,
+        },
+        "peers": peers,
+    }
     results["ratios"] = ratios(peers)
     stem = args.out / f"serve-{model.stem}"
     Path(f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
@@ -178,18 +223,26 @@ def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m bench")
     sub = ap.add_subparsers(dest="command", required=True)
     fmt = argparse.ArgumentDefaultsHelpFormatter
-    s = sub.add_parser("serve", help="gmlx against llama-server and mlx_lm.server", formatter_class=fmt,
-                       description="Start each server in turn on the same GGUF and measure decode tok/s at widths "
-                       "1-8, TTFT per prompt length, time to ready and memory. A missing llama-server is built "
-                       "first (about 5 minutes); a peer that cannot run is reported as missing.")
+    s = sub.add_parser(
+        "serve",
+        help="gmlx against llama-server and mlx_lm.server",
+        formatter_class=fmt,
+        description="Start each server in turn on the same GGUF and measure decode tok/s at widths "
+        "1-8, TTFT per prompt length, time to ready and memory. A missing llama-server is built "
+        "first (about 5 minutes); a peer that cannot run is reported as missing.",
+    )
     s.add_argument("--model", help="GGUF file (the default model when omitted)")
     s.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated, from {', '.join(PEERS)}")
     s.add_argument("--quick", action="store_true", help="fewer, shorter requests (under 10 minutes)")
     s.add_argument("--port", type=int, default=8190, help="first loopback port; one per peer")
     s.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON, PNG and server logs")
     s.set_defaults(run=serve)
-    b = sub.add_parser("build-llama", help="build and cache llama-server and llama-tokenize (about 5 minutes)",
-                       formatter_class=fmt, description=f"Cache both under {llama_build.build_dir().parent}.")
+    b = sub.add_parser(
+        "build-llama",
+        help="build and cache llama-server and llama-tokenize (about 5 minutes)",
+        formatter_class=fmt,
+        description=f"Cache both under {llama_build.build_dir().parent}.",
+    )
     b.add_argument("--version", default=llama_build.LLAMA_CPP_PYTHON, help="llama-cpp-python sdist to build from")
     b.add_argument("--force", action="store_true", help="rebuild even when cached")
     b.set_defaults(run=build_llama)

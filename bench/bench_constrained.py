@@ -8,7 +8,8 @@ B greedy requests with unique prompts go to gmlx's Engine together (the server's
 default settings, no prompt cache), either free, or each with its own matcher for SCHEMA (whose
 long required string keeps every row decoding to max_tokens), or each scored for 5 alternatives.
 The rate is bench_engine's while all B streams decode. Rounds interleave the three at each
-width (each figure: the best of the rounds), so a shared machine's load falls on all alike. `mask_ms` is one row's mask step alone on the model's vocabulary
+width (each figure: the best of the rounds), so a shared machine's load falls on all alike.
+`mask_ms` is one row's mask step alone on the model's vocabulary
 (llguidance's mask, and applying it to the logits). Prints one JSON object.
 """
 
@@ -29,10 +30,16 @@ from gmlx.engine.processors import Decoding
 from gmlx.server.build import build_engine
 from gmlx.server.settings import resolve_settings
 
-SCHEMA = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 60},
-                                           "year": {"type": "integer", "minimum": 0, "maximum": 3000},
-                                           "story": {"type": "string", "minLength": 2000}},
-          "required": ["title", "year", "story"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 60},
+        "year": {"type": "integer", "minimum": 0, "maximum": 3000},
+        "story": {"type": "string", "minLength": 2000},
+    },
+    "required": ["title", "year", "story"],
+    "additionalProperties": False,
+}
 
 
 def mask_ms(decoding: Decoding, vocab: int, steps: int = 64) -> float:
@@ -56,8 +63,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     args = ap.parse_args()
     path = resolve_model(args.model)
-    settings = resolve_settings({"decode_batch": max(args.widths), "prompt_cache_bytes": 0,
-                                 "log_level": "warning"}, env={})
+    settings = resolve_settings(
+        {"decode_batch": max(args.widths), "prompt_cache_bytes": 0, "log_level": "warning"}, env={}
+    )
     engine = build_engine(settings, path)
     engine.start()
     engine.ready.wait()
@@ -79,13 +87,21 @@ def main() -> None:
                 rate = engine_round(engine, b, args.max_tokens, f"r{r}b{b}{name}", decoding, logprobs)[1] or 0.0
                 best[name][b] = max(best[name].get(b, 0.0), rate)
     engine.stop()
-    out = {"model": path.name, "vocab": vocab, "max_tokens": args.max_tokens, "rounds": args.rounds,
-           "tok_s": {name: {b: round(v, 1) for b, v in rows.items()} for name, rows in best.items()},
-           "vs_free": {name: {b: round(best[name][b] / best["free"][b], 3) for b in args.widths}
-                       for name in ways if name != "free"},
-           "mask_ms": round(mask_ms(constrained, vocab), 3), "schema_compile_ms": round(compile_ms, 2),
-           "first_grammar_s": round(first_compile_s, 2), "machine": machine(),
-           "load_average": {"before": load_before, "after": load_average()}}
+    out = {
+        "model": path.name,
+        "vocab": vocab,
+        "max_tokens": args.max_tokens,
+        "rounds": args.rounds,
+        "tok_s": {name: {b: round(v, 1) for b, v in rows.items()} for name, rows in best.items()},
+        "vs_free": {
+            name: {b: round(best[name][b] / best["free"][b], 3) for b in args.widths} for name in ways if name != "free"
+        },
+        "mask_ms": round(mask_ms(constrained, vocab), 3),
+        "schema_compile_ms": round(compile_ms, 2),
+        "first_grammar_s": round(first_compile_s, 2),
+        "machine": machine(),
+        "load_average": {"before": load_before, "after": load_average()},
+    }
     print(json.dumps(out, indent=2))
 
 

@@ -10,7 +10,8 @@ prompt cache); its aggregate decode rate is measured as bench_serve measures a s
 after each stream's first, over the span from the first stream's first token to the last token.
 `engine_full_width`: the rate while all B streams decode (no admission, no tail). `--url`: gmlx
 servers measured in the same rounds, as bench_serve measures them. Rounds interleave them all
-(each figure: the best of the rounds), so a shared machine's load falls on each alike. `--profile` runs one more engine round per width under cProfile (the engine thread)
+(each figure: the best of the rounds), so a shared machine's load falls on each alike. `--profile`
+runs one more engine round per width under cProfile (the engine thread)
 and prints its top functions by own time. Prints one JSON object.
 """
 
@@ -37,12 +38,21 @@ from gmlx.engine.sampling import SamplingParams
 from gmlx.server.build import build_engine
 from gmlx.server.settings import resolve_settings
 
-TOPICS = ["a lighthouse keeper", "the tides", "a harbour at dawn", "sailing ships", "a mountain village",
-          "the first railway", "a desert caravan", "an old clock maker"]
+TOPICS = [
+    "a lighthouse keeper",
+    "the tides",
+    "a harbour at dawn",
+    "sailing ships",
+    "a mountain village",
+    "the first railway",
+    "a desert caravan",
+    "an old clock maker",
+]
 
 
-def engine_round(engine: Engine, b: int, max_tokens: int, tag: str, decoding: Decoding = Decoding(),
-                 logprobs: int | None = None) -> tuple[float | None, float | None]:
+def engine_round(
+    engine: Engine, b: int, max_tokens: int, tag: str, decoding: Decoding = Decoding(), logprobs: int | None = None
+) -> tuple[float | None, float | None]:
     """(aggregate decode tok/s as bench_serve measures it, tok/s while all B streams decode), each
     stream shaped by `decoding` and scored for `logprobs` alternatives (bench_constrained)."""
     tok = engine.loaded.tokenizer  # type: ignore[union-attr]
@@ -76,8 +86,17 @@ def engine_round(engine: Engine, b: int, max_tokens: int, tag: str, decoding: De
     for i in range(b):
         text = f"Write a long story about {TOPICS[i % len(TOPICS)]} ({tag}, stream {i}), in many sentences."
         ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-        engine.submit(Request(f"{tag}-{i}", list(ids), max_tokens, SamplingParams(temperature=0), emit=emitter(),
-                              decoding=decoding, logprobs=logprobs))
+        engine.submit(
+            Request(
+                f"{tag}-{i}",
+                list(ids),
+                max_tokens,
+                SamplingParams(temperature=0),
+                emit=emitter(),
+                decoding=decoding,
+                logprobs=logprobs,
+            )
+        )
     done.wait()
     span = max(lasts) - min(firsts)
     tokens = sum(counts)
@@ -114,13 +133,18 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--url", nargs="*", default=[],
-                    help="gmlx servers to measure too, each round (as bench_serve does); start them with "
-                         "--decode-batch at the widest width and --prompt-cache-bytes 0")
+    ap.add_argument(
+        "--url",
+        nargs="*",
+        default=[],
+        help="gmlx servers to measure too, each round (as bench_serve does); start them with "
+        "--decode-batch at the widest width and --prompt-cache-bytes 0",
+    )
     args = ap.parse_args()
     path = resolve_model(args.model)
-    settings = resolve_settings({"decode_batch": max(args.widths), "prompt_cache_bytes": 0,
-                                 "log_level": "warning"}, env={})
+    settings = resolve_settings(
+        {"decode_batch": max(args.widths), "prompt_cache_bytes": 0, "log_level": "warning"}, env={}
+    )
     engine = build_engine(settings, path)
     engine.start()
     engine.ready.wait()
@@ -139,9 +163,13 @@ def main() -> None:
             for key, v in rows:
                 best.setdefault(key, {})
                 best[key][b] = max(best[key].get(b, 0), v or 0)
-    out: dict = {"model": path.name, "max_tokens": args.max_tokens, "rounds": args.rounds,
-                 "tok_s": {k: {b: round(v, 1) for b, v in rows.items()} for k, rows in best.items()},
-                 "engine_vs_direct": {b: round(best["engine"][b] / best["direct"][b], 3) for b in args.widths}}
+    out: dict = {
+        "model": path.name,
+        "max_tokens": args.max_tokens,
+        "rounds": args.rounds,
+        "tok_s": {k: {b: round(v, 1) for b, v in rows.items()} for k, rows in best.items()},
+        "engine_vs_direct": {b: round(best["engine"][b] / best["direct"][b], 3) for b in args.widths},
+    }
     if args.profile:
         for b in args.widths:
             print(profile_engine(engine, b, args.max_tokens, 25))

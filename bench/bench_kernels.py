@@ -16,7 +16,8 @@ Measures, on one model file and the same cores:
 
 A mode may name the kernels' ISA, `gguf:avx2` (GMLX_KERNELS_ISA for that process), to set
 ISAs side by side: `--modes gguf:avx2,gguf:avx512 --no-llama`; each later mode is then
-also given as a ratio to the first. Each gmlx mode runs in its own process, all engines stay loaded, and the rounds interleave
+also given as a ratio to the first. Each gmlx mode runs in its own process, all engines stay
+loaded, and the rounds interleave
 them (each figure: the best of the rounds), so a shared machine's load falls on all alike.
 Writes bench/results/kernels-<model>.json.
 
@@ -91,8 +92,18 @@ def _worker(model: str, mode: str) -> None:
     m = load(model, mode.split(":")[0])  # type: ignore[arg-type]
     import gmlx.kernels as gk
 
-    print(json.dumps({"mode": m.mode, "isa": gk.isa(), "load_s": round(time.perf_counter() - t0, 2),
-                      "resident_bytes": m.report.resident_bytes, "weights": m.report.describe()}), flush=True)
+    print(
+        json.dumps(
+            {
+                "mode": m.mode,
+                "isa": gk.isa(),
+                "load_s": round(time.perf_counter() - t0, 2),
+                "resident_bytes": m.report.resident_bytes,
+                "weights": m.report.describe(),
+            }
+        ),
+        flush=True,
+    )
     model_ = m.model
     rng = np.random.default_rng(0)
 
@@ -166,10 +177,16 @@ def _profile(model, steps: int) -> dict:
         x = mx.random.normal((1, emb.dims))
         head = timed(lambda: mx.eval(emb.as_linear(x)), max(4, steps // 4))
     weight_bytes = sum(mod.weight.nbytes for mod in linears) + (emb.weight.nbytes if emb is not None else 0)
-    return {"step": round(total, 2), "linear_layers": round(lin, 2), "lm_head": round(head, 2),
-            "rest": round(total - lin - head, 2), "linear_layers_count": len(linears), "linear_calls": len(calls),
-            "weight_bytes_read": weight_bytes,
-            "effective_gb_s": round(weight_bytes / ((lin + head) / 1e3) / 1e9, 1) if lin + head else None}
+    return {
+        "step": round(total, 2),
+        "linear_layers": round(lin, 2),
+        "lm_head": round(head, 2),
+        "rest": round(total - lin - head, 2),
+        "linear_layers_count": len(linears),
+        "linear_calls": len(calls),
+        "weight_bytes_read": weight_bytes,
+        "effective_gb_s": round(weight_bytes / ((lin + head) / 1e3) / 1e9, 1) if lin + head else None,
+    }
 
 
 def _matmuls(model: str, isas: list[str], rounds: int) -> dict:
@@ -214,11 +231,22 @@ def _matmuls(model: str, isas: list[str], rounds: int) -> dict:
             for isa in isas[1:]:
                 row[f"{isa}_vs_{isas[0]}"] = round(best[(t, n, k, b, isas[0])] / best[(t, n, k, b, isa)], 2)
             rows.append(row)
-            print(f"{row['type']:5} {n:6}x{k:<5} b{b}  " + "  ".join(
-                f"{isa} {row[isa]['ms']:8.3f} ms {row[isa]['gw_s_per_thread']:6.2f} Gw/s/thr" for isa in isas)
-                + "".join(f"  x{row[f'{isa}_vs_{isas[0]}']}" for isa in isas[1:]), flush=True)
-    return {"model": Path(model).name, "threads": threads, "rounds": rounds, "isas": isas, "matmuls": rows,
-            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            print(
+                f"{row['type']:5} {n:6}x{k:<5} b{b}  "
+                + "  ".join(
+                    f"{isa} {row[isa]['ms']:8.3f} ms {row[isa]['gw_s_per_thread']:6.2f} Gw/s/thr" for isa in isas
+                )
+                + "".join(f"  x{row[f'{isa}_vs_{isas[0]}']}" for isa in isas[1:]),
+                flush=True,
+            )
+    return {
+        "model": Path(model).name,
+        "threads": threads,
+        "rounds": rounds,
+        "isas": isas,
+        "matmuls": rows,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
 
 
 class _Llama:
@@ -232,8 +260,9 @@ class _Llama:
         port = 18000 + os.getpid() % 1000
         p = peer("llama-cpp", model, port, 1024)  # serve's command line (-np 8, 1024 tokens a slot); raises Missing
         self.version = p.version
-        self.proc = subprocess.Popen(p.argv, env={**os.environ, **p.env}, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            p.argv, env={**os.environ, **p.env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         self.url = f"http://127.0.0.1:{port}"
         self.client = httpx.Client(timeout=300)
         for _ in range(600):
@@ -255,8 +284,10 @@ class _Llama:
         return [self.rnd.randrange(1000, 20000) for _ in range(n)]
 
     def _complete(self, prompt: list[int], n: int) -> dict:
-        r = self.client.post(f"{self.url}/completion", json={"prompt": prompt, "n_predict": n, "temperature": 0,
-                                                             "ignore_eos": True, "cache_prompt": False})
+        r = self.client.post(
+            f"{self.url}/completion",
+            json={"prompt": prompt, "n_predict": n, "temperature": 0, "ignore_eos": True, "cache_prompt": False},
+        )
         r.raise_for_status()
         return r.json()["timings"]
 
@@ -280,9 +311,13 @@ class _Gmlx:
         env = dict(os.environ)
         if ":" in mode:
             env["GMLX_KERNELS_ISA"] = mode.split(":")[1]
-        self.proc = subprocess.Popen([sys.executable, "-m", "bench.bench_kernels", "--worker", mode,
-                                      "--model", str(model)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.bench_kernels", "--worker", mode, "--model", str(model)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         self.info = self._read()
 
     def _read(self) -> dict:
@@ -337,10 +372,18 @@ def main() -> None:
     import gmlx.kernels as gk
     from bench.peers import Missing
 
-    result: dict = {"model": model.name, "cores": os.cpu_count(), "blas": gmlx.BLAS.name,
-                    "kernels_isa": gk.isa(), "kernels_reason": gk.reason(), "steps": args.steps,
-                    "rounds": args.rounds, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                    "load_average_1m_start": os.getloadavg()[0], "gmlx": {}}
+    result: dict = {
+        "model": model.name,
+        "cores": os.cpu_count(),
+        "blas": gmlx.BLAS.name,
+        "kernels_isa": gk.isa(),
+        "kernels_reason": gk.reason(),
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "load_average_1m_start": os.getloadavg()[0],
+        "gmlx": {},
+    }
     engines: dict = {}
     for mode in args.modes.split(","):
         engines[mode] = _Gmlx(model, mode)
@@ -370,8 +413,10 @@ def main() -> None:
     result["load_average_1m_end"] = os.getloadavg()[0]
 
     def ratio(g: dict, ref: dict) -> dict:
-        return {**{f"decode_b{b}": round(g["decode_tok_s"][str(b)] / ref["decode_tok_s"][str(b)], 2) for b in BATCHES},
-                "prefill_512": round(g["prefill_512_tok_s"] / ref["prefill_512_tok_s"], 2)}
+        return {
+            **{f"decode_b{b}": round(g["decode_tok_s"][str(b)] / ref["decode_tok_s"][str(b)], 2) for b in BATCHES},
+            "prefill_512": round(g["prefill_512_tok_s"] / ref["prefill_512_tok_s"], 2),
+        }
 
     ratios = {}
     g = result["gmlx"].get("gguf", {})

@@ -50,16 +50,25 @@ def main() -> None:
 
     ours = timed(lambda: read_header(path).geometry, args.repeat)
     peer = timed(lambda: GGUFReader(path), 1)
-    out = {"model": str(path), "header_s": round(ours, 4), "gguf_reader_s": round(peer, 3),
-           "header_speedup": round(peer / ours, 1), "load": {}}
+    out = {
+        "model": str(path),
+        "header_s": round(ours, 4),
+        "gguf_reader_s": round(peer, 3),
+        "header_speedup": round(peer / ours, 1),
+        "load": {},
+    }
     from gmlx import kernels
 
     for mode in ("native", "float") + (("gguf",) if kernels.reason() is None else ()):
-        runs = [json.loads(subprocess.check_output([sys.executable, "-c", _LOAD, str(path), mode]))
-                for _ in range(args.repeat)]
-        out["load"][mode] = {"load_s": round(statistics.median(r["load_s"] for r in runs), 2),
-                             "import_s": round(statistics.median(r["import_s"] for r in runs), 2),
-                             "resident_bytes": runs[0]["resident_bytes"]}
+        runs = [
+            json.loads(subprocess.check_output([sys.executable, "-c", _LOAD, str(path), mode]))
+            for _ in range(args.repeat)
+        ]
+        out["load"][mode] = {
+            "load_s": round(statistics.median(r["load_s"] for r in runs), 2),
+            "import_s": round(statistics.median(r["import_s"] for r in runs), 2),
+            "resident_bytes": runs[0]["resident_bytes"],
+        }
     print(json.dumps(out, indent=2))
 
 

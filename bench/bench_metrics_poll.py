@@ -47,8 +47,9 @@ def read(text: str) -> dict:
     return out
 
 
-async def scrape(client: httpx.AsyncClient, seconds: float | None, until: asyncio.Event | None, tag: str,
-                 rows: list[dict]) -> None:
+async def scrape(
+    client: httpx.AsyncClient, seconds: float | None, until: asyncio.Event | None, tag: str, rows: list[dict]
+) -> None:
     """Scrape every 50 ms, for `seconds` or until `until` is set; one row per scrape. Each scrape is
     followed by a GET /health, the server's floor: what any answer costs at that moment."""
     start = time.perf_counter()
@@ -61,8 +62,16 @@ async def scrape(client: httpx.AsyncClient, seconds: float | None, until: asynci
         h = time.perf_counter()
         await client.get("/health")
         floor_ms = (time.perf_counter() - h) * 1000
-        rows.append({"phase": tag, "t": round(t, 3), "ms": round(ms, 2), "health_ms": round(floor_ms, 2),
-                     "status": r.status_code, **read(r.text)})
+        rows.append(
+            {
+                "phase": tag,
+                "t": round(t, 3),
+                "ms": round(ms, 2),
+                "health_ms": round(floor_ms, 2),
+                "status": r.status_code,
+                **read(r.text),
+            }
+        )
         await asyncio.sleep(max(0.0, SCRAPE_INTERVAL_S - (time.perf_counter() - t)))
 
 
@@ -72,8 +81,11 @@ def latency(rows: list[dict]) -> dict:
     out: dict = {"scrapes": len(rows), "non_200": sum(r["status"] != 200 for r in rows)}
     for key, name in (("ms", "metrics"), ("health_ms", "health")):
         ms = sorted(r[key] for r in rows)
-        out[name] = {"median_ms": round(statistics.median(ms), 2), "p99_ms": ms[min(len(ms) - 1, int(0.99 * len(ms)))],
-                     "max_ms": ms[-1]}
+        out[name] = {
+            "median_ms": round(statistics.median(ms), 2),
+            "p99_ms": ms[min(len(ms) - 1, int(0.99 * len(ms)))],
+            "max_ms": ms[-1],
+        }
     return out
 
 
@@ -83,16 +95,24 @@ def fold(rows: list[dict]) -> dict:
     for band in BANDS:
         seen = [r for r in rows if r.get("band") == band]
         if seen:
-            by_band[band] = {"samples": len(seen), "usage_min": min(r["kv_cache_usage_perc"] for r in seen),
-                             "usage_max": max(r["kv_cache_usage_perc"] for r in seen),
-                             "governor_fraction_max": max(r.get("governor_fraction", 0) for r in seen),
-                             "table_usage_max": max(r.get("table_usage", 0) for r in seen)}
+            by_band[band] = {
+                "samples": len(seen),
+                "usage_min": min(r["kv_cache_usage_perc"] for r in seen),
+                "usage_max": max(r["kv_cache_usage_perc"] for r in seen),
+                "governor_fraction_max": max(r.get("governor_fraction", 0) for r in seen),
+                "table_usage_max": max(r.get("table_usage", 0) for r in seen),
+            }
     t0 = rows[0]["t"] if rows else 0
     first_saturated = next((round(r["t"] - t0, 2) for r in rows if r["kv_cache_usage_perc"] >= 0.8), None)
     first_orange = next((round(r["t"] - t0, 2) for r in rows if r.get("band") in ("orange", "red")), None)
-    return {"by_band": by_band, "saturated_at_s": first_saturated, "orange_at_s": first_orange,
-            "saturated_before_orange": None if first_orange is None else
-            first_saturated is not None and first_saturated < first_orange}
+    return {
+        "by_band": by_band,
+        "saturated_at_s": first_saturated,
+        "orange_at_s": first_orange,
+        "saturated_before_orange": None
+        if first_orange is None
+        else first_saturated is not None and first_saturated < first_orange,
+    }
 
 
 def long_prompt(words: int) -> str:
@@ -106,12 +126,14 @@ async def run(url: str, api_key: str | None, streams: int, idle_s: float, max_to
         system = (await client.get("/system")).json()
         await one_stream(client, "Hello", 4)  # warm-up
         await scrape(client, idle_s, None, "idle", rows)
-        load = [asyncio.create_task(one_stream(client, PROMPTS[i % len(PROMPTS)], max_tokens))
-                for i in range(streams)]
+        load = [asyncio.create_task(one_stream(client, PROMPTS[i % len(PROMPTS)], max_tokens)) for i in range(streams)]
         decoding = asyncio.Event()
         watcher = asyncio.create_task(scrape(client, None, decoding, "ramp", rows))
-        while not rows or rows[-1].get("num_requests_running", 0) < streams or \
-                (await client.get("/v1/metrics")).json()["server"]["rates"]["decode_streams"] < streams:
+        while (
+            not rows
+            or rows[-1].get("num_requests_running", 0) < streams
+            or (await client.get("/v1/metrics")).json()["server"]["rates"]["decode_streams"] < streams
+        ):
             await asyncio.sleep(0.05)
         decoding.set()
         await watcher
@@ -127,15 +149,25 @@ async def run(url: str, api_key: str | None, streams: int, idle_s: float, max_to
         done.set()
         await tail
     failed = [repr(e) for e in ends if isinstance(e, BaseException)]
-    return {"system": system, "rows": rows, "long_prompt_tokens": long["prompt_tokens"],
-            "long_prompt_ttft_s": round(prefill_s, 2), "streams_failed": failed}
+    return {
+        "system": system,
+        "rows": rows,
+        "long_prompt_tokens": long["prompt_tokens"],
+        "long_prompt_ttft_s": round(prefill_s, 2),
+        "streams_failed": failed,
+    }
 
 
 async def long_request(client: httpx.AsyncClient, prompt: str, first_token: asyncio.Event) -> dict:
     """The long prompt, streamed: `first_token` is set when its prefill is over (its first content;
     the role chunk comes at admission, before the prefill)."""
-    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 8, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     usage: dict = {}
     try:
         async with client.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -172,9 +204,22 @@ def main() -> None:
     if url is None:
         url = f"http://127.0.0.1:{args.port}"
         # One slot more than the streams: the long prompt prefills beside them instead of waiting.
-        cmd = [sys.executable, "-m", "gmlx", "serve", "--port", str(args.port), "--log-level", "warning",
-               "--decode-batch", str(args.streams + 1)] + (["--memory", args.memory] if args.memory else []) \
+        cmd = (
+            [
+                sys.executable,
+                "-m",
+                "gmlx",
+                "serve",
+                "--port",
+                str(args.port),
+                "--log-level",
+                "warning",
+                "--decode-batch",
+                str(args.streams + 1),
+            ]
+            + (["--memory", args.memory] if args.memory else [])
             + ([args.model] if args.model else [])
+        )
         server = subprocess.Popen(cmd, env={**os.environ, "GMLX_API_KEY": args.api_key or ""})
     try:
         wait_ready(url)
@@ -184,14 +229,23 @@ def main() -> None:
             server.terminate()
             server.wait(30)
     rows = result.pop("rows")
-    out = {"model": result["system"]["model"], "created": time.strftime("%Y-%m-%d %H:%M:%S"), "url": url,
-           "streams": args.streams, "max_tokens": args.max_tokens, "memory": args.memory,
-           "scrape_interval_s": SCRAPE_INTERVAL_S, "machine": at_start,
-           "load_average_at_end": [round(x, 2) for x in os.getloadavg()], **result,
-           "latency": {phase: latency([r for r in rows if r["phase"] == phase])
-                       for phase in ("idle", "ramp", "prefill", "decode")},
-           "latency_under_load": latency([r for r in rows if r["phase"] != "idle"]),
-           "kv_usage": fold(rows)}
+    out = {
+        "model": result["system"]["model"],
+        "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "url": url,
+        "streams": args.streams,
+        "max_tokens": args.max_tokens,
+        "memory": args.memory,
+        "scrape_interval_s": SCRAPE_INTERVAL_S,
+        "machine": at_start,
+        "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
+        **result,
+        "latency": {
+            phase: latency([r for r in rows if r["phase"] == phase]) for phase in ("idle", "ramp", "prefill", "decode")
+        },
+        "latency_under_load": latency([r for r in rows if r["phase"] != "idle"]),
+        "kv_usage": fold(rows),
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"metrics-poll-{out['model']}{'-' + args.memory if args.memory else ''}.json"
     path.write_text(json.dumps(out, indent=2) + "\n")

@@ -53,9 +53,14 @@ def load_gguf(path: Path) -> nn.Module:
 def float_glu(glu: GGUFSwitchGLU) -> SwitchGLU:
     g = glu.gate_proj
     out = SwitchGLU(g.input_dims, g.output_dims, g.num_experts)
-    out.update(tree_unflatten([(f"{name}.weight", dequant_rows(p.weight, p.ggml_type, p.input_dims))
-                               for name, p in (("gate_proj", g), ("up_proj", glu.up_proj),
-                                               ("down_proj", glu.down_proj))]))
+    out.update(
+        tree_unflatten(
+            [
+                (f"{name}.weight", dequant_rows(p.weight, p.ggml_type, p.input_dims))
+                for name, p in (("gate_proj", g), ("up_proj", glu.up_proj), ("down_proj", glu.down_proj))
+            ]
+        )
+    )
     return out
 
 
@@ -109,8 +114,18 @@ def main() -> None:
             best[v]["expert_mib"] = with_experts(model, v, originals) / 2**20
             best[v]["decode_tok_s"] = max(best[v]["decode_tok_s"], decode_rate(model, args.steps))
             best[v]["prefill_tok_s"] = max(best[v]["prefill_tok_s"], prefill_rate(model, args.prompt))
-    print(json.dumps({"size": MID.__dict__, "rounds": args.rounds, "steps": args.steps, "prompt": args.prompt,
-                      "versions": {v: {k: round(x, 1) for k, x in r.items()} for v, r in best.items()}}, indent=1))
+    print(
+        json.dumps(
+            {
+                "size": MID.__dict__,
+                "rounds": args.rounds,
+                "steps": args.steps,
+                "prompt": args.prompt,
+                "versions": {v: {k: round(x, 1) for k, x in r.items()} for v, r in best.items()},
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -39,8 +39,10 @@ async def poll(client: httpx.AsyncClient, n: int) -> dict[str, dict[str, float]]
                 raise SystemExit("the server wants an API key: pass --api-key")
             times.append((time.perf_counter() - t) * 1000)
         times.sort()
-        out[route] = {"median_ms": round(statistics.median(times), 2),
-                      "p99_ms": round(times[min(len(times) - 1, int(0.99 * len(times)))], 2)}
+        out[route] = {
+            "median_ms": round(statistics.median(times), 2),
+            "p99_ms": round(times[min(len(times) - 1, int(0.99 * len(times)))], 2),
+        }
     return out
 
 
@@ -63,19 +65,37 @@ async def run(url: str, api_key: str | None, streams: int, polls: int, max_token
 
 
 def machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), None) if Path("/proc/cpuinfo").exists() else None
-    return {"cpu": cpu or platform.processor(), "cores": os.cpu_count(), "memory_bytes": psutil.virtual_memory().total,
-            "load_average_at_start": [round(x, 2) for x in os.getloadavg()], "os": platform.platform(),
-            "python": platform.python_version()}
+    cpu = (
+        next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")
+            ),
+            None,
+        )
+        if Path("/proc/cpuinfo").exists()
+        else None
+    )
+    return {
+        "cpu": cpu or platform.processor(),
+        "cores": os.cpu_count(),
+        "memory_bytes": psutil.virtual_memory().total,
+        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
+        "os": platform.platform(),
+        "python": platform.python_version(),
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--url", help="a running server (else one is started here)")
     ap.add_argument("--model", help="GGUF for the server this script starts (default model when omitted)")
-    ap.add_argument("--api-key", default=os.environ.get("GMLX_API_KEY") or None,
-                    help="the server's key (default: $GMLX_API_KEY); a server started here gets it too")
+    ap.add_argument(
+        "--api-key",
+        default=os.environ.get("GMLX_API_KEY") or None,
+        help="the server's key (default: $GMLX_API_KEY); a server started here gets it too",
+    )
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--polls", type=int, default=100)
     ap.add_argument("--max-tokens", type=int, default=400)
@@ -86,8 +106,18 @@ def main() -> None:
     server, url = None, args.url
     if url is None:
         url = f"http://127.0.0.1:{args.port}"
-        cmd = [sys.executable, "-m", "gmlx", "serve", "--port", str(args.port), "--log-level", "warning",
-               "--decode-batch", str(args.streams)] + ([args.model] if args.model else [])
+        cmd = [
+            sys.executable,
+            "-m",
+            "gmlx",
+            "serve",
+            "--port",
+            str(args.port),
+            "--log-level",
+            "warning",
+            "--decode-batch",
+            str(args.streams),
+        ] + ([args.model] if args.model else [])
         server = subprocess.Popen(cmd, env={**os.environ, "GMLX_API_KEY": args.api_key or ""})
     try:
         wait_ready(url)
@@ -96,9 +126,16 @@ def main() -> None:
         if server:
             server.terminate()
             server.wait(30)
-    out = {"model": result["system"]["model"], "created": time.strftime("%Y-%m-%d %H:%M:%S"), "url": url,
-           "streams": args.streams, "polls_per_route": args.polls, "max_tokens": args.max_tokens,
-           "machine": at_start, **result}
+    out = {
+        "model": result["system"]["model"],
+        "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "url": url,
+        "streams": args.streams,
+        "polls_per_route": args.polls,
+        "max_tokens": args.max_tokens,
+        "machine": at_start,
+        **result,
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"poll-{out['model']}.json"
     path.write_text(json.dumps(out, indent=2) + "\n")

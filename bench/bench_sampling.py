@@ -18,9 +18,14 @@ from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
 PROMPTS = [
-    "The lighthouse keeper climbed the stairs and", "Tides rise and fall because", "At dawn the harbour was",
-    "The history of sailing ships begins with", "Write a short poem about the sea:", "My favourite food is",
-    "The capital of France is", "def fibonacci(n):",
+    "The lighthouse keeper climbed the stairs and",
+    "Tides rise and fall because",
+    "At dawn the harbour was",
+    "The history of sailing ships begins with",
+    "Write a short poem about the sea:",
+    "My favourite food is",
+    "The capital of France is",
+    "def fibonacci(n):",
 ]
 SETTINGS = {
     "greedy": {"temperature": 0.0},
@@ -56,7 +61,7 @@ def main() -> None:
     logits = m.model(mx.array([p[-width:] for p in prompts]))[:, -1, :].astype(mx.float32)
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     mx.eval(logprobs)
-    rows = [logprobs[i:i + 1] for i in range(args.rows)]
+    rows = [logprobs[i : i + 1] for i in range(args.rows)]
 
     def samplers(settings: dict, fused: bool) -> list:
         real = kernels.available
@@ -80,13 +85,25 @@ def main() -> None:
                 t = time.perf_counter()
                 mx.eval(step(ss, fused))
                 best[fused] = min(best[fused], time.perf_counter() - t)
-        out[name] = {"mlx_ms": round(best[False] * 1e3, 2), "gmlx_ms": round(best[True] * 1e3, 2),
-                     "speedup": round(best[False] / best[True], 1)}
-        print(f"{name:16} mlx {out[name]['mlx_ms']:8.2f} ms   gmlx {out[name]['gmlx_ms']:6.2f} ms   "
-              f"{out[name]['speedup']:5.1f}x", flush=True)
+        out[name] = {
+            "mlx_ms": round(best[False] * 1e3, 2),
+            "gmlx_ms": round(best[True] * 1e3, 2),
+            "speedup": round(best[False] / best[True], 1),
+        }
+        print(
+            f"{name:16} mlx {out[name]['mlx_ms']:8.2f} ms   gmlx {out[name]['gmlx_ms']:6.2f} ms   "
+            f"{out[name]['speedup']:5.1f}x",
+            flush=True,
+        )
     RESULTS.mkdir(exist_ok=True)
-    result = {"model": path.name, "rows": args.rows, "vocab": int(logits.shape[-1]), "reps": args.reps,
-              "isa": kernels.isa(), "samplers": out}
+    result = {
+        "model": path.name,
+        "rows": args.rows,
+        "vocab": int(logits.shape[-1]),
+        "reps": args.reps,
+        "isa": kernels.isa(),
+        "samplers": out,
+    }
     (RESULTS / f"sampling-{path.stem}.json").write_text(json.dumps(result, indent=2) + "\n")
 
 

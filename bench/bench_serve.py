@@ -30,8 +30,14 @@ PROMPTS = [
 
 
 async def one_stream(client: httpx.AsyncClient, prompt: str, max_tokens: int, sampling: dict | None = None) -> dict:
-    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}, **(sampling or {})}
+    body = {
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **(sampling or {}),
+    }
     start = time.perf_counter()
     first = last = None
     usage = {}
@@ -49,15 +55,23 @@ async def one_stream(client: httpx.AsyncClient, prompt: str, max_tokens: int, sa
                 first = first or last
                 times.append(last)
     tokens = usage.get("completion_tokens", 0)
-    return {"ttft_s": (first or start) - start, "tokens": tokens, "start": start, "first": first, "last": last, "times": times,
-            "decode_tok_s": (tokens - 1) / (last - first) if first and last and last > first else None}
+    return {
+        "ttft_s": (first or start) - start,
+        "tokens": tokens,
+        "start": start,
+        "first": first,
+        "last": last,
+        "times": times,
+        "decode_tok_s": (tokens - 1) / (last - first) if first and last and last > first else None,
+    }
 
 
 async def run_width(url: str, width: int, max_tokens: int, sampling: dict | None = None) -> dict:
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         await one_stream(client, "Hello", 4)  # warm-up: caches and kernels
-        results = await asyncio.gather(*(one_stream(client, PROMPTS[i % len(PROMPTS)], max_tokens, sampling)
-                                         for i in range(width)))
+        results = await asyncio.gather(
+            *(one_stream(client, PROMPTS[i % len(PROMPTS)], max_tokens, sampling) for i in range(width))
+        )
     starts = [r["first"] for r in results if r["first"]]
     ends = [r["last"] for r in results if r["last"]]
     tokens = sum(r["tokens"] for r in results)
@@ -107,8 +121,18 @@ def main() -> None:
     url = args.url
     if url is None:
         url = f"http://127.0.0.1:{args.port}"
-        cmd = [sys.executable, "-m", "gmlx", "serve", "--port", str(args.port),
-               "--decode-batch", str(max(args.widths)), "--log-level", "warning"] + ([args.model] if args.model else [])
+        cmd = [
+            sys.executable,
+            "-m",
+            "gmlx",
+            "serve",
+            "--port",
+            str(args.port),
+            "--decode-batch",
+            str(max(args.widths)),
+            "--log-level",
+            "warning",
+        ] + ([args.model] if args.model else [])
         server = subprocess.Popen(cmd, env={**os.environ, "GMLX_API_KEY": ""})
     try:
         wait_ready(url)

@@ -57,16 +57,22 @@ def measure_ttft(client: httpx.Client, body: dict) -> float:
 def machine(client: httpx.Client) -> dict[str, Any]:
     """What the server says it runs on (/system), and this machine's cores, memory and load."""
     system = client.get("/system").json()
-    return {"server": {k: system.get(k) for k in ("version", "device", "compute_type", "gpu")},
-            "cores": os.cpu_count(), "memory_bytes": psutil.virtual_memory().total,
-            "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
-            "os": platform.platform(), "python": platform.python_version()}
+    return {
+        "server": {k: system.get(k) for k in ("version", "device", "compute_type", "gpu")},
+        "cores": os.cpu_count(),
+        "memory_bytes": psutil.virtual_memory().total,
+        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
+        "os": platform.platform(),
+        "python": platform.python_version(),
+    }
 
 
 def summary(rows: list[dict]) -> dict[str, float | None]:
     errors = [abs(r["error"]) for r in rows if r["error"] is not None]
-    return {"mean_abs_error": round(sum(errors) / len(errors), 3) if errors else None,
-            "max_abs_error": max(errors, default=None)}
+    return {
+        "mean_abs_error": round(sum(errors) / len(errors), 3) if errors else None,
+        "max_abs_error": max(errors, default=None),
+    }
 
 
 def main() -> None:
@@ -94,14 +100,27 @@ def main() -> None:
                 est = client.post("/v1/estimate", json=body).json()
                 ttft = measure_ttft(client, body)
                 err = (est["est_ttft_s"] - ttft) / ttft if est["est_ttft_s"] is not None else None
-                rows.append({"target_tokens": n, "prompt_tokens": est["prompt_tokens"], "est_ttft_s": est["est_ttft_s"],
-                             "ttft_s": round(ttft, 3), "error": round(err, 3) if err is not None else None})
+                rows.append(
+                    {
+                        "target_tokens": n,
+                        "prompt_tokens": est["prompt_tokens"],
+                        "est_ttft_s": est["est_ttft_s"],
+                        "ttft_s": round(ttft, 3),
+                        "error": round(err, 3) if err is not None else None,
+                    }
+                )
     finally:
         if server:
             server.terminate()
             server.wait(30)
-    result = {"model": model, "created": time.strftime("%Y-%m-%d %H:%M:%S"), "url": url, "machine": info,
-              "results": rows, "summary": summary(rows)}
+    result = {
+        "model": model,
+        "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "url": url,
+        "machine": info,
+        "results": rows,
+        "summary": summary(rows),
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"ttft-{model}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")

@@ -78,8 +78,13 @@ class Server:
         self.peer, self.url = peer, f"http://127.0.0.1:{port}"
         self._log = open(log_path, "w")
         self.started = time.perf_counter()
-        self.proc = subprocess.Popen(peer.argv, env={**os.environ, **peer.env}, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            peer.argv,
+            env={**os.environ, **peer.env},
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self.ps = psutil.Process(self.proc.pid)
 
     def wait_ready(self) -> float:
@@ -90,8 +95,10 @@ class Server:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"{self.peer.name} exited with {self.proc.returncode}; see {self._log.name}")
                 try:
-                    if client.get("/health").status_code == 200 and \
-                            client.post("/v1/completions", json=body).status_code == 200:
+                    if (
+                        client.get("/health").status_code == 200
+                        and client.post("/v1/completions", json=body).status_code == 200
+                    ):
                         return time.perf_counter() - self.started
                 except httpx.TransportError:
                     pass
@@ -116,10 +123,17 @@ class Server:
         self._log.close()
 
 
-async def stream_once(client: httpx.AsyncClient, peer: Peer, tokenizer: TokenizerWrapper, prompt: str,
-                      max_tokens: int) -> dict[str, Any]:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}, **peer.body}
+async def stream_once(
+    client: httpx.AsyncClient, peer: Peer, tokenizer: TokenizerWrapper, prompt: str, max_tokens: int
+) -> dict[str, Any]:
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **peer.body,
+    }
     start = time.perf_counter()
     first = last = None
     usage: dict[str, int] = {}
@@ -142,15 +156,24 @@ async def stream_once(client: httpx.AsyncClient, peer: Peer, tokenizer: Tokenize
     else:
         tokens, source = len(tokenizer.encode("".join(text), add_special_tokens=False)), "recount"
     decode = (tokens - 1) / (last - first) if first and last and last > first and tokens > 1 else None
-    return {"tokens": tokens, "source": source, "start": start, "end": end, "ttft_s": (first or end) - start,
-            "decode_tok_s": decode}
+    return {
+        "tokens": tokens,
+        "source": source,
+        "start": start,
+        "end": end,
+        "ttft_s": (first or end) - start,
+        "decode_tok_s": decode,
+    }
 
 
 async def run_width(server: Server, tokenizer: TokenizerWrapper, width: int, plan: Plan) -> dict[str, Any]:
     """`width` clients, each sending `requests_per_client` streams one after another."""
+
     async def client_loop(client: httpx.AsyncClient) -> list[dict[str, Any]]:
-        return [await stream_once(client, server.peer, tokenizer, story_prompt(), plan.max_tokens)
-                for _ in range(plan.requests_per_client)]
+        return [
+            await stream_once(client, server.peer, tokenizer, story_prompt(), plan.max_tokens)
+            for _ in range(plan.requests_per_client)
+        ]
 
     peak = tree_rss(server.ps)
     # No keep-alive: reusing a connection the server has just closed fails the request for nothing.
@@ -193,8 +216,12 @@ def measure_ttft(server: Server, tokenizer: TokenizerWrapper, n_tokens: int, rep
             prompt_tokens.append(r.json()["usage"]["prompt_tokens"])
     ttft = statistics.median(times)
     n = statistics.median(prompt_tokens)
-    return {"target_tokens": n_tokens, "prompt_tokens": n, "ttft_s": round(ttft, 3),
-            "prefill_tok_s": round(n / ttft, 1)}
+    return {
+        "target_tokens": n_tokens,
+        "prompt_tokens": n,
+        "ttft_s": round(ttft, 3),
+        "prefill_tok_s": round(n / ttft, 1),
+    }
 
 
 def bench_peer(peer: Peer, port: int, tokenizer: TokenizerWrapper, plan: Plan, log_path: str) -> dict[str, Any]:
@@ -212,6 +239,15 @@ def bench_peer(peer: Peer, port: int, tokenizer: TokenizerWrapper, plan: Plan, l
             log(f"{peer.name} {n}-token prompt: TTFT {ttft[-1]['ttft_s']} s")
     finally:
         server.stop()
-    return {"version": peer.version, "command": command_line(peer), "compute_type": compute_type,
-            "ignores_eos": peer.ignores_eos, "notes": peer.notes, "ready_s": round(ready_s, 2), "rss_idle_bytes": idle,
-            "rss_width_max_bytes": decode[-1]["rss_peak_bytes"], "decode": decode, "ttft": ttft}
+    return {
+        "version": peer.version,
+        "command": command_line(peer),
+        "compute_type": compute_type,
+        "ignores_eos": peer.ignores_eos,
+        "notes": peer.notes,
+        "ready_s": round(ready_s, 2),
+        "rss_idle_bytes": idle,
+        "rss_width_max_bytes": decode[-1]["rss_peak_bytes"],
+        "decode": decode,
+        "ttft": ttft,
+    }

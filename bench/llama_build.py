@@ -29,10 +29,19 @@ from gmlx.paths import cache_dir
 
 TARGETS = ("llama-server", "llama-tokenize")
 CMAKE_FLAGS = (
-    "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_CURL=OFF",
-    "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DLLAMA_BUILD_SERVER=ON",
+    "-DLLAMA_BUILD_TOOLS=ON",
+    "-DLLAMA_CURL=OFF",
+    "-DGGML_NATIVE=ON",
+    "-DBUILD_SHARED_LIBS=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
     # Nothing fetched at build time: no web UI from the Hugging Face bucket, no OpenSSL (loopback only).
-    "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_LLGUIDANCE=OFF",
+    "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_LLGUIDANCE=OFF",
 )
 # -march=native turns on AMX where the CPU has it, and ggml's AMX matmul then dies of a general
 # protection fault on its first tile config (ggml-org/llama.cpp#20824, #26954): build without it.
@@ -51,8 +60,10 @@ def cpu_key() -> str:
     info = Path("/proc/cpuinfo")
     flags = ""
     if info.exists():
-        flags = next((line.split(":", 1)[1] for line in info.read_text().splitlines()
-                      if line.startswith(("flags", "Features"))), "")
+        flags = next(
+            (line.split(":", 1)[1] for line in info.read_text().splitlines() if line.startswith(("flags", "Features"))),
+            "",
+        )
     text = (" ".join(sorted(flags.split())) or platform.processor()) + "|" + " ".join(CMAKE_FLAGS)
     return hashlib.sha256(text.encode()).hexdigest()[:10]
 
@@ -95,8 +106,11 @@ def build(version: str = LLAMA_CPP_PYTHON, jobs: int | None = None, force: bool 
     jobs = jobs or os.cpu_count() or 1
     nice = ["nice", "-n", "10"] if shutil.which("nice") else []  # a background build, not a benchmark
     started = time.monotonic()
-    print(f"[bench] building llama.cpp from llama-cpp-python {version} ({jobs} jobs, log {log}) ...",
-          file=sys.stderr, flush=True)
+    print(
+        f"[bench] building llama.cpp from llama-cpp-python {version} ({jobs} jobs, log {log}) ...",
+        file=sys.stderr,
+        flush=True,
+    )
     with tempfile.TemporaryDirectory(prefix="gmlx-llama-build-") as tmp:
         work = Path(tmp)
         try:
@@ -110,8 +124,9 @@ def build(version: str = LLAMA_CPP_PYTHON, jobs: int | None = None, force: bool 
             raise BuildError(f"{sdist.name} carries no vendor/llama.cpp")
         generator = ["-G", "Ninja"] if shutil.which("ninja") else []
         _run("cmake configure", ["cmake", "-S", str(source), "-B", str(work / "build"), *generator, *CMAKE_FLAGS], log)
-        _run("cmake build", [*nice, "cmake", "--build", str(work / "build"), "-j", str(jobs),
-                             "--target", *TARGETS], log)
+        _run(
+            "cmake build", [*nice, "cmake", "--build", str(work / "build"), "-j", str(jobs), "--target", *TARGETS], log
+        )
         staging = dest.with_name(dest.name + ".partial")
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
@@ -121,11 +136,21 @@ def build(version: str = LLAMA_CPP_PYTHON, jobs: int | None = None, force: bool 
                 raise BuildError(f"the build produced no {binary}")
             shutil.copy2(binary, staging / target)
         compiler = subprocess.run(["c++", "--version"], capture_output=True, text=True, check=False).stdout
-        (staging / "build.json").write_text(json.dumps({
-            "llama_cpp_python": version, "cmake_flags": list(CMAKE_FLAGS), "machine": platform.machine(),
-            "cpu_key": cpu_key(), "compiler": compiler.splitlines()[0] if compiler else None,
-            "built": time.strftime("%Y-%m-%d %H:%M:%S"), "build_s": round(time.monotonic() - started, 1),
-        }, indent=2) + "\n")
+        (staging / "build.json").write_text(
+            json.dumps(
+                {
+                    "llama_cpp_python": version,
+                    "cmake_flags": list(CMAKE_FLAGS),
+                    "machine": platform.machine(),
+                    "cpu_key": cpu_key(),
+                    "compiler": compiler.splitlines()[0] if compiler else None,
+                    "built": time.strftime("%Y-%m-%d %H:%M:%S"),
+                    "build_s": round(time.monotonic() - started, 1),
+                },
+                indent=2,
+            )
+            + "\n"
+        )
         shutil.rmtree(dest, ignore_errors=True)
         staging.rename(dest)  # the cache holds a complete build or none
     print(f"[bench] llama.cpp built in {time.monotonic() - started:.0f} s: {dest}", file=sys.stderr, flush=True)

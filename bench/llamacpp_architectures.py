@@ -85,9 +85,18 @@ def _is_utf8(data: bytes) -> bool:
 
 
 def reference_case(client: httpx.Client, ids: list[int], n_tokens: int, banned: list[int]) -> dict:
-    body = {"prompt": ids, "n_predict": n_tokens, "temperature": 0, "n_probs": TOP, "post_sampling_probs": False,
-            "cache_prompt": False, "return_tokens": True, "stream": False, "logit_bias": [[i, False] for i in banned],
-            "ignore_eos": True}  # end-of-generation tokens banned from sampling too: every case runs n_tokens
+    body = {
+        "prompt": ids,
+        "n_predict": n_tokens,
+        "temperature": 0,
+        "n_probs": TOP,
+        "post_sampling_probs": False,
+        "cache_prompt": False,
+        "return_tokens": True,
+        "stream": False,
+        "logit_bias": [[i, False] for i in banned],
+        "ignore_eos": True,
+    }  # end-of-generation tokens banned from sampling too: every case runs n_tokens
     r = client.post("/completion", json=body)
     r.raise_for_status()
     out = r.json()
@@ -120,18 +129,24 @@ def reference_for(name: str, model: Path, n_tokens: int) -> dict:
     print(f"[architectures] {name}: {len(cases)} cases, smallest top-1 margin {margin:.3f} nats", file=sys.stderr)
     return {
         "source": f"llama.cpp's llama-server {llama.version}: /completion on token ids, temperature 0, n_probs "
-                  f"{TOP}, post_sampling_probs false (softmax of the raw logits), no prompt cache. steps: the top "
-                  f"{TOP} [id, probability] before each greedy id. Regenerate: python -m bench.llamacpp_architectures",
-        "architecture": name, "llama_cpp": llama.version, "server_flags": server_flags(llama.argv, model),
-        "gguf_sha256": sha256(model), "gguf_bytes": model.stat().st_size,
-        "smallest_top1_margin_nats": round(margin, 4), "cases": cases,
+        f"{TOP}, post_sampling_probs false (softmax of the raw logits), no prompt cache. steps: the top "
+        f"{TOP} [id, probability] before each greedy id. Regenerate: python -m bench.llamacpp_architectures",
+        "architecture": name,
+        "llama_cpp": llama.version,
+        "server_flags": server_flags(llama.argv, model),
+        "gguf_sha256": sha256(model),
+        "gguf_bytes": model.stat().st_size,
+        "smallest_top1_margin_nats": round(margin, 4),
+        "cases": cases,
     }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.llamacpp_architectures")
-    ap.add_argument("--only", help="comma-separated names (all of tests/reference_architectures.py's ARCHITECTURES "
-                                   "and EXACT when omitted)")
+    ap.add_argument(
+        "--only",
+        help="comma-separated names (all of tests/reference_architectures.py's ARCHITECTURES and EXACT when omitted)",
+    )
     ap.add_argument("--tokens", type=int, default=8, help="greedy tokens per prompt")
     ap.add_argument("--out-dir", type=Path, default=OUT_DIR)
     args = ap.parse_args()

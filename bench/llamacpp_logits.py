@@ -68,7 +68,7 @@ def server_flags(argv: list[str], model: Path) -> str:
     """The server's flags as recorded: no binary path, the model by name, no port (it varies)."""
     args = [model.name if a == str(model) else a for a in argv[1:]]
     at = args.index("--port")
-    return shlex.join(args[:at] + args[at + 2:])
+    return shlex.join(args[:at] + args[at + 2 :])
 
 
 def top_of(step: dict) -> list[list[float]]:
@@ -80,8 +80,16 @@ def reference_case(client: httpx.Client, prompt: str, n_tokens: int) -> dict:
     r = client.post("/tokenize", json={"content": prompt, "add_special": True})
     r.raise_for_status()
     ids = r.json()["tokens"]
-    body = {"prompt": ids, "n_predict": n_tokens, "temperature": 0, "n_probs": TOP, "post_sampling_probs": False,
-            "cache_prompt": False, "return_tokens": True, "stream": False}
+    body = {
+        "prompt": ids,
+        "n_predict": n_tokens,
+        "temperature": 0,
+        "n_probs": TOP,
+        "post_sampling_probs": False,
+        "cache_prompt": False,
+        "return_tokens": True,
+        "stream": False,
+    }
     r = client.post("/completion", json=body)
     r.raise_for_status()
     out = r.json()
@@ -112,12 +120,15 @@ def main() -> None:
         server.stop()
     reference = {
         "source": f"llama.cpp's llama-server {llama.version}: /tokenize with add_special, then /completion "
-                  f"on those ids, temperature 0, n_probs {TOP}, post_sampling_probs false (softmax of the "
-                  "raw logits), no prompt cache. top: the next token's top 10 [id, probability]; greedy: "
-                  "the greedy ids; steps: the top 10 before each greedy id (steps[0] == top). "
-                  "Regenerate: python -m bench.llamacpp_logits",
-        "llama_cpp": llama.version, "server_flags": server_flags(llama.argv, model),
-        "model": model.name, "model_bytes": model.stat().st_size, "cases": cases,
+        f"on those ids, temperature 0, n_probs {TOP}, post_sampling_probs false (softmax of the "
+        "raw logits), no prompt cache. top: the next token's top 10 [id, probability]; greedy: "
+        "the greedy ids; steps: the top 10 before each greedy id (steps[0] == top). "
+        "Regenerate: python -m bench.llamacpp_logits",
+        "llama_cpp": llama.version,
+        "server_flags": server_flags(llama.argv, model),
+        "model": model.name,
+        "model_bytes": model.stat().st_size,
+        "cases": cases,
     }
     write_reference(args.out, reference)
     print(f"[logits] wrote {len(cases)} cases to {args.out} (llama.cpp {llama.version})", file=sys.stderr)

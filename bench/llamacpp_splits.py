@@ -36,11 +36,23 @@ BASES = ("gpt-2", "qwen2")
 JOIN = "<|endoftext|>"
 SEP = b"\n__ggml_vocab_test__\n"
 # Texts aimed at what tells the splits apart: digit runs, contractions, case changes, marks, scripts.
-EXTRA = ["1234567 12 1,234,567.89 ½²³ ٣٤٥", "I'M HERE, you'RE there; he'll 'LL 'd", "HelloWORLD camelCase XMLHttp ǅungla",
-         "\r\n\r\n  x\n\n  \t\ty", "日本語のテキスト、カタカナ。한국어 텍스트 中文！", "កាន់តែពិសេស नमस्ते עִבְרִית",
-         "a/b/c\n/d ./x ?!… 。，、", "<sentinel:12> IMGIMGABCZ    x  y", "ＡＢＣ ｄｅｆ １２３ ‘quoted’ “x”",
-         " YouTube iPhone eBay McDonald's JavaScript", "x \n y  \n\n z", *(f"x{' ' * n}y" for n in (3, 5, 7, 10, 17, 33)),
-         "e\u0301cole nai\u0308ve क्षत्रिय", "it's 'S 'Ll", "Word\r\n\r\n\tnext"]
+EXTRA = [
+    "1234567 12 1,234,567.89 ½²³ ٣٤٥",
+    "I'M HERE, you'RE there; he'll 'LL 'd",
+    "HelloWORLD camelCase XMLHttp ǅungla",
+    "\r\n\r\n  x\n\n  \t\ty",
+    "日本語のテキスト、カタカナ。한국어 텍스트 中文！",
+    "កាន់តែពិសេស नमस्ते עִבְרִית",
+    "a/b/c\n/d ./x ?!… 。，、",
+    "<sentinel:12> IMGIMGABCZ    x  y",
+    "ＡＢＣ ｄｅｆ １２３ ‘quoted’ “x”",
+    " YouTube iPhone eBay McDonald's JavaScript",
+    "x \n y  \n\n z",
+    *(f"x{' ' * n}y" for n in (3, 5, 7, 10, 17, 33)),
+    "e\u0301cole nai\u0308ve क्षत्रिय",
+    "it's 'S 'Ll",
+    "Word\r\n\r\n\tnext",
+]
 
 
 def representatives() -> list[str]:
@@ -72,7 +84,7 @@ class Renamed:
         data = src.read_bytes()
         start = data.index(_PRE_KEY)
         at = start + len(_PRE_KEY)
-        self.head, self.tail = data[:at], data[at + 8 + struct.unpack_from("<Q", data, at)[0]:]
+        self.head, self.tail = data[:at], data[at + 8 + struct.unpack_from("<Q", data, at)[0] :]
 
     def write(self, dst: Path, pre: str) -> None:
         dst.write_bytes(self.head + struct.pack("<Q", len(pre.encode())) + pre.encode() + self.tail)
@@ -85,7 +97,9 @@ def llama_ids(binary: Path, vocab: Path, texts: list[str], join_id: int) -> list
         f.write(JOIN.join(texts).encode())
         f.flush()
         argv = [str(binary), "-m", str(vocab), "-f", f.name, "--ids", "--no-bos", "--no-escape", "--log-disable"]
-        ids = json.loads(subprocess.run(argv, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
+        ids = json.loads(
+            subprocess.run(argv, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+        )
     out: list[list[int]] = [[]]
     for i in ids:
         if i == join_id:
@@ -121,17 +135,32 @@ def main() -> None:
                 print(f"[splits] {base} {name}", file=sys.stderr, flush=True)
             for i, text in enumerate(texts):
                 variants = list(dict.fromkeys(json.dumps(ids[i]) for ids in by_split))  # most splits agree
-                cases.append({"base": base, "text": text, "variants": [json.loads(v) for v in variants],
-                              "split_variant": [variants.index(json.dumps(ids[i])) for ids in by_split]})
+                cases.append(
+                    {
+                        "base": base,
+                        "text": text,
+                        "variants": [json.loads(v) for v in variants],
+                        "split_variant": [variants.index(json.dumps(ids[i])) for ids in by_split],
+                    }
+                )
     info = llama_build.build_info() or {}
-    write_reference(args.out, {
-        "source": f"llama.cpp's llama-tokenize (llama-cpp-python {info.get('llama_cpp_python', '?')} sdist) --ids "
-                  "--no-bos on the corpus's vocabularies in `bases`, rewritten under each of `splits` (one name per "
-                  "distinct split); a case's ids under splits[k] are variants[split_variant[k]]. "
-                  "Regenerate: python -m bench.llamacpp_splits",
-        "seed": args.seed, "bases": list(BASES), "splits": names, "cases": cases})
-    print(f"[splits] wrote {len(names)} splits x {len(texts)} texts x {len(BASES)} vocabularies to {args.out}",
-          file=sys.stderr)
+    write_reference(
+        args.out,
+        {
+            "source": f"llama.cpp's llama-tokenize (llama-cpp-python {info.get('llama_cpp_python', '?')} sdist) --ids "
+            "--no-bos on the corpus's vocabularies in `bases`, rewritten under each of `splits` (one name per "
+            "distinct split); a case's ids under splits[k] are variants[split_variant[k]]. "
+            "Regenerate: python -m bench.llamacpp_splits",
+            "seed": args.seed,
+            "bases": list(BASES),
+            "splits": names,
+            "cases": cases,
+        },
+    )
+    print(
+        f"[splits] wrote {len(names)} splits x {len(texts)} texts x {len(BASES)} vocabularies to {args.out}",
+        file=sys.stderr,
+    )
 
 
 if __name__ == "__main__":

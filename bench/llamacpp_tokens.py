@@ -27,19 +27,72 @@ from gmlx.default_model import resolve_model
 REFERENCE = Path(__file__).parent.parent / "tests" / "data" / "gemma3_270m_llamacpp_tokens.json"
 CONTROL = ("<bos>", "<eos>", "<pad>", "<start_of_turn>", "<end_of_turn>")
 
-WORDS = ("the", "of", "Paris", "capital", "hello", "world", "tokenization", "don't", "we'll", "I'm", "ALLCAPS",
-         "camelCase", "snake_case", "return", "lambda", "naïve", "café", "Straße", "ǅ", "ﬁ", "a\u00a0b")
+WORDS = (
+    "the",
+    "of",
+    "Paris",
+    "capital",
+    "hello",
+    "world",
+    "tokenization",
+    "don't",
+    "we'll",
+    "I'm",
+    "ALLCAPS",
+    "camelCase",
+    "snake_case",
+    "return",
+    "lambda",
+    "naïve",
+    "café",
+    "Straße",
+    "ǅ",
+    "ﬁ",
+    "a\u00a0b",
+)
 PUNCT = ".,;:!?-—–…'\"“”‘’()[]{}<>/\\|@#$%^&*_+=~`"
-WHITESPACE = (" ", "  ", "   ", "    ", "        ", "\t", "\t\t", "\n", "\n\n", "\n\n\n", "\r\n", " \n", "\n ",
-              "\u3000", "\u200b", "\u00a0")
-CODE = ("def f(x):\n    return x**2\n", "for (int i = 0; i < n; ++i) {\n\tsum += a[i];\n}",
-        '<div class="a">x</div>', "SELECT * FROM t WHERE id = 1;", '{"key": [1, 2.5, null]}',
-        "#include <stdio.h>", "$ ls -la | grep foo", "std::vector<int> v{1, 2};", "x => x + 1",
-        "if __name__ == '__main__':", "http://example.com/a?b=c&d=%20", "fn main() { println!(\"hi\"); }")
+WHITESPACE = (
+    " ",
+    "  ",
+    "   ",
+    "    ",
+    "        ",
+    "\t",
+    "\t\t",
+    "\n",
+    "\n\n",
+    "\n\n\n",
+    "\r\n",
+    " \n",
+    "\n ",
+    "\u3000",
+    "\u200b",
+    "\u00a0",
+)
+CODE = (
+    "def f(x):\n    return x**2\n",
+    "for (int i = 0; i < n; ++i) {\n\tsum += a[i];\n}",
+    '<div class="a">x</div>',
+    "SELECT * FROM t WHERE id = 1;",
+    '{"key": [1, 2.5, null]}',
+    "#include <stdio.h>",
+    "$ ls -la | grep foo",
+    "std::vector<int> v{1, 2};",
+    "x => x + 1",
+    "if __name__ == '__main__':",
+    "http://example.com/a?b=c&d=%20",
+    'fn main() { println!("hi"); }',
+)
 EMOJI = ("😀", "🤖", "👍🏽", "🇫🇷", "👨‍👩‍👧", "❤️", "🎉", "🐍", "🧪", "✅", "🫣", "⭐")
 RANGES = {  # (first, last) code points of each script the strings draw letters from
-    "latin": (0x00C0, 0x017F), "greek": (0x0391, 0x03C9), "cyrillic": (0x0410, 0x044F), "cjk": (0x4E00, 0x9FFF),
-    "kana": (0x3041, 0x30FF), "hangul": (0xAC00, 0xD7A3), "arabic": (0x0621, 0x064A), "devanagari": (0x0905, 0x0939),
+    "latin": (0x00C0, 0x017F),
+    "greek": (0x0391, 0x03C9),
+    "cyrillic": (0x0410, 0x044F),
+    "cjk": (0x4E00, 0x9FFF),
+    "kana": (0x3041, 0x30FF),
+    "hangul": (0xAC00, 0xD7A3),
+    "arabic": (0x0621, 0x064A),
+    "devanagari": (0x0905, 0x0939),
 }
 
 
@@ -57,8 +110,9 @@ def _code_point(rnd: random.Random) -> str:
 
 
 def _piece(rnd: random.Random) -> str:
-    kind = rnd.choices(("word", "ascii", "punct", "digits", "script", "code", "emoji", "point"),
-                       weights=(5, 4, 3, 3, 4, 1, 2, 1))[0]
+    kind = rnd.choices(
+        ("word", "ascii", "punct", "digits", "script", "code", "emoji", "point"), weights=(5, 4, 3, 3, 4, 1, 2, 1)
+    )[0]
     if kind == "word":
         return rnd.choice(WORDS)
     if kind == "ascii":
@@ -67,8 +121,14 @@ def _piece(rnd: random.Random) -> str:
     if kind == "punct":
         return "".join(rnd.choice(PUNCT) for _ in range(rnd.randint(1, 4)))
     if kind == "digits":
-        return rnd.choice((str(rnd.randint(0, 10 ** rnd.randint(1, 12))), f"{rnd.uniform(-1e3, 1e3):.{rnd.randint(1, 5)}f}",
-                           hex(rnd.randint(0, 2 ** 32)), f"{rnd.randint(1, 31)}/{rnd.randint(1, 12)}/20{rnd.randint(10, 30)}"))
+        return rnd.choice(
+            (
+                str(rnd.randint(0, 10 ** rnd.randint(1, 12))),
+                f"{rnd.uniform(-1e3, 1e3):.{rnd.randint(1, 5)}f}",
+                hex(rnd.randint(0, 2**32)),
+                f"{rnd.randint(1, 31)}/{rnd.randint(1, 12)}/20{rnd.randint(10, 30)}",
+            )
+        )
     if kind == "script":
         return _letters(rnd, rnd.choice(list(RANGES)))
     if kind == "code":
@@ -122,9 +182,13 @@ def main() -> None:
     info = llama_build.build_info() or {}
     reference = {
         "source": f"llama.cpp's llama-tokenize (llama-cpp-python {info.get('llama_cpp_python', '?')} sdist) "
-                  "--ids, with the model's BOS; texts with a control token parse special tokens, the rest "
-                  "--no-parse-special. Regenerate: python -m bench.llamacpp_tokens",
-        "model": model.name, "seed": args.seed, "kept": len(kept), "random": len(fresh), "cases": cases,
+        "--ids, with the model's BOS; texts with a control token parse special tokens, the rest "
+        "--no-parse-special. Regenerate: python -m bench.llamacpp_tokens",
+        "model": model.name,
+        "seed": args.seed,
+        "kept": len(kept),
+        "random": len(fresh),
+        "cases": cases,
     }
     write_reference(args.out, reference)
     print(f"[tokens] wrote {len(cases)} cases to {args.out}", file=sys.stderr)

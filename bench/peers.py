@@ -53,17 +53,40 @@ def peer(name: str, model: Path, port: int, context: int) -> Peer:
 
 
 def _gmlx(model: Path, port: int, context: int) -> Peer:
-    argv = [sys.executable, "-m", "gmlx", "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
-            "--decode-batch", str(WIDTH), "--prompt-cache-bytes", "0",
-            "--log-level", "warning"]  # weights auto: gguf on a CPU
-    return Peer("gmlx", argv, gmlx.__version__, env={"GMLX_API_KEY": ""}, system_route="/system",
-                notes="no ignore_eos: a stream may stop at EOS; rates use the usage counts; no prompt cache")
+    argv = [
+        sys.executable,
+        "-m",
+        "gmlx",
+        "serve",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--decode-batch",
+        str(WIDTH),
+        "--prompt-cache-bytes",
+        "0",
+        "--log-level",
+        "warning",
+    ]  # weights auto: gguf on a CPU
+    return Peer(
+        "gmlx",
+        argv,
+        gmlx.__version__,
+        env={"GMLX_API_KEY": ""},
+        system_route="/system",
+        notes="no ignore_eos: a stream may stop at EOS; rates use the usage counts; no prompt cache",
+    )
 
 
 def llama_server_path() -> Path:
     """$GMLX_LLAMA_SERVER, the cached build, PATH, else a build now; raises Missing if it fails."""
-    for candidate in (os.environ.get("GMLX_LLAMA_SERVER"), llama_build.cached("llama-server"),
-                      shutil.which("llama-server")):
+    for candidate in (
+        os.environ.get("GMLX_LLAMA_SERVER"),
+        llama_build.cached("llama-server"),
+        shutil.which("llama-server"),
+    ):
         if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
             return Path(candidate)
     try:
@@ -76,16 +99,41 @@ def _llama_cpp(model: Path, port: int, context: int) -> Peer:
     binary = llama_server_path()
     # The cached build is static; a binary from elsewhere may link llama.cpp's libraries beside it.
     env = {"LD_LIBRARY_PATH": os.pathsep.join(filter(None, [str(binary.parent), os.environ.get("LD_LIBRARY_PATH")]))}
-    out = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=30, check=False,
-                         env={**os.environ, **env})
-    ver = next((line.split(":", 1)[1].strip() for line in (out.stdout + out.stderr).splitlines()
-                if line.startswith("version:")), "unknown")
+    out = subprocess.run(
+        [str(binary), "--version"], capture_output=True, text=True, timeout=30, check=False, env={**os.environ, **env}
+    )
+    ver = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in (out.stdout + out.stderr).splitlines()
+            if line.startswith("version:")
+        ),
+        "unknown",
+    )
     if binary.parent == llama_build.build_dir():
         ver += f" (built from the llama-cpp-python {llama_build.LLAMA_CPP_PYTHON} sdist)"
     # -c is shared among the -np slots: each slot gets the context the longest prompt needs.
-    argv = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-np", str(WIDTH),
-            "-t", str(cores()), "-c", str(context * WIDTH), "--cont-batching", "--no-cache-prompt",
-            "--cache-ram", "0", "--no-webui", "--log-disable"]
+    argv = [
+        str(binary),
+        "-m",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "-np",
+        str(WIDTH),
+        "-t",
+        str(cores()),
+        "-c",
+        str(context * WIDTH),
+        "--cont-batching",
+        "--no-cache-prompt",
+        "--cache-ram",
+        "0",
+        "--no-webui",
+        "--log-disable",
+    ]
     return Peer("llama-cpp", argv, ver, env=env, body={"ignore_eos": True, "cache_prompt": False}, ignores_eos=True)
 
 
@@ -100,9 +148,26 @@ def _mlx_lm(model: Path, port: int, context: int) -> Peer:
         out = export_for_mlx_lm(model)
     except subprocess.CalledProcessError as e:
         raise Missing(f"`gmlx export` of {model.name} for mlx-lm failed (exit {e.returncode})") from None
-    argv = [sys.executable, "-m", "mlx_lm", "server", "--model", str(out), "--host", "127.0.0.1",
-            "--port", str(port), "--decode-concurrency", str(WIDTH), "--prompt-concurrency", str(WIDTH),
-            "--prompt-cache-size", "0", "--log-level", "WARNING"]
+    argv = [
+        sys.executable,
+        "-m",
+        "mlx_lm",
+        "server",
+        "--model",
+        str(out),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--decode-concurrency",
+        str(WIDTH),
+        "--prompt-concurrency",
+        str(WIDTH),
+        "--prompt-cache-size",
+        "0",
+        "--log-level",
+        "WARNING",
+    ]
     env = {"LD_PRELOAD": gmlx.BLAS.path, "OPENBLAS_NUM_THREADS": str(cores())}
     return Peer("mlx-lm", argv, ver, env=env, notes="f32 weights from `gmlx export`; no ignore_eos")
 
@@ -112,6 +177,5 @@ def export_for_mlx_lm(model: Path) -> Path:
     st = model.stat()
     out = cache_dir() / "peers" / "mlx" / f"{model.stem}-{st.st_size}-{st.st_mtime_ns}-f32"
     if not (out / "model.safetensors").exists():
-        subprocess.run([sys.executable, "-m", "gmlx", "export", str(model), str(out), "--weights", "float"],
-                       check=True)
+        subprocess.run([sys.executable, "-m", "gmlx", "export", str(model), str(out), "--weights", "float"], check=True)
     return out

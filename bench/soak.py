@@ -37,14 +37,22 @@ def _slope_per_min(samples: list[tuple[float, float]]) -> float | None:
 async def _request(c: httpx.AsyncClient, rng: random.Random, words: int, max_tokens: int) -> str:
     prompt = " ".join(rng.choice(("cat", "sea", "blue", "tree", "runs")) for _ in range(rng.randint(4, words)))
     stream, chat = rng.random() < 0.5, rng.random() < 0.7
-    body: dict[str, Any] = {"max_tokens": rng.randint(8, max_tokens), "temperature": rng.choice((0, 0.8)), "stream": stream}
+    body: dict[str, Any] = {
+        "max_tokens": rng.randint(8, max_tokens),
+        "temperature": rng.choice((0, 0.8)),
+        "stream": stream,
+    }
     body.update({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt})
     async with c.stream("POST", "/v1/chat/completions" if chat else "/v1/completions", json=body) as r:
         text = (await r.aread()).decode(errors="replace")
     if r.status_code == 200:
         ended = text.rstrip().endswith("data: [DONE]") and '"error"' not in text if stream else True
         return "ok" if ended else "error: stream ended badly"
-    code = r.json().get("error", {}).get("code") if r.headers.get("content-type", "").startswith("application/json") else None
+    code = (
+        r.json().get("error", {}).get("code")
+        if r.headers.get("content-type", "").startswith("application/json")
+        else None
+    )
     return f"503 {code}" if r.status_code == 503 and code in DESIGNED_503 else f"error: {r.status_code} {code}"
 
 
@@ -76,14 +84,23 @@ async def soak(url: str, minutes: float, api_key: str | None = None, sample_s: f
                 await asyncio.sleep(sample_s)
 
         await asyncio.gather(sampler(), *(worker() for _ in range(width)))
-    steady = rss[len(rss) // 10:]  # the first tenth warms caches and allocators
+    steady = rss[len(rss) // 10 :]  # the first tenth warms caches and allocators
     errors = {k: v for k, v in outcomes.items() if k.startswith("error")}
-    return {"url": url, "minutes": minutes, "width": width, "depth": depth, "requests": sum(outcomes.values()),
-            "ok": outcomes["ok"], "designed_503": sum(v for k, v in outcomes.items() if k.startswith("503")),
-            "errors": sum(errors.values()), "error_kinds": errors,
-            "rss_mb_start": round(rss[0][1], 1) if rss else None, "rss_mb_end": round(rss[-1][1], 1) if rss else None,
-            "rss_mb_max": round(max(v for _, v in rss), 1) if rss else None,
-            "rss_slope_mb_per_min": None if (s := _slope_per_min(steady)) is None else round(s, 3)}
+    return {
+        "url": url,
+        "minutes": minutes,
+        "width": width,
+        "depth": depth,
+        "requests": sum(outcomes.values()),
+        "ok": outcomes["ok"],
+        "designed_503": sum(v for k, v in outcomes.items() if k.startswith("503")),
+        "errors": sum(errors.values()),
+        "error_kinds": errors,
+        "rss_mb_start": round(rss[0][1], 1) if rss else None,
+        "rss_mb_end": round(rss[-1][1], 1) if rss else None,
+        "rss_mb_max": round(max(v for _, v in rss), 1) if rss else None,
+        "rss_slope_mb_per_min": None if (s := _slope_per_min(steady)) is None else round(s, 3),
+    }
 
 
 def main() -> None:

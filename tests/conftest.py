@@ -128,8 +128,20 @@ class ServeProcess:
     def __init__(self, model: Path, log: Path, *flags: str, env: dict[str, str] | None = None):
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
-        self._args = [sys.executable, "-m", "gmlx", "serve", str(model), "--port", str(port), "--weights", "float",
-                      "--log-level", "warning", *flags]
+        self._args = [
+            sys.executable,
+            "-m",
+            "gmlx",
+            "serve",
+            str(model),
+            "--port",
+            str(port),
+            "--weights",
+            "float",
+            "--log-level",
+            "warning",
+            *flags,
+        ]
         inherited = {k: v for k, v in os.environ.items() if not k.startswith("GMLX_")}  # a developer's key, say
         self._env, self._log = {**inherited, **(env or {})}, log
 
@@ -188,8 +200,13 @@ def invoke_json(*args: object, code: int | None = 0) -> dict:
     return json.loads(r.stdout)
 
 
-def offline_table(path: Path, memory: int, decode_batch: int = 4, context_length: int | None = None,
-                  prompt_cache_bytes: int | None = None):
+def offline_table(
+    path: Path,
+    memory: int,
+    decode_batch: int = 4,
+    context_length: int | None = None,
+    prompt_cache_bytes: int | None = None,
+):
     """The table a float-weights server with these settings builds for the file (the server's defaults otherwise)."""
     from gmlx.capacity.budget import default_prompt_cache_bytes
     from gmlx.capacity.memory import KVFormat
@@ -199,11 +216,19 @@ def offline_table(path: Path, memory: int, decode_batch: int = 4, context_length
     from gmlx.models.weights_mode import resident_bytes
 
     h = read_header(path)
-    return capacity_table(h.geometry, weight_bytes=resident_bytes(h, "float"), decode_batch=decode_batch,
-                          prefill_step=512, kv=KVFormat(float_bytes=4), memory=memory,
-                          reserve_fraction=0.10, reserve_floor=512 * MiB, context_length=context_length,
-                          prompt_cache_bytes=default_prompt_cache_bytes(memory) if prompt_cache_bytes is None
-                          else prompt_cache_bytes, tiled_attention=fast.enabled())
+    return capacity_table(
+        h.geometry,
+        weight_bytes=resident_bytes(h, "float"),
+        decode_batch=decode_batch,
+        prefill_step=512,
+        kv=KVFormat(float_bytes=4),
+        memory=memory,
+        reserve_fraction=0.10,
+        reserve_floor=512 * MiB,
+        context_length=context_length,
+        prompt_cache_bytes=default_prompt_cache_bytes(memory) if prompt_cache_bytes is None else prompt_cache_bytes,
+        tiled_attention=fast.enabled(),
+    )
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -228,6 +253,9 @@ def small_memory_model(tmp_path: Path) -> tuple[Path, int]:
     kv_per_token = probe.stream_bytes(256) // 256
     budget = probe.budget
     # The prompt cache's default share of memory comes off the top too.
-    memory = int((budget.weight_bytes + budget.prefill_bytes + 512 * MiB + 2600 * kv_per_token)
-                 / (1 - 1 / PROMPT_CACHE_SHARE) / 0.999)
+    memory = int(
+        (budget.weight_bytes + budget.prefill_bytes + 512 * MiB + 2600 * kv_per_token)
+        / (1 - 1 / PROMPT_CACHE_SHARE)
+        / 0.999
+    )
     return path, memory

@@ -21,9 +21,16 @@ from gguf import GGMLQuantizationType
 Writer = Callable[[Path], Path]
 
 DENSE: dict[str, dense.Spec] = {
-    "llama": dense.LLAMA3, "mistral": dense.MISTRAL, "qwen2": dense.QWEN2, "qwen3": dense.QWEN3,
-    "gemma2": dense.GEMMA2, "gemma3": dense.GEMMA3, "phi3": dense.PHI3, "granite": dense.GRANITE,
-    "olmo2": dense.OLMO2, "smollm3": dense.SMOLLM3,
+    "llama": dense.LLAMA3,
+    "mistral": dense.MISTRAL,
+    "qwen2": dense.QWEN2,
+    "qwen3": dense.QWEN3,
+    "gemma2": dense.GEMMA2,
+    "gemma3": dense.GEMMA3,
+    "phi3": dense.PHI3,
+    "granite": dense.GRANITE,
+    "olmo2": dense.OLMO2,
+    "smollm3": dense.SMOLLM3,
 }
 
 # Q8_0 matrices: compared in every weight mode.
@@ -44,6 +51,7 @@ EXACT: dict[str, Writer] = {
     "qwen3moe-f32": partial(moe.write_moe, arch="qwen3moe", qtype=GGMLQuantizationType.F32),
     "deepseek2-f32": partial(moe.write_deepseek2, qtype=GGMLQuantizationType.F32),
     "deepseek2-lite-f32": partial(moe.write_deepseek2, qtype=GGMLQuantizationType.F32, z=moe.V2_LITE),
-    "deepseek2-legacy-f32": partial(moe.write_deepseek2, qtype=GGMLQuantizationType.F32, z=moe.V3_LEGACY,
-                                    seed=moe.LEGACY_SEED),
+    "deepseek2-legacy-f32": partial(
+        moe.write_deepseek2, qtype=GGMLQuantizationType.F32, z=moe.V3_LEGACY, seed=moe.LEGACY_SEED
+    ),
 }

@@ -40,6 +40,7 @@ def test_slots_queue_and_handover() -> None:
 def test_several_slots_are_granted_together_and_in_order() -> None:
     """A request of three choices waits until three slots are free at once; one behind it waits
     its turn, though a single slot would fit it sooner (no overtaking)."""
+
     async def run() -> None:
         gate = AdmissionGate(4, 4, 10)
         await gate.acquire(3)

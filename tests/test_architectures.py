@@ -120,8 +120,9 @@ def check(name: str, path: Path, mode: str, bounds: Bounds) -> None:
     model = load(path, mode).model  # type: ignore[arg-type]
     flips, ties, overlaps, kls = [], 0, [], []
     for c, case in enumerate(ref["cases"]):
-        for s, (top, logprobs) in enumerate(zip(case["steps"], step_logprobs(model, case["ids"], case["greedy"]),
-                                                strict=True)):
+        for s, (top, logprobs) in enumerate(
+            zip(case["steps"], step_logprobs(model, case["ids"], case["greedy"]), strict=True)
+        ):
             ours = np.argsort(-logprobs)[:10]
             tied = {i for i, p in top if np.log(top[0][1] / p) < bounds.tie_nats}
             ties += len(tied) > 1

@@ -38,19 +38,46 @@ KiB, MiB, GiB = 2**10, 2**20, 2**30
 
 def geometry(n_layers: int = 32, n_kv: int | tuple[int, ...] = 8, head: int = 128, **kw) -> ModelGeometry:
     fields = {
-        "architecture": "llama", "name": "test", "n_layers": n_layers, "n_embd": 4096, "n_ff": 14336, "n_heads": 32,
-        "n_kv_heads": n_kv if isinstance(n_kv, tuple) else (n_kv,) * n_layers, "key_length": head, "value_length": head,
-        "context_length": 131072, "vocab_size": 128256, "sliding_window": None, "sliding_layers": (False,) * n_layers,
-        "rope_theta": 500000.0, "norm_eps": 1e-5, "kv_lora_rank": None, "q_lora_rank": None, "n_experts": None,
-        "n_params": 0, "weight_bytes": 0, "file_bytes": 0, "tensor_types": {}, "has_chat_template": False,
+        "architecture": "llama",
+        "name": "test",
+        "n_layers": n_layers,
+        "n_embd": 4096,
+        "n_ff": 14336,
+        "n_heads": 32,
+        "n_kv_heads": n_kv if isinstance(n_kv, tuple) else (n_kv,) * n_layers,
+        "key_length": head,
+        "value_length": head,
+        "context_length": 131072,
+        "vocab_size": 128256,
+        "sliding_window": None,
+        "sliding_layers": (False,) * n_layers,
+        "rope_theta": 500000.0,
+        "norm_eps": 1e-5,
+        "kv_lora_rank": None,
+        "q_lora_rank": None,
+        "n_experts": None,
+        "n_params": 0,
+        "weight_bytes": 0,
+        "file_bytes": 0,
+        "tensor_types": {},
+        "has_chat_template": False,
     }
     return ModelGeometry(**{**fields, **kw})
 
 
 LLAMA = geometry()  # 32 layers, 8 KV heads of 128
 GEMMA3 = geometry(
-    18, 1, 256, architecture="gemma3", n_embd=640, n_ff=2048, n_heads=4, context_length=32768, vocab_size=262144,
-    sliding_window=512, sliding_layers=tuple((i + 1) % 6 != 0 for i in range(18)),
+    18,
+    1,
+    256,
+    architecture="gemma3",
+    n_embd=640,
+    n_ff=2048,
+    n_heads=4,
+    context_length=32768,
+    vocab_size=262144,
+    sliding_window=512,
+    sliding_layers=tuple((i + 1) % 6 != 0 for i in range(18)),
 )
 MLA = geometry(4, 16, 192, value_length=128, architecture="deepseek2", kv_lora_rank=512, q_lora_rank=1536, rope_dim=64)
 Q8 = KVFormat(bits=8, group_size=64)
@@ -120,8 +147,9 @@ def test_warmup_per_token_figures() -> None:
     # Dense: 32 prompt tokens sit in one 256-token step, so the measured bytes are over 256 slots.
     exact = warmup_per_token(LLAMA, 32, 256 * LLAMA_TOKEN)
     assert exact == {"kv_bytes_per_token_predicted": LLAMA_TOKEN, "kv_bytes_per_token_measured": LLAMA_TOKEN}
-    assert warmup_per_token(LLAMA, 32, 256 * LLAMA_TOKEN * 11 // 10)["kv_bytes_per_token_measured"] == \
-        pytest.approx(1.1 * LLAMA_TOKEN)
+    assert warmup_per_token(LLAMA, 32, 256 * LLAMA_TOKEN * 11 // 10)["kv_bytes_per_token_measured"] == pytest.approx(
+        1.1 * LLAMA_TOKEN
+    )
     # gemma3 right after 32 prompt tokens: global layers hold 256 slots, sliding ones exactly 32.
     held = 3072 * 256 + 15360 * 32
     assert warmup_per_token(GEMMA3, 32, held)["kv_bytes_per_token_measured"] == 3072 + 15360
@@ -203,8 +231,17 @@ def test_prefill_working_bytes() -> None:
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("64GiB", 64 * GiB), ("512MiB", 512 * MiB), ("8GB", 8 * 10**9), ("1.5G", 3 * GiB // 2), ("1048576", MiB),
-     (" 2 gi ", 2 * GiB), ("4k", 4 * KiB), ("100B", 100), ("99999999999999999999", 99999999999999999999)],
+    [
+        ("64GiB", 64 * GiB),
+        ("512MiB", 512 * MiB),
+        ("8GB", 8 * 10**9),
+        ("1.5G", 3 * GiB // 2),
+        ("1048576", MiB),
+        (" 2 gi ", 2 * GiB),
+        ("4k", 4 * KiB),
+        ("100B", 100),
+        ("99999999999999999999", 99999999999999999999),
+    ],
 )
 def test_parse_bytes(text: str, expected: int) -> None:
     assert parse_bytes(text) == expected
@@ -223,8 +260,9 @@ def test_parse_bytes_rejects(text: str) -> None:
 # budget is 1 MiB of KV plus that overhead for 8 streams, so one stream holds 2048 tokens.
 SMALL = geometry(2, 1, 64, context_length=4096, vocab_size=64)
 OVERHEAD = 2 * 64 * 2
-ONE_MIB = MemoryBudget(total_bytes=MiB + 8 * OVERHEAD, weight_bytes=0, prefill_bytes=0, reserve_floor_bytes=0,
-                       reserve_fraction=0)
+ONE_MIB = MemoryBudget(
+    total_bytes=MiB + 8 * OVERHEAD, weight_bytes=0, prefill_bytes=0, reserve_floor_bytes=0, reserve_fraction=0
+)
 
 
 def small_table(**kw) -> CapacityTable:
@@ -270,8 +308,17 @@ def test_table_monotonic_on_a_real_shape() -> None:
 
 
 def test_capacity_table_composes_budget_and_table() -> None:
-    t = capacity_table(GEMMA3, weight_bytes=GiB, decode_batch=4, prefill_step=512, memory=8 * GiB, kv=FP32,
-                       reserve_fraction=0.2, reserve_floor=0, context_length=8192)
+    t = capacity_table(
+        GEMMA3,
+        weight_bytes=GiB,
+        decode_batch=4,
+        prefill_step=512,
+        memory=8 * GiB,
+        kv=FP32,
+        reserve_fraction=0.2,
+        reserve_floor=0,
+        context_length=8192,
+    )
     # The chunk sees the server's window, not the GGUF's, and grows the sliding caches.
     # Once per batch, MLX's buffer cache holds about one stream's sliding-window transient more.
     transient = rotating_prefill_bytes(GEMMA3, 512, FP32)
@@ -282,8 +329,17 @@ def test_capacity_table_composes_budget_and_table() -> None:
 
 
 def test_streams_arriving_together_each_bring_a_chunk_and_what_their_caches_outgrew() -> None:
-    t = capacity_table(GEMMA3, weight_bytes=GiB, decode_batch=8, prefill_step=512, memory=8 * GiB, kv=FP32,
-                       reserve_fraction=0.2, reserve_floor=0, context_length=8192)
+    t = capacity_table(
+        GEMMA3,
+        weight_bytes=GiB,
+        decode_batch=8,
+        prefill_step=512,
+        memory=8 * GiB,
+        kv=FP32,
+        reserve_fraction=0.2,
+        reserve_floor=0,
+        context_length=8192,
+    )
     # The full-attention layers' buffers before the last 512-token chunk of 2000 tokens: 1536 slots.
     outgrown = outgrown_bytes(GEMMA3, 2000, 512, FP32)
     full = [k for k in kv_layer_kinds(GEMMA3, FP32) if k.window is None]
@@ -305,10 +361,19 @@ def test_rotating_caches_while_a_chunk_runs() -> None:
 def test_the_budget_counts_what_the_governor_counts() -> None:
     """With a governor, the table leaves out the process's memory outside MLX and fills up to
     where orange starts; the prefill terms are those of a table without one."""
-    kw = {"weight_bytes": 512 * MiB, "decode_batch": 4, "prefill_step": 512, "memory": 3 * GiB, "kv": FP32,
-          "prompt_cache_bytes": 256 * MiB, "tiled_attention": True}
-    plain, governed = capacity_table(GEMMA3, **kw), capacity_table(
-        GEMMA3, **kw, governor=GovernorTerms(host_bytes=480 * MiB, ceiling=0.9))
+    kw = {
+        "weight_bytes": 512 * MiB,
+        "decode_batch": 4,
+        "prefill_step": 512,
+        "memory": 3 * GiB,
+        "kv": FP32,
+        "prompt_cache_bytes": 256 * MiB,
+        "tiled_attention": True,
+    }
+    plain, governed = (
+        capacity_table(GEMMA3, **kw),
+        capacity_table(GEMMA3, **kw, governor=GovernorTerms(host_bytes=480 * MiB, ceiling=0.9)),
+    )
     b = governed.budget
     assert (b.host_bytes, b.ceiling) == (480 * MiB, 0.9)
     assert (b.prefill_bytes, b.batch_bytes) == (plain.budget.prefill_bytes, plain.budget.batch_bytes)
@@ -364,9 +429,19 @@ IDLE = LiveState(decode_batch=8, in_flight=0, waiting=0, band="green")
 def test_plan_ok() -> None:
     p = plan(small_table(), 4, 512, dataclasses.replace(IDLE, in_flight=1), "m")
     assert p == {
-        "width": 4, "depth": 512, "ok": True, "max_context_at_width": 512, "max_width_at_depth": 4,
-        "model": "m", "band": "green", "decode_batch": 8, "in_flight": 1, "waiting": 0, "slots": 7,
-        "admit_now": True, "reason": "ok",
+        "width": 4,
+        "depth": 512,
+        "ok": True,
+        "max_context_at_width": 512,
+        "max_width_at_depth": 4,
+        "model": "m",
+        "band": "green",
+        "decode_batch": 8,
+        "in_flight": 1,
+        "waiting": 0,
+        "slots": 7,
+        "admit_now": True,
+        "reason": "ok",
     }
 
 
@@ -419,13 +494,28 @@ def test_plan_without_table_or_under_overcommit() -> None:
 def test_estimate_fields() -> None:
     need = 1000 + (3072 + 15360) * 512 + 2 * 262144 * 2  # prefill + KV of 300 + 212 tokens + logits rows
     e = estimate(
-        GEMMA3, prompt_tokens=300, max_tokens=212, context_limit=32768, prefill_bytes=1000,
-        free_now_bytes=need, free_drained_bytes=need - 1, prefill_tok_s=400.0, queue_wait_s=0.5,
-        warm_tokens=100, cache_tier="block",
+        GEMMA3,
+        prompt_tokens=300,
+        max_tokens=212,
+        context_limit=32768,
+        prefill_bytes=1000,
+        free_now_bytes=need,
+        free_drained_bytes=need - 1,
+        prefill_tok_s=400.0,
+        queue_wait_s=0.5,
+        warm_tokens=100,
+        cache_tier="block",
     )
     assert e == {
-        "prompt_tokens": 300, "warm_tokens": 100, "cache_tier": "block", "need_bytes": need,
-        "need_now_bytes": need, "fits_now": True, "fits_drained": False, "context_ok": True, "context_limit": 32768,
+        "prompt_tokens": 300,
+        "warm_tokens": 100,
+        "cache_tier": "block",
+        "need_bytes": need,
+        "need_now_bytes": need,
+        "fits_now": True,
+        "fits_drained": False,
+        "context_ok": True,
+        "context_limit": 32768,
         "est_ttft_s": 1.0,  # 0.5 s queue + 200 cold tokens at 400 tok/s
         "resident": True,
     }
@@ -441,9 +531,21 @@ def test_prefill_fit_recovers_a_fixed_cost_and_a_rate() -> None:
     assert fit_prefill([(256, 0.3), (300, 0.34)]) is None  # lengths too alike to tell fixed from rate
     assert fit_prefill([(12, 0.5), (512, 0.1)]) is None  # longer, faster: not a prefill
     assert fit_prefill([(12, 0.03)]) is None
-    e = estimate(GEMMA3, prompt_tokens=300, max_tokens=None, context_limit=32768, prefill_bytes=0, free_now_bytes=None,
-                 free_drained_bytes=None, prefill_tok_s=400.0, queue_wait_s=0.5, first_step_s=0.02,
-                 prefill_fit=PrefillFit(0.02, 0.001), prefill_step=512, warm_tokens=100)
+    e = estimate(
+        GEMMA3,
+        prompt_tokens=300,
+        max_tokens=None,
+        context_limit=32768,
+        prefill_bytes=0,
+        free_now_bytes=None,
+        free_drained_bytes=None,
+        prefill_tok_s=400.0,
+        queue_wait_s=0.5,
+        first_step_s=0.02,
+        prefill_fit=PrefillFit(0.02, 0.001),
+        prefill_step=512,
+        warm_tokens=100,
+    )
     assert e["est_ttft_s"] == 0.74  # the queue, one chunk of 200 cold tokens by the fit (not the rate), a step
 
 
@@ -452,9 +554,13 @@ def test_joining_a_batch_pads_to_its_longest_row() -> None:
     row, and a request deeper than the rest grows theirs to its depth."""
     row = lambda depth: stream_bytes(LLAMA, depth)  # noqa: E731
     args = dict(context_limit=4096, prefill_bytes=0, free_drained_bytes=None, prefill_tok_s=None, queue_wait_s=0.0)
-    short = estimate(LLAMA, prompt_tokens=20, max_tokens=None, free_now_bytes=row(1036), running=1, longest=1036, **args)
+    short = estimate(
+        LLAMA, prompt_tokens=20, max_tokens=None, free_now_bytes=row(1036), running=1, longest=1036, **args
+    )
     assert short["need_bytes"] == row(20) and short["need_now_bytes"] == row(1036) and short["fits_now"] is True
-    deep = estimate(LLAMA, prompt_tokens=2000, max_tokens=None, free_now_bytes=row(2000), running=2, longest=300, **args)
+    deep = estimate(
+        LLAMA, prompt_tokens=2000, max_tokens=None, free_now_bytes=row(2000), running=2, longest=300, **args
+    )
     assert deep["need_now_bytes"] == 3 * row(2000) - 2 * row(300) and deep["fits_now"] is False
     alone = estimate(LLAMA, prompt_tokens=20, max_tokens=None, free_now_bytes=row(20), **args)
     assert alone["need_now_bytes"] == alone["need_bytes"] and alone["fits_now"] is True
@@ -462,14 +568,31 @@ def test_joining_a_batch_pads_to_its_longest_row() -> None:
 
 def test_estimate_without_rates_or_free_figures() -> None:
     e = estimate(
-        LLAMA, prompt_tokens=4096, max_tokens=None, context_limit=4096, prefill_bytes=0,
-        free_now_bytes=None, free_drained_bytes=None, prefill_tok_s=None, queue_wait_s=0.0, resident=False,
+        LLAMA,
+        prompt_tokens=4096,
+        max_tokens=None,
+        context_limit=4096,
+        prefill_bytes=0,
+        free_now_bytes=None,
+        free_drained_bytes=None,
+        prefill_tok_s=None,
+        queue_wait_s=0.0,
+        resident=False,
         kv=Q8,
     )
     assert e["need_bytes"] == kv_bytes(LLAMA, 4096, Q8) + 2 * 128256 * 2 == 4096 * 32 * 8 * 2 * 136 + 513024
     assert e["fits_now"] is None and e["fits_drained"] is None and e["est_ttft_s"] is None
     assert e["context_ok"] is False  # no room left for one generated token
     assert e["resident"] is False and e["cache_tier"] == "miss" and e["warm_tokens"] == 0
-    e = estimate(LLAMA, prompt_tokens=3, max_tokens=None, context_limit=4096, prefill_bytes=0, free_now_bytes=None,
-                 free_drained_bytes=None, prefill_tok_s=3.0, queue_wait_s=0.0)
+    e = estimate(
+        LLAMA,
+        prompt_tokens=3,
+        max_tokens=None,
+        context_limit=4096,
+        prefill_bytes=0,
+        free_now_bytes=None,
+        free_drained_bytes=None,
+        prefill_tok_s=3.0,
+        queue_wait_s=0.0,
+    )
     assert e["est_ttft_s"] == 1.0

@@ -9,10 +9,22 @@ import httpx
 import pytest
 from conftest import LiveServer, offline_table
 
-
 PLAN = "/v1/capacity/plan"
-FIELDS = ["width", "depth", "ok", "max_context_at_width", "max_width_at_depth", "model", "band",
-          "decode_batch", "in_flight", "waiting", "slots", "admit_now", "reason"]
+FIELDS = [
+    "width",
+    "depth",
+    "ok",
+    "max_context_at_width",
+    "max_width_at_depth",
+    "model",
+    "band",
+    "decode_batch",
+    "in_flight",
+    "waiting",
+    "slots",
+    "admit_now",
+    "reason",
+]
 
 
 def test_plan_fields_and_memory_answer(small_memory_model: tuple[Path, int]) -> None:
@@ -79,8 +91,9 @@ def test_max_kv_size_caps_the_window(tmp_path: Path) -> None:
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
 
 
-@pytest.mark.parametrize("query", [{}, {"width": 2}, {"width": "x", "depth": 5}, {"width": 0, "depth": 5},
-                                   {"width": 2, "depth": -1}])
+@pytest.mark.parametrize(
+    "query", [{}, {"width": 2}, {"width": "x", "depth": 5}, {"width": 0, "depth": 5}, {"width": 2, "depth": -1}]
+)
 def test_plan_rejects_bad_queries(live_server: LiveServer, query: dict) -> None:
     with live_server.client() as c:
         r = c.get(PLAN, params=query)
@@ -143,15 +156,28 @@ def test_estimate_edge_cases(live_server: LiveServer) -> None:
     with live_server.client() as c:
         long = c.post("/v1/estimate", json={"messages": [{"role": "user", "content": "word " * 400}]}).json()
         assert long["context_ok"] is False
-        media = c.post("/v1/estimate", json={"messages": [{"role": "user", "content": [
-            {"type": "text", "text": "what is this?"},
-            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}).json()
+        media = c.post(
+            "/v1/estimate",
+            json={
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "what is this?"},
+                            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                        ],
+                    }
+                ]
+            },
+        ).json()
         assert media["estimated"] is False and "image_url" in media["note"] and media["prompt_tokens"] > 0
         assert c.post("/v1/estimate", json={"messages": "x"}).status_code == 400
         assert c.post("/v1/estimate", json={"messages": 1}).status_code == 400  # found by the fuzzer
         assert c.post("/v1/chat/completions", json={"messages": 1, "dry_run": True}).status_code == 400
-        assert c.post("/v1/estimate", json={"messages": [{"role": "user", "content": "x"}],
-                                            "model": "other"}).status_code == 404
+        assert (
+            c.post("/v1/estimate", json={"messages": [{"role": "user", "content": "x"}], "model": "other"}).status_code
+            == 404
+        )
 
 
 def test_fits_drained_leaves_the_prompt_cache_bound(tiny_models: dict[str, Path]) -> None:

@@ -79,8 +79,13 @@ def test_greedy_choices_are_equal(server: LiveServer) -> None:
 
 @pytest.mark.parametrize("route", [CHAT, "/v1/completions"], ids=["chat", "completions"])
 def test_streamed_choices_reassembled_match_the_non_streamed(server: LiveServer, route: str) -> None:
-    body = {"n": 3, "temperature": 1.0, "seed": 11, "max_tokens": 10,
-            **({"messages": messages()} if route == CHAT else {"prompt": "The sea"})}
+    body = {
+        "n": 3,
+        "temperature": 1.0,
+        "seed": 11,
+        "max_tokens": 10,
+        **({"messages": messages()} if route == CHAT else {"prompt": "The sea"}),
+    }
     with server.client() as c:
         out = c.post(route, json=body).json()
     texts, finishes, chunks = streamed(server, route, **body, stream_options={"include_usage": True})
@@ -104,8 +109,13 @@ def test_usage_counts_the_prompt_once_and_every_choices_tokens(server: LiveServe
 def test_the_prompt_is_prefilled_once(server: LiveServer) -> None:
     stats, cache = server.engine.stats, server.engine.prompt_cache.stats
     prefilled, exact = stats.prefill_tokens, cache.hits["exact"]
-    out = chat(server, messages=messages("a prompt no other test sends, long enough to count " * 4), n=3,
-               temperature=0.7, seed=1)
+    out = chat(
+        server,
+        messages=messages("a prompt no other test sends, long enough to count " * 4),
+        n=3,
+        temperature=0.7,
+        seed=1,
+    )
     prompt = out["usage"]["prompt_tokens"]
     # The batch counts a prompt's last token as decoding; the others prefill only that one.
     assert prompt - 1 <= stats.prefill_tokens - prefilled <= prompt + 2
@@ -131,7 +141,11 @@ def test_n_past_the_decode_batch_or_below_1_is_a_400(server: LiveServer) -> None
         doc = c.get("/openapi.json").json()["components"]["schemas"]
     for name in ("ChatCompletionRequest", "CompletionRequest"):
         assert doc[name]["properties"]["n"]["anyOf"][0] == {
-            "type": "integer", "minimum": 1, "maximum": 4, "description": "Choices, each its own row of the batch."}
+            "type": "integer",
+            "minimum": 1,
+            "maximum": 4,
+            "description": "Choices, each its own row of the batch.",
+        }
     assert server.state.gate.running == 0
 
 
@@ -146,8 +160,7 @@ def test_every_choice_is_one_log_line_and_one_engine_row(server: LiveServer, cap
 
 def test_a_client_leaving_an_n3_stream_frees_every_slot(server: LiveServer, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="gmlx.server")
-    sock = raw_post(server, json.dumps({"messages": messages(), "n": 3, "max_tokens": 10_000,
-                                        "stream": True}).encode())
+    sock = raw_post(server, json.dumps({"messages": messages(), "n": 3, "max_tokens": 10_000, "stream": True}).encode())
     server.wait_until(lambda: server.engine.decoding == 3, timeout=20)
     assert server.state.gate.running == 3
     sock.close()
@@ -180,8 +193,10 @@ def test_one_choice_failing_fails_the_request_and_ends_the_others(server: LiveSe
     server.wait_until(lambda: server.state.gate.running == 0 and server.engine.in_flight == 0, timeout=10)
 
     threading.Thread(target=_fail_second_choice, args=(server,), daemon=True).start()
-    with server.client() as c, c.stream("POST", CHAT, json={"messages": messages(), "n": 3, "max_tokens": 10_000,
-                                                            "stream": True}) as r:
+    with (
+        server.client() as c,
+        c.stream("POST", CHAT, json={"messages": messages(), "n": 3, "max_tokens": 10_000, "stream": True}) as r,
+    ):
         lines = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "[DONE]" and json.loads(lines[-2])["error"]["code"] == "memory_pressure"
     server.wait_until(lambda: server.state.gate.running == 0 and server.engine.in_flight == 0, timeout=10)
@@ -189,11 +204,13 @@ def test_one_choice_failing_fails_the_request_and_ends_the_others(server: LiveSe
 
 def test_the_official_client_reads_every_choice(server: LiveServer) -> None:
     client = OpenAI(base_url=server.url + "/v1", api_key="unused")
-    r = client.chat.completions.create(model=server.model_id, messages=messages(), n=2, max_tokens=6,
-                                       temperature=0.9, seed=5)
+    r = client.chat.completions.create(
+        model=server.model_id, messages=messages(), n=2, max_tokens=6, temperature=0.9, seed=5
+    )
     assert [c.index for c in r.choices] == [0, 1] and all(c.message.role == "assistant" for c in r.choices)
-    stream = client.chat.completions.create(model=server.model_id, messages=messages(), n=2, max_tokens=6,
-                                            temperature=0.9, seed=5, stream=True)
+    stream = client.chat.completions.create(
+        model=server.model_id, messages=messages(), n=2, max_tokens=6, temperature=0.9, seed=5, stream=True
+    )
     texts = ["", ""]
     for chunk in stream:
         for c in chunk.choices:
@@ -209,8 +226,9 @@ def test_logprobs_for_each_choice(server: LiveServer) -> None:
     assert all(content and all(len(e["top_logprobs"]) == 2 for e in content) for content in sampled)
     assert sampled[0] != sampled[1]  # each choice's own tokens
     with server.client() as c:
-        done = c.post("/v1/completions", json={"prompt": "The sea", "n": 2, "max_tokens": 5, "temperature": 0,
-                                               "logprobs": 1}).json()
+        done = c.post(
+            "/v1/completions", json={"prompt": "The sea", "n": 2, "max_tokens": 5, "temperature": 0, "logprobs": 1}
+        ).json()
     lists = [c["logprobs"] for c in done["choices"]]
     assert lists[0] == lists[1] and "".join(lists[0]["tokens"]) == done["choices"][0]["text"]
     _, _, chunks = streamed(server, messages=messages(), n=2, temperature=0, logprobs=True, max_tokens=4)

@@ -16,7 +16,7 @@ from gmlx.cli.main import app
 runner = CliRunner()
 
 
-def invoke(*args: str, **kw) -> "CliRunner.invoke":
+def invoke(*args: str, **kw) -> CliRunner.invoke:
     return runner.invoke(app, list(args), **kw)
 
 
@@ -27,7 +27,12 @@ def test_inspect_json(tiny_models: dict[str, Path]) -> None:
     assert info["architecture"] == "gemma3" and info["layers"] == 6 and info["kv_heads"] == 2
     assert info["sliding_window"] == 64 and info["sliding_layers"] == 5
     # float32, as the server allocates it: 2 KV heads x (64 + 64) x 4 bytes
-    assert info["kv_bytes_per_token"]["full"] == {"kind": "full", "layers": 1, "bytes_per_token": 2 * 2 * 64 * 4, "window": None}
+    assert info["kv_bytes_per_token"]["full"] == {
+        "kind": "full",
+        "layers": 1,
+        "bytes_per_token": 2 * 2 * 64 * 4,
+        "window": None,
+    }
     assert info["kv_bytes_per_token"]["sliding"]["layers"] == 5
     assert info["chat_template"] is False and info["tensor_types"] == {"F32": info["tensor_types"]["F32"]}
     assert info["weights"]["mode"] in ("float", "native") and info["platform"]["blas"]
@@ -64,8 +69,25 @@ def test_run_json(tiny_models: dict[str, Path]) -> None:
     out = json.loads(r.stdout)
     assert out["generated_tokens"] <= 5 and out["prompt_tokens"] >= 2 and out["load_s"] > 0
     assert out["peak_memory_bytes"] > 0 and out["weights"]["mode"] in ("float", "native")
-    seeded = [json.loads(invoke("run", str(tiny_models["qwen3"]), "--chat", "--prompt", "hi", "--temp", "0.9",
-                                "--seed", "7", "-n", "6", "--json").stdout)["text"] for _ in range(2)]
+    seeded = [
+        json.loads(
+            invoke(
+                "run",
+                str(tiny_models["qwen3"]),
+                "--chat",
+                "--prompt",
+                "hi",
+                "--temp",
+                "0.9",
+                "--seed",
+                "7",
+                "-n",
+                "6",
+                "--json",
+            ).stdout
+        )["text"]
+        for _ in range(2)
+    ]
     assert seeded[0] == seeded[1]
 
 
@@ -92,8 +114,9 @@ def test_print_config_shows_sources(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("weights", ["float", "native", "gguf"])
-def test_inspect_and_plan_agree_on_the_kv_element(tiny_models: dict[str, Path], no_settings_env: None,
-                                                  weights: str) -> None:
+def test_inspect_and_plan_agree_on_the_kv_element(
+    tiny_models: dict[str, Path], no_settings_env: None, weights: str
+) -> None:
     """inspect prints the KV cost the server allocates (float32 here), as `gmlx plan` counts it."""
     model = str(tiny_models["gemma3"])
     info = json.loads(invoke("inspect", model, "--weights", weights, "--json").stdout)

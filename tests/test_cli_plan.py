@@ -6,11 +6,24 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import MiB, LiveServer, invoke, invoke_json
+from conftest import LiveServer, MiB, invoke, invoke_json
 
 pytestmark = pytest.mark.usefixtures("no_settings_env")
-PLAN_FIELDS = ["width", "depth", "ok", "max_context_at_width", "max_width_at_depth", "model", "band",
-               "decode_batch", "in_flight", "waiting", "slots", "admit_now", "reason"]
+PLAN_FIELDS = [
+    "width",
+    "depth",
+    "ok",
+    "max_context_at_width",
+    "max_width_at_depth",
+    "model",
+    "band",
+    "decode_batch",
+    "in_flight",
+    "waiting",
+    "slots",
+    "admit_now",
+    "reason",
+]
 SAME_AS_SERVER = ("ok", "max_context_at_width", "max_width_at_depth")
 
 
@@ -80,8 +93,9 @@ def test_plan_with_max_kv_size(tiny_models: dict[str, Path], monkeypatch: pytest
     assert est["context_limit"] == 50 and est["prompt_tokens"] >= 50 and est["context_ok"] is False
 
 
-@pytest.mark.parametrize("args", [["--width", 0, "--depth", 5], ["--width", 2, "--depth", -1],
-                                  ["--width", "x", "--depth", 5]])
+@pytest.mark.parametrize(
+    "args", [["--width", 0, "--depth", 5], ["--width", 2, "--depth", -1], ["--width", "x", "--depth", 5]]
+)
 def test_plan_bad_numbers_are_usage_errors(tiny_models: dict[str, Path], args: list) -> None:
     assert invoke("plan", tiny_models["llama"], *args).exit_code == 2
 
@@ -101,8 +115,24 @@ def test_plan_url_matches_offline(small_memory_model: tuple[Path, int], monkeypa
     path, memory = small_memory_model
     monkeypatch.setenv("GMLX_GOVERNOR", "0")  # the server runs without a governor: plan offline as it does
     queries = [(1, 512), (4, 1024), (1, 1000), (1, 5000)]  # 2 streams bring 2 prefill chunks: no room for them
-    offline = {q: invoke_json("plan", path, "--width", q[0], "--depth", q[1], "--memory", memory, "--weights", "float",
-                              "--decode-batch", 4, code=None)["plan"] for q in queries}
+    offline = {
+        q: invoke_json(
+            "plan",
+            path,
+            "--width",
+            q[0],
+            "--depth",
+            q[1],
+            "--memory",
+            memory,
+            "--weights",
+            "float",
+            "--decode-batch",
+            4,
+            code=None,
+        )["plan"]
+        for q in queries
+    }
     assert [offline[q]["ok"] for q in queries] == [True, False, True, False]
     with LiveServer(path, memory=memory, governor=False) as server:
         for (width, depth), expected in offline.items():
@@ -128,12 +158,15 @@ def test_plan_url_matches_offline(small_memory_model: tuple[Path, int], monkeypa
 
 
 def test_estimate_offline_matches_server(tiny_models: dict[str, Path], tmp_path: Path) -> None:
-    body = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"}],
-            "max_tokens": 100}
+    body = {
+        "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"}],
+        "max_tokens": 100,
+    }
     (tmp_path / "request.json").write_text(json.dumps(body))
     memory = 4 * 2**30
-    out = invoke_json("estimate", tiny_models["llama"], "--body", tmp_path / "request.json", "--memory", memory,
-                      "--weights", "float")
+    out = invoke_json(
+        "estimate", tiny_models["llama"], "--body", tmp_path / "request.json", "--memory", memory, "--weights", "float"
+    )
     est = out["estimate"]
     assert est["resident"] is False and est["est_ttft_s"] is None and est["fits_now"] == est["fits_drained"] is True
     assert out["assumptions"]["prefill_tok_s"]["value"] is None
@@ -153,7 +186,10 @@ def test_estimate_prompt_and_exit_codes(tiny_models: dict[str, Path], tmp_path: 
     assert "prompt_tokens" in r.stdout and "prefill_tok_s" in r.stdout
     long = invoke_json("estimate", llama, "--prompt", "word " * 400, code=1)["estimate"]
     assert long["context_ok"] is False and long["context_limit"] == 256
-    assert invoke_json("estimate", llama, "--prompt", "hi", "--memory", "512MiB", code=1)["estimate"]["fits_drained"] is False
+    assert (
+        invoke_json("estimate", llama, "--prompt", "hi", "--memory", "512MiB", code=1)["estimate"]["fits_drained"]
+        is False
+    )
     assert "exactly one of" in one_line_error(invoke("estimate", llama))
     (tmp_path / "bad.json").write_text('{"messages": "x"}')
     assert "'messages'" in one_line_error(invoke("estimate", llama, "--body", tmp_path / "bad.json"))

@@ -17,7 +17,8 @@ def test_checked_in_scripts_are_current(tmp_path: Path) -> None:
     for fresh in write(tmp_path):
         current = ROOT / fresh.name
         assert current.exists() and current.read_text() == fresh.read_text(), (
-            f"{current} is stale: run `python -m gmlx.cli.completions`")
+            f"{current} is stale: run `python -m gmlx.cli.completions`"
+        )
     assert sorted(p.name for p in ROOT.iterdir()) == sorted(SCRIPTS.values())
 
 

@@ -24,8 +24,9 @@ CAP = 8
 
 @pytest.fixture(scope="module")
 def server(tiny_models: dict[str, Path]) -> Iterator[LiveServer]:
-    with LiveServer(tiny_models["llama"], max_connections=CAP, header_timeout=1.0, body_timeout=1.0,
-                    max_tokens_default=2) as s:
+    with LiveServer(
+        tiny_models["llama"], max_connections=CAP, header_timeout=1.0, body_timeout=1.0, max_tokens_default=2
+    ) as s:
         yield s
 
 
@@ -106,8 +107,10 @@ def test_headers_not_sent_in_time_get_408(server: LiveServer) -> None:
 def test_a_body_shorter_than_its_length_gets_408(server: LiveServer) -> None:
     before = connections(server)["body_timeouts"]
     with connect(server) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 100\r\n\r\n{\"messages\":")
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"messages":'
+        )
         started = time.monotonic()
         status, body = read_response(sock)
     assert status == 408 and body["error"]["code"] == "body_timeout"
@@ -136,13 +139,17 @@ def test_at_the_cap_with_every_connection_busy_a_new_one_gets_503(server: LiveSe
     server.wait_until(lambda: httpx.get(server.url + "/health").status_code == 200, timeout=10)
 
 
-@pytest.mark.parametrize("request_bytes", [
-    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}",
-    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: x\r\n\r\n{}",
-    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
-    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
-    b"NOT HTTP AT ALL\r\n\r\n",
-], ids=["two-lengths", "bad-length", "bad-chunk", "gzip-chunked", "garbage"])
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}",
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: x\r\n\r\n{}",
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
+        b"NOT HTTP AT ALL\r\n\r\n",
+    ],
+    ids=["two-lengths", "bad-length", "bad-chunk", "gzip-chunked", "garbage"],
+)
 def test_malformed_http_gets_400_in_the_openai_shape(server: LiveServer, request_bytes: bytes) -> None:
     with connect(server) as sock:
         sock.sendall(request_bytes)
@@ -153,9 +160,14 @@ def test_malformed_http_gets_400_in_the_openai_shape(server: LiveServer, request
 def test_connection_counts_in_prometheus(server: LiveServer) -> None:
     with server.client() as c:
         text = c.get("/v1/metrics", params={"format": "prometheus"}).text
-    for name in ("gmlx_connections_open", "gmlx_connections_cap", "gmlx_connections_refused_total",
-                 "gmlx_connections_evicted_total", "gmlx_connections_header_timeouts_total",
-                 "gmlx_connections_body_timeouts_total"):
+    for name in (
+        "gmlx_connections_open",
+        "gmlx_connections_cap",
+        "gmlx_connections_refused_total",
+        "gmlx_connections_evicted_total",
+        "gmlx_connections_header_timeouts_total",
+        "gmlx_connections_body_timeouts_total",
+    ):
         assert f"\n{name} " in text, name
 
 

@@ -44,9 +44,12 @@ SCHEMA = {
 
 
 def structured(schema: dict = SCHEMA, **kw: object) -> dict:
-    return {"messages": [{"role": "user", "content": "Describe a pet."}], "max_tokens": 200,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "pet", "schema": schema, "strict": True}},
-            **kw}
+    return {
+        "messages": [{"role": "user", "content": "Describe a pet."}],
+        "max_tokens": 200,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "pet", "schema": schema, "strict": True}},
+        **kw,
+    }
 
 
 def _expected_bytes(header) -> list[bytes | None]:
@@ -77,9 +80,16 @@ def _wrong_bytes(m: LoadedModel) -> list[int]:
     vocab = vocabulary(m).tokenizer
     expected = _expected_bytes(m.header)
     assert len(expected) == vocab.vocab_size == m.geometry.vocab_size
-    return [i for i, want in enumerate(expected) if want != b"\xff"  # llguidance's special-token marker
-            and (not vocab.is_special_token(i) if want is None else vocab.decode_bytes([i]) != want or
-                 vocab.is_special_token(i))]
+    return [
+        i
+        for i, want in enumerate(expected)
+        if want != b"\xff"  # llguidance's special-token marker
+        and (
+            not vocab.is_special_token(i)
+            if want is None
+            else vocab.decode_bytes([i]) != want or vocab.is_special_token(i)
+        )
+    ]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # a SentencePiece and a byte-level vocabulary
@@ -90,8 +100,11 @@ def test_the_grammar_sees_each_tokens_bytes(models: dict[str, LoadedModel], arch
     # llguidance's own reading of the tokenizer.json gmlx builds agrees
     own = llguidance.LLTokenizer(m.tokenizer._tokenizer.backend_tokenizer.to_str())
     ours = vocabulary(m).tokenizer
-    assert [i for i in range(ours.vocab_size) if own.decode_bytes([i]) != ours.decode_bytes([i])
-            or own.is_special_token(i) != ours.is_special_token(i)] == []
+    assert [
+        i
+        for i in range(ours.vocab_size)
+        if own.decode_bytes([i]) != ours.decode_bytes([i]) or own.is_special_token(i) != ours.is_special_token(i)
+    ] == []
 
 
 @pytest.mark.slow
@@ -167,8 +180,12 @@ def test_json_schema_on_other_vocabularies(tiny_models: dict[str, Path], arch: s
 
 
 def test_json_object_parses(live_server: LiveServer) -> None:
-    body = {"messages": [{"role": "user", "content": "JSON please"}], "max_tokens": 200, "temperature": 1.0,
-            "response_format": {"type": "json_object"}}
+    body = {
+        "messages": [{"role": "user", "content": "JSON please"}],
+        "max_tokens": 200,
+        "temperature": 1.0,
+        "response_format": {"type": "json_object"},
+    }
     with live_server.client() as c:
         for seed in range(3):
             r = c.post(CHAT, json={**body, "seed": seed})
@@ -182,17 +199,20 @@ def test_json_object_parses(live_server: LiveServer) -> None:
         assert r.status_code == 200
 
 
-@pytest.mark.parametrize("fmt", [
-    {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}},
-    {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {"type": "string"}}}},
-    {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(("}}},
-    {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}}},
-    {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}},
-    {"type": "json_schema", "json_schema": {"name": "x", "schema": "object"}},
-    {"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "strict": "yes"}},
-    {"type": "yaml"},
-    "json",
-])
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}},
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {"type": "string"}}}},
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(("}}},
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}}},
+        {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}},
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": "object"}},
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "strict": "yes"}},
+        {"type": "yaml"},
+        "json",
+    ],
+)
 def test_bad_response_format_is_400(live_server: LiveServer, fmt: object) -> None:
     with live_server.client() as c:
         r = c.post(CHAT, json={"messages": [{"role": "user", "content": "x"}], "response_format": fmt})
@@ -237,14 +257,23 @@ def test_constrained_rows_never_speculate(tiny_models: dict[str, Path]) -> None:
 
 @pytest.mark.slow
 def test_default_model_json_schema_with_the_openai_client(default_model: Path) -> None:
-    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
-                                               "population": {"type": "integer", "minimum": 0, "maximum": 10**9}},
-              "required": ["city", "population"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 40},
+            "population": {"type": "integer", "minimum": 0, "maximum": 10**9},
+        },
+        "required": ["city", "population"],
+        "additionalProperties": False,
+    }
     with LiveServer(default_model, weights="auto") as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
         r = client.chat.completions.create(
-            model=server.model_id, max_tokens=64, temperature=0,
+            model=server.model_id,
+            max_tokens=64,
+            temperature=0,
             messages=[{"role": "user", "content": "Name the capital of France and its population, as JSON."}],
-            response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}})
+            response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}},
+        )
     assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
     jsonschema.validate(json.loads(r.choices[0].message.content), schema)

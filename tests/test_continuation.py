@@ -32,7 +32,7 @@ def _whole(tokenizer, prompt_ids: list[int], generated: list[int]) -> str:
     prompt_text = tokenizer.decode(prompt_ids, skip_special_tokens=True)
     whole = tokenizer.decode(prompt_ids + generated, skip_special_tokens=True)
     assert whole.startswith(prompt_text)
-    return whole[len(prompt_text):]
+    return whole[len(prompt_text) :]
 
 
 def _stream(tokenizer, prompt_ids: list[int], generated: list[int]) -> str:
@@ -49,8 +49,11 @@ def test_streamed_text_continues_the_prompt(case: tuple[Path, str], tmp_path: Pa
     path, word = case
     tok = load_tokenizer(read_header(path), cache_dir=tmp_path)
     word_id = tok.convert_tokens_to_ids(word)
-    prompts = [tok.encode(PROMPT), tok.encode("hello"),
-               tok.apply_chat_template([{"role": "user", "content": "hello"}], add_generation_prompt=True)]
+    prompts = [
+        tok.encode(PROMPT),
+        tok.encode("hello"),
+        tok.apply_chat_template([{"role": "user", "content": "hello"}], add_generation_prompt=True),
+    ]
     for prompt_ids in prompts:
         for generated in ([word_id], [word_id, word_id], tok.encode(" hello world", add_special_tokens=False)):
             assert _stream(tok, prompt_ids, generated) == _whole(tok, prompt_ids, generated)

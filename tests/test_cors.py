@@ -15,8 +15,11 @@ KEY = "cors-key"
 PAGE = "http://localhost:5173"
 CHAT = "/v1/chat/completions"
 # What a browser sends before a fetch() with the key and a JSON body from another origin.
-PREFLIGHT = {"Origin": PAGE, "Access-Control-Request-Method": "POST",
-             "Access-Control-Request-Headers": "authorization, content-type, x-stainless-lang"}
+PREFLIGHT = {
+    "Origin": PAGE,
+    "Access-Control-Request-Method": "POST",
+    "Access-Control-Request-Headers": "authorization, content-type, x-stainless-lang",
+}
 BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
 
 
@@ -91,6 +94,13 @@ def test_origins_setting() -> None:
 
 
 def test_the_flag(no_settings_env: None, tmp_path: Path) -> None:
-    config = invoke_json("serve", tmp_path / "m.gguf", "--cors-origins", "http://a.test",
-                         "--cors-origins", "http://b.test,http://c.test", "--print-config")
+    config = invoke_json(
+        "serve",
+        tmp_path / "m.gguf",
+        "--cors-origins",
+        "http://a.test",
+        "--cors-origins",
+        "http://b.test,http://c.test",
+        "--print-config",
+    )
     assert config["cors_origins"] == {"value": "http://a.test, http://b.test, http://c.test", "source": "flag"}

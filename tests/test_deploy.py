@@ -23,26 +23,54 @@ kubernetes_validate = pytest.importorskip("kubernetes_validate")
 DEPLOY = Path(__file__).parent.parent / "deploy"
 K8S_VERSION = "1.33.0"  # a release current clusters run; the schemas ship inside the package
 
-_LABELS = {"type": "object", "additionalProperties": {
-    "type": "string", "maxLength": 63, "pattern": r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"}}
-_PORT = {"type": "object", "required": ["number"], "additionalProperties": False,
-         "properties": {"number": {"type": "integer", "minimum": 1, "maximum": 65535}}}
+_LABELS = {
+    "type": "object",
+    "additionalProperties": {
+        "type": "string",
+        "maxLength": 63,
+        "pattern": r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$",
+    },
+}
+_PORT = {
+    "type": "object",
+    "required": ["number"],
+    "additionalProperties": False,
+    "properties": {"number": {"type": "integer", "minimum": 1, "maximum": 65535}},
+}
 INFERENCE_POOL = {
-    "type": "object", "required": ["apiVersion", "kind", "metadata", "spec"],
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
     "properties": {
-        "apiVersion": {"const": "inference.networking.k8s.io/v1"}, "kind": {"const": "InferencePool"},
+        "apiVersion": {"const": "inference.networking.k8s.io/v1"},
+        "kind": {"const": "InferencePool"},
         "metadata": {"type": "object", "required": ["name"]},
-        "spec": {"type": "object", "required": ["selector", "targetPorts", "endpointPickerRef"],
-                 "additionalProperties": False, "properties": {
-                     "selector": {"type": "object", "required": ["matchLabels"], "additionalProperties": False,
-                                  "properties": {"matchLabels": _LABELS}},
-                     "targetPorts": {"type": "array", "minItems": 1, "maxItems": 8, "items": _PORT},
-                     "appProtocol": {"enum": ["http", "kubernetes.io/h2c"]},
-                     "endpointPickerRef": {
-                         "type": "object", "required": ["name"], "additionalProperties": False,
-                         "properties": {"group": {"type": "string"}, "kind": {"type": "string"},
-                                        "name": {"type": "string", "minLength": 1, "maxLength": 253},
-                                        "port": _PORT, "failureMode": {"enum": ["FailOpen", "FailClose"]}}}}},
+        "spec": {
+            "type": "object",
+            "required": ["selector", "targetPorts", "endpointPickerRef"],
+            "additionalProperties": False,
+            "properties": {
+                "selector": {
+                    "type": "object",
+                    "required": ["matchLabels"],
+                    "additionalProperties": False,
+                    "properties": {"matchLabels": _LABELS},
+                },
+                "targetPorts": {"type": "array", "minItems": 1, "maxItems": 8, "items": _PORT},
+                "appProtocol": {"enum": ["http", "kubernetes.io/h2c"]},
+                "endpointPickerRef": {
+                    "type": "object",
+                    "required": ["name"],
+                    "additionalProperties": False,
+                    "properties": {
+                        "group": {"type": "string"},
+                        "kind": {"type": "string"},
+                        "name": {"type": "string", "minLength": 1, "maxLength": 253},
+                        "port": _PORT,
+                        "failureMode": {"enum": ["FailOpen", "FailClose"]},
+                    },
+                },
+            },
+        },
     },
 }
 
@@ -114,15 +142,29 @@ def test_the_resources_are_what_gmlx_plan_says(no_settings_env: None) -> None:
     limit = container["resources"]["limits"]["memory"]
     assert limit == container["resources"]["requests"]["memory"]  # nothing above the plan is promised
     assert limit.endswith("Gi") and parse_bytes(env["GMLX_MEMORY"]) == parse_bytes(limit)  # Gi: powers of 1024
-    plan = invoke_json("plan", "--memory", env["GMLX_MEMORY"], "--width", env["GMLX_DECODE_BATCH"],
-                       "--depth", env["GMLX_MAX_KV_SIZE"], "--decode-batch", env["GMLX_DECODE_BATCH"])["plan"]
+    plan = invoke_json(
+        "plan",
+        "--memory",
+        env["GMLX_MEMORY"],
+        "--width",
+        env["GMLX_DECODE_BATCH"],
+        "--depth",
+        env["GMLX_MAX_KV_SIZE"],
+        "--decode-batch",
+        env["GMLX_DECODE_BATCH"],
+    )["plan"]
     assert plan["ok"] is True, plan
 
 
 @pytest.mark.skipif(shutil.which("haproxy") is None, reason="haproxy is not installed (make system installs it)")
 def test_the_haproxy_configuration_parses() -> None:
     env = {**os.environ, "GMLX_A": "127.0.0.1:18081", "GMLX_B": "127.0.0.1:18082"}
-    r = subprocess.run(["haproxy", "-c", "-f", str(DEPLOY / "haproxy" / "haproxy.cfg")], env=env,
-                       capture_output=True, text=True, check=False)
+    r = subprocess.run(
+        ["haproxy", "-c", "-f", str(DEPLOY / "haproxy" / "haproxy.cfg")],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "warning" not in (r.stdout + r.stderr).lower(), r.stdout + r.stderr

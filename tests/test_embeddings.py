@@ -85,6 +85,7 @@ def test_a_long_input_runs_in_chunks_and_equals_the_whole(server: LiveServer, di
 def test_refusals(server: LiveServer) -> None:
     context = server.engine.loaded.context_length
     with server.client() as c:
+
         def error(body: dict, status: int = 400) -> dict:
             r = c.post("/v1/embeddings", json=body)
             assert r.status_code == status, r.text

@@ -11,8 +11,10 @@ from tiny_models import write_model
 
 pytestmark = pytest.mark.usefixtures("no_settings_env")  # the CLI reads GMLX_* settings
 MEMORY = 4 * 2**30
-BODY = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"}],
-        "max_tokens": 100}
+BODY = {
+    "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"}],
+    "max_tokens": 100,
+}
 
 
 @pytest.fixture
@@ -26,22 +28,46 @@ def models_dir(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("max_kv_size", [None, 300])
-def test_estimate_for_a_model_not_loaded_matches_offline(tiny_models: dict[str, Path], models_dir: Path,
-                                                         tmp_path: Path, max_kv_size: int | None) -> None:
+def test_estimate_for_a_model_not_loaded_matches_offline(
+    tiny_models: dict[str, Path], models_dir: Path, tmp_path: Path, max_kv_size: int | None
+) -> None:
     (tmp_path / "request.json").write_text(json.dumps(BODY))
     cap = () if max_kv_size is None else ("--max-kv-size", max_kv_size)
-    offline = invoke_json("estimate", models_dir / "other.gguf", "--body", tmp_path / "request.json",
-                          "--memory", MEMORY, "--weights", "float", *cap)["estimate"]
-    with LiveServer(tiny_models["llama"], memory=MEMORY, models_dir=str(models_dir), max_kv_size=max_kv_size,
-                    governor=False) as server, server.client() as c:
+    offline = invoke_json(
+        "estimate",
+        models_dir / "other.gguf",
+        "--body",
+        tmp_path / "request.json",
+        "--memory",
+        MEMORY,
+        "--weights",
+        "float",
+        *cap,
+    )["estimate"]
+    with (
+        LiveServer(
+            tiny_models["llama"], memory=MEMORY, models_dir=str(models_dir), max_kv_size=max_kv_size, governor=False
+        ) as server,
+        server.client() as c,
+    ):
         other = c.post("/v1/estimate", json={**BODY, "model": "other"}).json()
         dry = c.post("/v1/chat/completions", json={**BODY, "model": "other", "dry_run": True}).json()
         served = c.post("/v1/estimate", json=BODY).json()
         named = c.post("/v1/estimate", json={**BODY, "model": server.model_id}).json()
     assert other["resident"] is False and other["model"] == "other" and other["estimated"] is True
     assert other["context_limit"] == (4096 if max_kv_size is None else max_kv_size)
-    for key in ("prompt_tokens", "warm_tokens", "cache_tier", "need_bytes", "fits_drained", "context_ok",
-                "context_limit", "est_ttft_s", "resident", "model"):
+    for key in (
+        "prompt_tokens",
+        "warm_tokens",
+        "cache_tier",
+        "need_bytes",
+        "fits_drained",
+        "context_ok",
+        "context_limit",
+        "est_ttft_s",
+        "resident",
+        "model",
+    ):
         assert other[key] == offline[key], key
     assert other["fits_now"] is None and other["est_ttft_s"] is None and other["cache_tier"] == "miss"
     assert "not loaded" in other["note"] and "fits_drained assume" in other["note"]
@@ -54,13 +80,16 @@ def test_estimate_for_a_model_not_loaded_matches_offline(tiny_models: dict[str, 
         assert named[key] == served[key], key
 
 
-def test_only_estimates_reach_a_model_not_loaded(tiny_models: dict[str, Path], models_dir: Path,
-                                                 tmp_path: Path) -> None:
+def test_only_estimates_reach_a_model_not_loaded(
+    tiny_models: dict[str, Path], models_dir: Path, tmp_path: Path
+) -> None:
     write_model(tmp_path / "outside.gguf", "llama")
     (models_dir / "broken.gguf").write_bytes(b"GGUF" + b"\0" * 40)
     ask = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
-    with LiveServer(tiny_models["llama"], memory=MEMORY, models_dir=str(models_dir), governor=False) as server, \
-            server.client() as c:
+    with (
+        LiveServer(tiny_models["llama"], memory=MEMORY, models_dir=str(models_dir), governor=False) as server,
+        server.client() as c,
+    ):
         real = c.post("/v1/chat/completions", json={**ask, "model": "other"})
         unknown = c.post("/v1/estimate", json={**ask, "model": "nowhere"})
         unknown_dry = c.post("/v1/chat/completions", json={**ask, "model": "nowhere", "dry_run": True})

@@ -25,8 +25,9 @@ def logits(model) -> np.ndarray:
 
 
 @pytest.mark.parametrize("arch", ARCHES)
-def test_float_export_loads_in_mlx_lm_with_the_same_logits(tiny_models: dict[str, Path], arch: str,
-                                                            tmp_path: Path) -> None:
+def test_float_export_loads_in_mlx_lm_with_the_same_logits(
+    tiny_models: dict[str, Path], arch: str, tmp_path: Path
+) -> None:
     report = export(tiny_models[arch], tmp_path / arch, "float")
     assert report.mode == "float" and report.quantized_layers == 0
     model, tokenizer = mlx_lm_load(str(tmp_path / arch))
@@ -50,8 +51,12 @@ def test_cli_writes_the_directory(tiny_models: dict[str, Path], tmp_path: Path) 
     result = CliRunner().invoke(app, ["export", str(tiny_models["qwen3"]), str(tmp_path / "out"), "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["weights"] == "float"
-    assert {p.name for p in (tmp_path / "out").iterdir()} >= {"config.json", "model.safetensors", "tokenizer.json",
-                                                               "tokenizer_config.json"}
+    assert {p.name for p in (tmp_path / "out").iterdir()} >= {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    }
 
 
 @pytest.mark.slow

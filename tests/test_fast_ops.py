@@ -78,9 +78,15 @@ def test_attention_over_a_cache_view(rng, hq, hkv, L, D, isa):
     k, v = kbuf[:, :, :T], vbuf[:, :, :T]  # what a KV cache hands back: a view of its buffer
     pos, key = np.arange(L)[:, None] + T - L, np.arange(T)[None]
     window = (key <= pos) & (key > pos - 40)  # a sliding window: whole tiles of keys closed to a block
-    masks = [None, "causal", mx.array(rng.random((B, 1, L, T)) > 0.3),
-             randn(rng, L, T), mx.array(rng.random((T,)) > 0.5), mx.array(window),
-             mx.array(np.where(window, 0.0, -np.inf).astype(np.float32))]
+    masks = [
+        None,
+        "causal",
+        mx.array(rng.random((B, 1, L, T)) > 0.3),
+        randn(rng, L, T),
+        mx.array(rng.random((T,)) > 0.5),
+        mx.array(window),
+        mx.array(np.where(window, 0.0, -np.inf).astype(np.float32)),
+    ]
     for mask in masks:
         got = mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5, mask=mask)
         want = fast.ORIGINAL["scaled_dot_product_attention"](q, k, v, scale=D**-0.5, mask=mask)
@@ -91,8 +97,11 @@ def test_logsumexp_over_a_vocabulary(rng):
     x = randn(rng, 3, 262_144) * 8  # logits over gemma3's vocabulary
     for axis in (-1, 1, [1]):
         for keepdims in (True, False):
-            close(mx.logsumexp(x, axis=axis, keepdims=keepdims),
-                  fast.ORIGINAL["logsumexp"](x, axis=axis, keepdims=keepdims), 1e-5)
+            close(
+                mx.logsumexp(x, axis=axis, keepdims=keepdims),
+                fast.ORIGINAL["logsumexp"](x, axis=axis, keepdims=keepdims),
+                1e-5,
+            )
     edge = mx.array([[-np.inf, -np.inf], [np.inf, 1.0], [-100.0, -101.0], [1e30, 1.0]], mx.float32)
     close(mx.logsumexp(edge, axis=-1), fast.ORIGINAL["logsumexp"](edge, axis=-1))
     assert np.isnan(np.array(mx.logsumexp(mx.array([1.0, np.nan]), axis=-1)))
@@ -130,5 +139,10 @@ def test_bad_arguments_raise_not_crash(rng):
     with pytest.raises(ValueError):
         ext.attention(randn(rng, 1, 3, 1, 8), randn(rng, 1, 2, 4, 8), randn(rng, 1, 2, 4, 8), scale=1.0)
     with pytest.raises(ValueError):
-        ext.attention(randn(rng, 1, 2, 1, 8), randn(rng, 1, 2, 4, 8), randn(rng, 1, 2, 4, 8), scale=1.0,
-                      mask=mx.ones((3, 4), mx.bool_))
+        ext.attention(
+            randn(rng, 1, 2, 1, 8),
+            randn(rng, 1, 2, 4, 8),
+            randn(rng, 1, 2, 4, 8),
+            scale=1.0,
+            mask=mx.ones((3, 4), mx.bool_),
+        )

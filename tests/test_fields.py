@@ -13,8 +13,10 @@ from openai.types.chat import completion_create_params as chat_create_params
 
 from gmlx.server import fields
 
-CLIENT_FIELDS = {True: sorted(chat_create_params.CompletionCreateParamsBase.__annotations__),
-                 False: sorted(completion_create_params.CompletionCreateParamsBase.__annotations__)}
+CLIENT_FIELDS = {
+    True: sorted(chat_create_params.CompletionCreateParamsBase.__annotations__),
+    False: sorted(completion_create_params.CompletionCreateParamsBase.__annotations__),
+}
 ASKS_FOR_SOMETHING = {"x": 1}  # no field's value that asks for nothing
 
 

@@ -44,20 +44,32 @@ def test_per_layer_kv_heads_from_a_file(tmp_path: Path) -> None:
 
 
 def test_mla_ranks_from_a_file(tmp_path: Path) -> None:
-    path = write_header(tmp_path / "ds.gguf", "deepseek2", 2, head_count_kv=16, kv_lora_rank=512, q_lora_rank=1536,
-                        rope_dimension_count=64)
+    path = write_header(
+        tmp_path / "ds.gguf",
+        "deepseek2",
+        2,
+        head_count_kv=16,
+        kv_lora_rank=512,
+        q_lora_rank=1536,
+        rope_dimension_count=64,
+    )
     g = read_header(path).geometry
     assert (g.kv_lora_rank, g.q_lora_rank, g.rope_dim) == (512, 1536, 64)
     # The compressed latent and the shared rotary key per token and layer; the 16 heads do not count.
     assert kv_bytes(g, 10) == 2 * (512 + 64) * 2 * 10
 
 
-@pytest.mark.parametrize(("pattern", "sliding"), [
-    (None, (True,) * 5 + (False,) + (True,) * 5 + (False,)),  # gemma3's converter stores none: every 6th is global
-    (4, (True, True, True, False) * 3),
-    ([True, False, True, True, False, True, True, True, False, True, True, True],
-     (True, False, True, True, False, True, True, True, False, True, True, True)),
-])
+@pytest.mark.parametrize(
+    ("pattern", "sliding"),
+    [
+        (None, (True,) * 5 + (False,) + (True,) * 5 + (False,)),  # gemma3's converter stores none: every 6th is global
+        (4, (True, True, True, False) * 3),
+        (
+            [True, False, True, True, False, True, True, True, False, True, True, True],
+            (True, False, True, True, False, True, True, True, False, True, True, True),
+        ),
+    ],
+)
 def test_sliding_window_pattern_from_a_file(tmp_path: Path, pattern: object, sliding: tuple[bool, ...]) -> None:
     extra = {"sliding_window": 512} | ({"sliding_window_pattern": pattern} if pattern is not None else {})
     g = read_header(write_header(tmp_path / "g.gguf", "gemma3", 12, head_count_kv=1, **extra)).geometry
@@ -85,9 +97,14 @@ def test_system_lists_the_models_directory(tmp_path: Path) -> None:
     (models / "folder.gguf").mkdir()
     with LiveServer(served, models_dir=str(models)) as server, server.client() as c:
         listed = c.get("/system").json()["models"]
-    assert listed == {"active": "served", "available": [
-        {"name": "served", "size_bytes": served.stat().st_size},
-        {"name": "a-other", "size_bytes": 100}, {"name": "b-other", "size_bytes": 300}]}
+    assert listed == {
+        "active": "served",
+        "available": [
+            {"name": "served", "size_bytes": served.stat().st_size},
+            {"name": "a-other", "size_bytes": 100},
+            {"name": "b-other", "size_bytes": 300},
+        ],
+    }
 
 
 def test_system_without_a_models_directory(live_server: LiveServer) -> None:

@@ -20,18 +20,35 @@ FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthChe
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=True) | st.text(max_size=20),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-    max_leaves=12)
+    max_leaves=12,
+)
 roles = st.sampled_from(["user", "system", "developer", "assistant", "tool", "wizard", 3])
-messages = st.lists(st.fixed_dictionaries({"role": roles, "content": json_values | st.text(max_size=200)},
-                                          optional={"tool_calls": json_values}), max_size=4)
+messages = st.lists(
+    st.fixed_dictionaries(
+        {"role": roles, "content": json_values | st.text(max_size=200)}, optional={"tool_calls": json_values}
+    ),
+    max_size=4,
+)
 # Bodies near the schema (right names, wrong or extreme values) reach deeper than random JSON.
-bodies = st.fixed_dictionaries({}, optional={
-    "messages": messages | json_values, "prompt": json_values | st.lists(st.integers(-5, 10**6), max_size=8),
-    "max_tokens": json_values | st.integers(-(2**65), 2**65), "model": json_values | st.just("no-such-model"),
-    "temperature": json_values, "top_p": json_values, "top_k": json_values, "min_p": json_values,
-    "seed": json_values, "stop": json_values, "n": json_values, "stream": json_values,
-    "stream_options": json_values, "dry_run": json_values,
-})
+bodies = st.fixed_dictionaries(
+    {},
+    optional={
+        "messages": messages | json_values,
+        "prompt": json_values | st.lists(st.integers(-5, 10**6), max_size=8),
+        "max_tokens": json_values | st.integers(-(2**65), 2**65),
+        "model": json_values | st.just("no-such-model"),
+        "temperature": json_values,
+        "top_p": json_values,
+        "top_k": json_values,
+        "min_p": json_values,
+        "seed": json_values,
+        "stop": json_values,
+        "n": json_values,
+        "stream": json_values,
+        "stream_options": json_values,
+        "dry_run": json_values,
+    },
+)
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +56,15 @@ def server(tiny_models: dict[str, Path]) -> Iterator[LiveServer]:
     # A short default answer keeps valid bodies cheap; a small body limit lets "enormous" be reached.
     with LiveServer(tiny_models["llama"], max_tokens_default=2, max_body_bytes=64 * 1024) as s:
         yield s
+
+
+@pytest.fixture(autouse=True)
+def leaves_nothing_behind(server: LiveServer) -> Iterator[None]:
+    """After each test, whatever it sent: no slot held, nothing queued or running, the engine alive."""
+    yield
+    st_ = server.state
+    server.wait_until(lambda: not (st_.gate.running or st_.gate.waiting or server.engine.in_flight))
+    assert server.engine.alive
 
 
 def check(r: httpx.Response) -> None:
@@ -81,8 +107,13 @@ def test_fuzz_raw_bodies(server: LiveServer, route: str, raw: bytes) -> None:
 
 
 @FUZZ
-@given(query=st.dictionaries(st.sampled_from(["width", "depth", "format", "ready", "x"]),
-                             st.text(max_size=12) | st.integers(-(2**70), 2**70).map(str), max_size=3))
+@given(
+    query=st.dictionaries(
+        st.sampled_from(["width", "depth", "format", "ready", "x"]),
+        st.text(max_size=12) | st.integers(-(2**70), 2**70).map(str),
+        max_size=3,
+    )
+)
 def test_fuzz_query_strings(server: LiveServer, query: dict[str, str]) -> None:
     with server.client() as c:
         for path in ("/v1/capacity/plan", "/v1/metrics", "/health", "/v1/models", "/system"):
@@ -93,7 +124,11 @@ def test_fuzz_query_strings(server: LiveServer, query: dict[str, str]) -> None:
 def test_edge_bodies(server: LiveServer) -> None:
     context = server.engine.loaded.context_length
     cases = {
-        (b'{"messages": [{"role": "user", "content": "' + b"word " * 4 * context + b'"}]}', 400, "context_length_exceeded"),
+        (
+            b'{"messages": [{"role": "user", "content": "' + b"word " * 4 * context + b'"}]}',
+            400,
+            "context_length_exceeded",
+        ),
         (b'{"messages": [{"role": "user", "content": "' + b"x" * 70_000 + b'"}]}', 413, "request_too_large"),
         (b'{"messages": []}', 400, "invalid_request"),
         (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}', 400, "invalid_request"),
@@ -110,9 +145,3 @@ def test_edge_bodies(server: LiveServer) -> None:
         for path in ("/v1/capacity/plan?width=0&depth=1", "/v1/capacity/plan?width=x&depth=1", "/v1/capacity/plan"):
             assert c.get(path).status_code == 400
         assert c.get("/nope").status_code == 404 and c.get("/v1/chat/completions").status_code == 405
-
-
-def test_fuzz_left_nothing_behind(server: LiveServer) -> None:
-    st_ = server.state
-    server.wait_until(lambda: not (st_.gate.running or st_.gate.waiting or server.engine.in_flight))
-    assert server.engine.alive

@@ -34,21 +34,48 @@ def replay(trace: list[float], t: Thresholds = T, start: str | None = None) -> l
 
 def test_bands_rise_at_once_to_the_band_reached() -> None:
     assert replay([0.1, 0.79, 0.80, 0.89, 0.90, 0.96, 0.97, 1.2]) == [
-        "green", "green", "yellow", "yellow", "orange", "orange", "red", "red"]
+        "green",
+        "green",
+        "yellow",
+        "yellow",
+        "orange",
+        "orange",
+        "red",
+        "red",
+    ]
     assert replay([0.5, 0.99]) == ["green", "red"]  # a spike skips the bands between
     assert replay([0.93]) == ["orange"]  # the first sample has no history
 
 
 def test_no_flapping_around_a_threshold() -> None:
     wobble = [0.79, 0.81, 0.78, 0.80, 0.76, 0.805, 0.751, 0.749, 0.76, 0.79, 0.80]
-    assert replay(wobble) == ["green", "yellow", "yellow", "yellow", "yellow", "yellow", "yellow",
-                              "green", "green", "green", "yellow"]
+    assert replay(wobble) == [
+        "green",
+        "yellow",
+        "yellow",
+        "yellow",
+        "yellow",
+        "yellow",
+        "yellow",
+        "green",
+        "green",
+        "green",
+        "yellow",
+    ]
 
 
 def test_bands_fall_one_at_a_time_as_memory_is_released() -> None:
     # Red holds until below 0.92, then one band per sample even when everything is released.
     assert replay([0.99, 0.95, 0.921, 0.91, 0.10, 0.10, 0.10, 0.10]) == [
-        "red", "red", "red", "orange", "yellow", "green", "green", "green"]
+        "red",
+        "red",
+        "red",
+        "orange",
+        "yellow",
+        "green",
+        "green",
+        "green",
+    ]
     # Falling stops in the first band whose hold the fraction still meets.
     assert replay([0.98, 0.86, 0.86, 0.86]) == ["red", "orange", "orange", "orange"]
     assert replay([0.98, 0.84, 0.84, 0.84]) == ["red", "orange", "yellow", "yellow"]
@@ -57,8 +84,22 @@ def test_bands_fall_one_at_a_time_as_memory_is_released() -> None:
 def test_recorded_trace_with_hysteresis() -> None:
     # Streams start (memory climbs), one is stopped under red, the rest finish.
     trace = [0.55, 0.70, 0.82, 0.86, 0.91, 0.93, 0.975, 0.95, 0.90, 0.89, 0.84, 0.78, 0.74, 0.60]
-    assert replay(trace) == ["green", "green", "yellow", "yellow", "orange", "orange", "red", "red",
-                             "orange", "orange", "yellow", "yellow", "green", "green"]
+    assert replay(trace) == [
+        "green",
+        "green",
+        "yellow",
+        "yellow",
+        "orange",
+        "orange",
+        "red",
+        "red",
+        "orange",
+        "orange",
+        "yellow",
+        "yellow",
+        "green",
+        "green",
+    ]
 
 
 def test_band_for_and_threshold_checks() -> None:
@@ -128,7 +169,12 @@ def test_settings_and_disabled_governor(tiny_models: dict[str, Path]) -> None:
 
     s = resolve_settings({}, env={"GMLX_GOVERNOR": "0", "GMLX_GOVERNOR_ORANGE": "0.85"})
     assert (s.governor, s.governor_yellow, s.governor_orange, s.governor_red, s.governor_interval_s) == (
-        False, 0.80, 0.85, 0.97, 0.25)
+        False,
+        0.80,
+        0.85,
+        0.97,
+        0.25,
+    )
     with pytest.raises(SettingsError, match="governor_red"):
         resolve_settings({}, env={"GMLX_GOVERNOR_RED": "1.5"})
     with LiveServer(tiny_models["llama"], governor=False) as server:
@@ -146,8 +192,13 @@ def test_sampling_real_memory(tiny_models: dict[str, Path]) -> None:
     assert snap["limit_bytes"] == table.budget.total_bytes - table.budget.reserve_bytes
     assert 0 < snap["used_bytes"] < snap["limit_bytes"]
     assert snap["thresholds"] == {"yellow": 0.8, "orange": 0.9, "red": 0.97, "hysteresis": 0.05}
-    assert set(snap["actions"]) == {"single_admission", "hold_admission", "evict_prompt_cache", "clear_cache",
-                                    "stop_stream"}
+    assert set(snap["actions"]) == {
+        "single_admission",
+        "hold_admission",
+        "evict_prompt_cache",
+        "clear_cache",
+        "stop_stream",
+    }
     assert snap["actions"]["evict_prompt_cache"] == {"count": 0, "last_at": None, "bytes_freed": 0}
 
 
@@ -203,9 +254,19 @@ def test_each_band_acts_on_a_live_server(tmp_path: Path) -> None:
     streams: list[list[dict]] = [[] for _ in range(3)]
 
     def stream(i: int) -> None:  # reads to the end (some tokens have no text, so no event may come for long)
-        with server.client() as c, c.stream("POST", CHAT, json={
-                "messages": [{"role": "user", "content": f"stream {i}"}], "max_tokens": 8000,
-                "temperature": 0, "stream": True}) as r:
+        with (
+            server.client() as c,
+            c.stream(
+                "POST",
+                CHAT,
+                json={
+                    "messages": [{"role": "user", "content": f"stream {i}"}],
+                    "max_tokens": 8000,
+                    "temperature": 0,
+                    "stream": True,
+                },
+            ) as r,
+        ):
             streams[i] = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
 
     with server:
@@ -288,9 +349,15 @@ def _sample(c: httpx.Client) -> dict:
     """One look, as a monitor takes it: the band and memory, the requests, and readiness."""
     m = c.get("/v1/metrics").json()["server"]
     ready = c.get("/health", params={"ready": 1})
-    return {"t": time.monotonic(), "band": m["governor"]["band"], "used": m["governor"]["used_bytes"],
-            "states": [r["state"] for r in m["requests"]], "in_flight": m["concurrency"]["in_flight"],
-            "ready": ready.status_code, "reason": ready.json().get("reason")}
+    return {
+        "t": time.monotonic(),
+        "band": m["governor"]["band"],
+        "used": m["governor"]["used_bytes"],
+        "states": [r["state"] for r in m["requests"]],
+        "in_flight": m["concurrency"]["in_flight"],
+        "ready": ready.status_code,
+        "reason": ready.json().get("reason"),
+    }
 
 
 def test_real_memory_moves_the_bands(tmp_path: Path) -> None:
@@ -302,12 +369,21 @@ def test_real_memory_moves_the_bands(tmp_path: Path) -> None:
     on Linux the memory freed stayed resident, and the band yellow with nothing running)."""
     # 2 layers x 8 KV heads x 2048 wide in float32: 256 KiB of KV a token, 64 MiB a 256-token block.
     model = write_model(tmp_path / "kv.gguf", "llama", context=4096, heads=8, kv_heads=8, head_dim=2048)
-    env = {"GMLX_GOVERNOR": "1", "GMLX_GOVERNOR_INTERVAL_S": "0.05", "GMLX_RESERVE_FRACTION": "0",
-           "GMLX_RESERVE_FLOOR": "0", "GMLX_PROMPT_CACHE_BYTES": "0"}
+    env = {
+        "GMLX_GOVERNOR": "1",
+        "GMLX_GOVERNOR_INTERVAL_S": "0.05",
+        "GMLX_RESERVE_FRACTION": "0",
+        "GMLX_RESERVE_FLOOR": "0",
+        "GMLX_PROMPT_CACHE_BYTES": "0",
+    }
     # Short prefill chunks: the big prompt's KV grows a little at a time, so each band lasts a while.
     flags = ("--decode-batch", "4", "--prefill-step", "64", "--queue-timeout", "300")
-    big = {"messages": [{"role": "user", "content": " ".join(f"w{i % 97}" for i in range(600))}],
-           "max_tokens": 4, "temperature": 0, "stream": True}  # about 1750 tokens: 7 blocks
+    big = {
+        "messages": [{"role": "user", "content": " ".join(f"w{i % 97}" for i in range(600))}],
+        "max_tokens": 4,
+        "temperature": 0,
+        "stream": True,
+    }  # about 1750 tokens: 7 blocks
     late = {"messages": [{"role": "user", "content": "late"}], "max_tokens": 4, "temperature": 0}
 
     with ServeProcess(model, tmp_path / "calibrate.log", *flags, "--memory", "64GiB", env=env) as s:
@@ -371,20 +447,28 @@ def test_real_memory_moves_the_bands(tmp_path: Path) -> None:
         actions = httpx.get(f"{s.url}/v1/metrics", timeout=60).json()["server"]["governor"]["actions"]
 
     bands = [b for i, b in enumerate(p["band"] for p in trace) if i == 0 or b != trace[i - 1]["band"]]
-    print(f"{time.monotonic() - started:.1f} s: idle {idle >> 20} MiB (at start {at_start >> 20}), block {block >> 20} "
-          f"MiB, limit {limit >> 20} MiB, peak {max(p['used'] for p in trace) >> 20} MiB, at the end "
-          f"{trace[-1]['used'] >> 20} MiB; bands {bands}; ends {ends}; actions {actions}")
+    print(
+        f"{time.monotonic() - started:.1f} s: idle {idle >> 20} MiB (at start {at_start >> 20}), block {block >> 20} "
+        f"MiB, limit {limit >> 20} MiB, peak {max(p['used'] for p in trace) >> 20} MiB, at the end "
+        f"{trace[-1]['used'] >> 20} MiB; bands {bands}; ends {ends}; actions {actions}"
+    )
     firsts = [bands.index(b) for b in ("yellow", "orange", "red")]
     assert firsts == sorted(firsts) and bands[-1] == "green", bands  # up one band after another, then back
     # Yellow: the late request waits, though slots are free, while the one ahead of it is in prefill.
-    assert any(p["band"] == "yellow" and p["states"][:1] == ["queued"] and "prefill" in p["states"]
-               and p["in_flight"] < 4 for p in trace)
+    assert any(
+        p["band"] == "yellow" and p["states"][:1] == ["queued"] and "prefill" in p["states"] and p["in_flight"] < 4
+        for p in trace
+    )
     # Orange (and red): it still waits, and readiness says why.
     assert any(p["band"] == "orange" and p["states"][:1] == ["queued"] for p in trace)
     assert any(p["reason"] == "pressure" and p["band"] in ("orange", "red") for p in trace)
     # Red: the newest running stream, the big one, is stopped with its error; nothing else is lost.
-    assert ends["big"] == {"message": STOP_MESSAGE, "type": "server_error", "code": "memory_pressure",
-                           "last": "data: [DONE]"}
+    assert ends["big"] == {
+        "message": STOP_MESSAGE,
+        "type": "server_error",
+        "code": "memory_pressure",
+        "last": "data: [DONE]",
+    }
     assert ends["late"] == {"finish": "length"}
     assert actions["stop_stream"]["count"] == 1 and actions["single_admission"]["count"] >= 1
     assert actions["hold_admission"]["count"] >= 1 and actions["clear_cache"]["count"] >= 1

@@ -48,11 +48,16 @@ def test_yellow_releases_spare_running_work(tmp_path: Path, monkeypatch: pytest.
     state.governor.probe = fake_probe
     with server, server.client() as c:
         eos = {str(t): -100 for t in server.engine.loaded.tokenizer.eos_token_ids}  # it runs until cancelled
-        long = {"messages": [{"role": "user", "content": "long"}], "max_tokens": 8000, "stream": True,
-                "logit_bias": eos}
+        long = {
+            "messages": [{"role": "user", "content": "long"}],
+            "max_tokens": 8000,
+            "stream": True,
+            "logit_bias": eos,
+        }
         kept = {"messages": [{"role": "user", "content": "kept"}], "max_tokens": 4}
         assert c.post(CHAT, json=kept).status_code == 200
         assert cache.bytes > 0
+
         def read() -> None:
             with server.client() as r:
                 r.post(CHAT, json=long)
@@ -86,10 +91,19 @@ def test_real_memory_comes_down_from_yellow(tmp_path: Path) -> None:
     limit = psutil.Process().memory_info().rss + 16 * block  # this process's memory: the server runs in it
     if psutil.virtual_memory().available < limit + 2**30:  # the governor counts what others' processes take
         pytest.skip("too little free memory for a budget the system's available memory does not press")
-    server = LiveServer(model, memory=limit, reserve_fraction=0, reserve_floor=0, governor_interval_s=0.05,
-                        prompt_cache_bytes=str(4 * block))
-    prompt = {"messages": [{"role": "user", "content": " ".join(f"w{i % 97}" for i in range(250))}],
-              "max_tokens": 2, "temperature": 0}  # about 750 tokens: 3 blocks
+    server = LiveServer(
+        model,
+        memory=limit,
+        reserve_fraction=0,
+        reserve_floor=0,
+        governor_interval_s=0.05,
+        prompt_cache_bytes=str(4 * block),
+    )
+    prompt = {
+        "messages": [{"role": "user", "content": " ".join(f"w{i % 97}" for i in range(250))}],
+        "max_tokens": 2,
+        "temperature": 0,
+    }  # about 750 tokens: 3 blocks
     governor = server.state.governor
     with server, server.client() as c:
         server.wait_until(lambda: governor.used_bytes is not None)
@@ -106,8 +120,10 @@ def test_real_memory_comes_down_from_yellow(tmp_path: Path) -> None:
         elapsed = time.monotonic() - ended
         actions = governor.snapshot()["actions"]
         ready = c.get("/health", params={"ready": 1}).status_code
-    print(f"idle {idle / MiB:.0f} MiB: green {elapsed:.1f} s after the load, "
-          f"bands {sorted(set(bands), key=bands.index)}; actions {actions}")
+    print(
+        f"idle {idle / MiB:.0f} MiB: green {elapsed:.1f} s after the load, "
+        f"bands {sorted(set(bands), key=bands.index)}; actions {actions}"
+    )
     assert bands[0] == "yellow"  # the entry held it there once the request had ended
     assert actions["evict_prompt_cache"]["last_at"] > ended_at and actions["hold_admission"]["count"] == 0
     assert server.engine.prompt_cache.stats.evicted_bytes > 0 and ready == 200
@@ -134,6 +150,7 @@ def test_offline_table_assumes_the_host_memory_estimate(tiny_models: dict[str, P
 
 def _prompt(c: httpx.Client, salt: str, tokens: int) -> dict:
     """A chat body whose prompt is about `tokens` long (the chat template's tokens included)."""
+
     def body(words: int) -> dict:
         text = f"{salt} " + " ".join(f"w{j % 97}" for j in range(words))
         return {"messages": [{"role": "user", "content": text}], "max_tokens": 4, "temperature": 0}
@@ -153,12 +170,22 @@ def _memory_for(capacity: dict, model: Path, width: int, depth: int) -> int:
     from gmlx.capacity.table import build_table
     from gmlx.gguf.header import read_header
 
-    g, budget, kv = read_header(model).geometry, capacity["budget"], KVFormat(float_bytes=capacity["kv_format"]["float_bytes"])
+    g, budget, kv = (
+        read_header(model).geometry,
+        capacity["budget"],
+        KVFormat(float_bytes=capacity["kv_format"]["float_bytes"]),
+    )
 
     def fits(memory: int) -> bool:
-        b = MemoryBudget(memory, budget["weight_bytes"], budget["prefill_bytes"],
-                         prompt_cache_bytes=default_prompt_cache_bytes(memory), batch_bytes=budget["batch_bytes"],
-                         host_bytes=budget["host_bytes"], ceiling=budget["ceiling"])
+        b = MemoryBudget(
+            memory,
+            budget["weight_bytes"],
+            budget["prefill_bytes"],
+            prompt_cache_bytes=default_prompt_cache_bytes(memory),
+            batch_bytes=budget["batch_bytes"],
+            host_bytes=budget["host_bytes"],
+            ceiling=budget["ceiling"],
+        )
         table = build_table(g, b, width, kv, prefill_step=capacity["prefill_step"])
         return table.max_context_at_width(width) >= depth
 
@@ -183,8 +210,11 @@ def test_plan_ok_keeps_the_band_at_yellow(default_model: Path, tmp_path: Path) -
     memory = _memory_for(capacity, default_model, 4, 1024)
 
     results: dict[int, dict] = {}
-    with ServeProcess(default_model, tmp_path / "serve.log", *flags, "--memory", str(memory), env=env) as s, \
-            httpx.Client(base_url=s.url, timeout=300) as c:
+    with (
+        ServeProcess(default_model, tmp_path / "serve.log", *flags, "--memory", str(memory), env=env) as s,
+        httpx.Client(base_url=s.url, timeout=300) as c,
+    ):
+
         def band() -> str:
             return c.get("/v1/metrics").json()["server"]["governor"]["band"]
 
@@ -200,29 +230,33 @@ def test_plan_ok_keeps_the_band_at_yellow(default_model: Path, tmp_path: Path) -
             bodies = [_prompt(c, f"{width}.{i}", depth - 4) for i in range(width)]
             bands, done = [], threading.Event()
 
-            def watch() -> None:
+            def watch(bands: list[str], done: threading.Event) -> None:
                 with httpx.Client(base_url=s.url, timeout=60) as w:
                     while not done.is_set():
                         bands.append(w.get("/v1/metrics").json()["server"]["governor"]["band"])
                         time.sleep(0.05)
 
-            watcher = threading.Thread(target=watch)
+            watcher = threading.Thread(target=watch, args=(bands, done))
             watcher.start()
             ends: list[str] = []
 
-            def post(body: dict) -> None:
+            def post(body: dict, ends: list[str]) -> None:
                 r = c.post(CHAT, json=body).json()
                 ends.append(r["error"]["code"] if "error" in r else r["choices"][0]["finish_reason"])
 
-            posts = [threading.Thread(target=post, args=(b,)) for b in bodies]
+            posts = [threading.Thread(target=post, args=(b, ends)) for b in bodies]
             for t in posts:
                 t.start()
             for t in posts:
                 t.join(300)
             done.set()
             watcher.join(60)
-            results[width] = {"depth": depth, "deepest": deepest, "bands": sorted(set(bands), key=bands.index),
-                              "ends": ends}
+            results[width] = {
+                "depth": depth,
+                "deepest": deepest,
+                "bands": sorted(set(bands), key=bands.index),
+                "ends": ends,
+            }
         m = c.get("/v1/metrics").json()["server"]
     print(f"--memory {memory / MiB:.0f} MiB, budget {m['capacity']['budget']}: {results}")
     for width, r in results.items():

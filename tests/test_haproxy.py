@@ -22,8 +22,10 @@ from conftest import ServeProcess, free_port
 from tiny_models import write_model
 from tiny_vocab import spm_vocab
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(shutil.which("haproxy") is None, reason="haproxy is not installed (make system)")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(shutil.which("haproxy") is None, reason="haproxy is not installed (make system)"),
+]
 
 CONFIG = Path(__file__).parent.parent / "deploy" / "haproxy" / "haproxy.cfg"
 SERVERS = ("gmlx-a", "gmlx-b")
@@ -38,11 +40,17 @@ class HAProxy:
     def __enter__(self) -> HAProxy:
         for _ in range(3):  # a free port may be taken by another process before haproxy binds it: new ports
             self.url, self.stats = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
-            env = {**os.environ, "GMLX_A": self._backends[0], "GMLX_B": self._backends[1],
-                   "GMLX_FRONTEND": self.url.removeprefix("http://"), "GMLX_STATS": self.stats.removeprefix("http://")}
+            env = {
+                **os.environ,
+                "GMLX_A": self._backends[0],
+                "GMLX_B": self._backends[1],
+                "GMLX_FRONTEND": self.url.removeprefix("http://"),
+                "GMLX_STATS": self.stats.removeprefix("http://"),
+            }
             self._out = self._log.open("wb")
-            self.proc = subprocess.Popen(["haproxy", "-db", "-f", str(CONFIG)], env=env, stdout=self._out,
-                                         stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                ["haproxy", "-db", "-f", str(CONFIG)], env=env, stdout=self._out, stderr=subprocess.STDOUT
+            )
             try:
                 self.proc.wait(0.5)
             except subprocess.TimeoutExpired:
@@ -131,7 +139,10 @@ def test_a_fleet_behind_haproxy(tmp_path: Path) -> None:
                 tasks = [asyncio.create_task(one()) for _ in SERVERS]
                 await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started.values())), 30)
                 servers[0].proc.kill()
-                out = lambda s: s.get("gmlx-a", "").startswith("DOWN")
+
+                def out(s: dict) -> bool:
+                    return s.get("gmlx-a", "").startswith("DOWN")
+
                 out_after = await asyncio.to_thread(proxy.wait_for, out, 10)
                 return {**dict(await asyncio.wait_for(asyncio.gather(*tasks), 40)), "out_after_s": out_after}
 

@@ -15,10 +15,9 @@ Dequantized rows must equal gguf's float32 values exactly.
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 import pytest
-
-import mlx.core as mx
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as T
 from gguf.quants import dequantize, quantize
@@ -26,11 +25,11 @@ from gguf.quants import dequantize, quantize
 import gmlx.kernels as gk
 
 
-
 @pytest.fixture(autouse=True)
 def _needs_kernels(request):
     if not request.node.name.startswith("test_fallback") and not gk.available():
         pytest.skip(f"gguf kernels unavailable: {gk.reason()}")
+
 
 BOUND = 1e-6
 QUANTIZABLE = {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0}  # gguf.quants.quantize implements these
@@ -47,7 +46,7 @@ def random_weights(t: T, n: int, k: int, rng: np.random.Generator) -> np.ndarray
     b = rng.integers(0, 256, size=(nb, ts), dtype=np.uint8)
     cols = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}[t]
     for c in cols:
-        b[:, c:c + 2] = rng.uniform(1e-3, 2e-2, size=nb).astype(np.float16).view(np.uint8).reshape(nb, 2)
+        b[:, c : c + 2] = rng.uniform(1e-3, 2e-2, size=nb).astype(np.float16).view(np.uint8).reshape(nb, 2)
     return b.reshape(n, -1)
 
 
@@ -72,8 +71,19 @@ def activation_rounding_bound(x: np.ndarray, wd: np.ndarray, bits: int, isa: str
 # (N output rows, K, M activation rows): ragged against the 16-row tile, the 4-row and
 # 3-row micro-kernel, the integer path's 8-row passes and its end (a last pass of one row: AMX
 # lays it out apart), and the single-thread cutoff; K a single block up to 4096.
-SHAPES = [(1, 256, 1), (5, 256, 2), (17, 512, 3), (37, 768, 4), (64, 256, 8), (29, 512, 9), (33, 1024, 13),
-          (23, 512, 63), (100, 512, 64), (19, 256, 300), (130, 4096, 7)]
+SHAPES = [
+    (1, 256, 1),
+    (5, 256, 2),
+    (17, 512, 3),
+    (37, 768, 4),
+    (64, 256, 8),
+    (29, 512, 9),
+    (33, 1024, 13),
+    (23, 512, 63),
+    (100, 512, 64),
+    (19, 256, 300),
+    (130, 4096, 7),
+]
 # K not a multiple of 256 (32-block types only): the AVX-512 decode path takes 8 blocks at a time,
 # then 4, then one by one (K = 640 is gemma3-270m's: 8 + 8 + 4 blocks)
 SHAPES_32 = [(21, 96, 1), (40, 640, 8), (7, 352, 2), (18, 640, 5), (9, 224, 3)]
@@ -128,7 +138,9 @@ def test_leading_dims_dtypes_and_strides():
     ref = x @ wd.T
     wm = mx.array(w)
     flat = np.array(gk.matmul(mx.array(x.reshape(6, k)), wm, t, n, k))
-    bound = BOUND * (np.abs(x) @ np.abs(wd).T).reshape(6, n) + activation_rounding_bound(x.reshape(6, k), wd, 16, gk.isa())
+    bound = BOUND * (np.abs(x) @ np.abs(wd).T).reshape(6, n) + activation_rounding_bound(
+        x.reshape(6, k), wd, 16, gk.isa()
+    )
     assert np.all(np.abs(flat - ref.reshape(6, n)) <= bound)
     # leading dimensions and a transposed (non-contiguous) input give the same products
     y = gk.matmul(mx.array(x), wm, t, n, k)
@@ -212,7 +224,8 @@ def _mlp(rng, k: int, n: int, types=(T.Q5_0, T.Q4_K, T.Q6_K)):
     ws = [random_weights(types[0], n, k, rng), random_weights(types[1], n, k, rng), random_weights(types[2], k, n, rng)]
     module = nn.Module()
     module.gate_proj, module.up_proj, module.down_proj = (
-        gk.GGUFLinear(mx.array(w), t, kk) for w, t, kk in zip(ws, types, (k, k, n)))
+        gk.GGUFLinear(mx.array(w), t, kk) for w, t, kk in zip(ws, types, (k, k, n))
+    )
     floats = [dequantize(w, t).reshape(w.shape[0], -1) for w, t in zip(ws, types)]
     return module, floats
 
@@ -387,8 +400,9 @@ except GGUFError as e:
 print(json.dumps(out))
 """
     env = {**__import__("os").environ, "GMLX_KERNELS_EXT": str(tmp_path / "missing" / "_ext.so")}
-    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "m.gguf")], capture_output=True, text=True,
-                       env=env, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "m.gguf")], capture_output=True, text=True, env=env, timeout=300
+    )
     assert r.returncode == 0, r.stderr
     import json
 

@@ -104,5 +104,6 @@ def test_warm_up_measures_what_is_predicted(tiny_long: dict[str, LoadedModel], a
     # Per token: 2 layers (gemma3 tiny: 6) x 2 KV heads x (64 + 64) x float32, all below the window.
     per_token = warmup_per_token(m.geometry, measured.tokens, measured.kv_bytes, kv)
     assert per_token["kv_bytes_per_token_predicted"] == m.geometry.n_layers * 2 * 128 * 4
-    assert per_token["kv_bytes_per_token_measured"] == pytest.approx(per_token["kv_bytes_per_token_predicted"],
-                                                                     rel=0.01)
+    assert per_token["kv_bytes_per_token_measured"] == pytest.approx(
+        per_token["kv_bytes_per_token_predicted"], rel=0.01
+    )

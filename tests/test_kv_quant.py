@@ -50,11 +50,27 @@ def test_nothing_set_means_off() -> None:
 
 def test_full_verdict_and_the_spec_object() -> None:
     p = plan_kv_quant(UNIFORM8, LLAMA)
-    assert p.to_json() == {"scheme": "uniform", "bits": 8, "group_size": 64, "layers_quantized": 32,
-                           "layers_fp16": 0, "verdict": "full", "verdict_batched": "full"}
+    assert p.to_json() == {
+        "scheme": "uniform",
+        "bits": 8,
+        "group_size": 64,
+        "layers_quantized": 32,
+        "layers_fp16": 0,
+        "verdict": "full",
+        "verdict_batched": "full",
+    }
     k = plan_kv_quant(KVQuantSettings(scheme="kvarn", bits=4, group_size=32, value_bits=2, tail_tokens=64), LLAMA)
-    assert k.to_json() == {"scheme": "kvarn", "bits": 4, "group_size": 32, "layers_quantized": 32, "layers_fp16": 0,
-                           "verdict": "full", "verdict_batched": "full", "value_bits": 2, "tail_tokens": 64}
+    assert k.to_json() == {
+        "scheme": "kvarn",
+        "bits": 4,
+        "group_size": 32,
+        "layers_quantized": 32,
+        "layers_fp16": 0,
+        "verdict": "full",
+        "verdict_batched": "full",
+        "value_bits": 2,
+        "tail_tokens": 64,
+    }
     assert k.kv_format(2) == KVFormat(bits=4, group_size=32, float_bytes=2, value_bits=2, tail_tokens=64)
 
 
@@ -64,12 +80,15 @@ def test_partial_when_sliding_layers_keep_float() -> None:
     assert "15 of 18 layers slide (window 512)" in p.reason
 
 
-@pytest.mark.parametrize(("g", "why"), [
-    (geometry(head=80), "key head width 80 is not a multiple of group size 64"),
-    (geometry(value_length=96), "value head width 96 is not a multiple of group size 64"),
-    (MLA, "MLA latent"),
-    (geometry(4, sliding_window=1024, sliding_layers=(True,) * 4), "every layer slides (window 1024)"),
-])
+@pytest.mark.parametrize(
+    ("g", "why"),
+    [
+        (geometry(head=80), "key head width 80 is not a multiple of group size 64"),
+        (geometry(value_length=96), "value head width 96 is not a multiple of group size 64"),
+        (MLA, "MLA latent"),
+        (geometry(4, sliding_window=1024, sliding_layers=(True,) * 4), "every layer slides (window 1024)"),
+    ],
+)
 def test_dropped_verdicts(g, why: str) -> None:
     p = plan_kv_quant(UNIFORM8, g)
     assert (p.verdict, p.verdict_batched, p.layers_quantized, p.layers_fp16) == ("dropped", "dropped", 0, g.n_layers)
@@ -86,8 +105,11 @@ def test_dropped_when_the_tail_covers_the_context() -> None:
 def test_batched_streams_keep_the_verdict() -> None:
     # The engine batches quantized caches, and its speculative lane trims them exactly, so
     # nothing falls back to float when requests run batched (tests/test_speculative_engine.py).
-    for p in (plan_kv_quant(UNIFORM8, LLAMA), plan_kv_quant(KVARN, LLAMA),
-              plan_kv_quant(KVQuantSettings(scheme="kvarn", tail_tokens=8192), geometry(context_length=4096))):
+    for p in (
+        plan_kv_quant(UNIFORM8, LLAMA),
+        plan_kv_quant(KVARN, LLAMA),
+        plan_kv_quant(KVQuantSettings(scheme="kvarn", tail_tokens=8192), geometry(context_length=4096)),
+    ):
         assert p.to_json()["verdict_batched"] == p.verdict
 
 
@@ -102,8 +124,18 @@ def test_auto_picks_and_says_why() -> None:
     assert (roomy.scheme, roomy.bits) == ("uniform", 4) and "fits the 128.0 GiB budget" in roomy.auto
     assert "no memory budget" in plan_kv_quant(KVQuantSettings(bits=8), LLAMA).auto
     assert "only kvarn" in plan_kv_quant(KVQuantSettings(tail_tokens=32), LLAMA).auto
-    assert server_plan(KVQuantSettings(bits=8), LLAMA, memory=16 * GiB, weight_bytes=4 * GiB, reserve_fraction=0.1,
-                       reserve_floor=0, streams=8).scheme == "kvarn"
+    assert (
+        server_plan(
+            KVQuantSettings(bits=8),
+            LLAMA,
+            memory=16 * GiB,
+            weight_bytes=4 * GiB,
+            reserve_fraction=0.1,
+            reserve_floor=0,
+            streams=8,
+        ).scheme
+        == "kvarn"
+    )
 
 
 # --- settings ---------------------------------------------------------------------------------
@@ -120,13 +152,16 @@ def test_settings_flags_env_and_config(tmp_path: Path) -> None:
     assert not resolve_settings({}, env={}).kv_quant().enabled
 
 
-@pytest.mark.parametrize(("flags", "message"), [
-    ({"kv_bits": 3}, "kv_bits: 3 from flag must be one of 2, 4, 8"),
-    ({"kv_group_size": 48}, "kv_group_size: 48 from flag must be one of 32, 64, 128"),
-    ({"kv_scheme": "fancy"}, "must be one of uniform, kvarn, auto"),
-    ({"kv_tail_tokens": -1}, "must be >= 0"),
-    ({"kv_scheme": "uniform", "kv_value_bits": 4}, "belong to the kvarn scheme"),
-])
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ({"kv_bits": 3}, "kv_bits: 3 from flag must be one of 2, 4, 8"),
+        ({"kv_group_size": 48}, "kv_group_size: 48 from flag must be one of 32, 64, 128"),
+        ({"kv_scheme": "fancy"}, "must be one of uniform, kvarn, auto"),
+        ({"kv_tail_tokens": -1}, "must be >= 0"),
+        ({"kv_scheme": "uniform", "kv_value_bits": 4}, "belong to the kvarn scheme"),
+    ],
+)
 def test_settings_refuse_what_cannot_run(flags: dict, message: str) -> None:
     with pytest.raises(SettingsError, match=message):
         resolve_settings(flags, env={})
@@ -165,8 +200,10 @@ def tiny_long(tmp_path_factory: pytest.TempPathFactory) -> dict[str, LoadedModel
     from tiny_models import write_model
 
     root = tmp_path_factory.mktemp("kvq")
-    return {arch: load(write_model(root / f"{arch}.gguf", arch, context=4096, seed=3), "float")
-            for arch in ("llama", "gemma3")}
+    return {
+        arch: load(write_model(root / f"{arch}.gguf", arch, context=4096, seed=3), "float")
+        for arch in ("llama", "gemma3")
+    }
 
 
 def _factory(m: LoadedModel, s: KVQuantSettings | None):
@@ -264,7 +301,9 @@ def measure(m: LoadedModel, factory, fmt: KVFormat, width: int, depth: int) -> t
         mx.synchronize()
         mx.clear_cache()
         before = mx.get_active_memory()
-        gen.insert([[7 + i] * depth for i in range(width)], [8] * width, caches=[factory(m.model) for _ in range(width)])
+        gen.insert(
+            [[7 + i] * depth for i in range(width)], [8] * width, caches=[factory(m.model) for _ in range(width)]
+        )
         steps = 0
         while steps < 2:
             _, generated = gen.next()
@@ -280,8 +319,9 @@ def measure(m: LoadedModel, factory, fmt: KVFormat, width: int, depth: int) -> t
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 @pytest.mark.parametrize("settings", [UNIFORM8, UNIFORM4, KVARN], ids=["uniform8", "uniform4", "kvarn"])
 @pytest.mark.parametrize(("width", "depth"), [(1, 256), (4, 256), (1, 2048), (4, 2048)])
-def test_kv_prediction_matches_mlx(tiny_long: dict[str, LoadedModel], arch: str, settings: KVQuantSettings,
-                                   width: int, depth: int) -> None:
+def test_kv_prediction_matches_mlx(
+    tiny_long: dict[str, LoadedModel], arch: str, settings: KVQuantSettings, width: int, depth: int
+) -> None:
     m = tiny_long[arch]
     plan = plan_kv_quant(settings, m.geometry)
     measured, predicted = measure(m, make_cache_factory(plan), plan.kv_format(4), width, depth)
@@ -294,8 +334,7 @@ def test_quantized_memory_per_token_measured(tiny_long: dict[str, LoadedModel], 
     m = tiny_long[arch]
     plan = plan_kv_quant(UNIFORM4, m.geometry)
     slopes = {}
-    for name, factory, fmt in (("float", _factory(m, None), FP32),
-                               ("q4", make_cache_factory(plan), plan.kv_format(4))):
+    for name, factory, fmt in (("float", _factory(m, None), FP32), ("q4", make_cache_factory(plan), plan.kv_format(4))):
         lo, _ = measure(m, factory, fmt, 1, 3072)
         hi, _ = measure(m, factory, fmt, 1, 5120)
         slopes[name] = (hi - lo) / 2048
@@ -319,13 +358,23 @@ def test_warm_up_measures_what_is_predicted(tiny_long: dict[str, LoadedModel], s
 
 
 def test_models_route_shows_kv_quant(tiny_models: dict[str, Path]) -> None:
-    with LiveServer(tiny_models["gemma3"], kv_bits=4, kv_scheme="kvarn", kv_tail_tokens=32) as server, \
-            server.client() as c:
+    with (
+        LiveServer(tiny_models["gemma3"], kv_bits=4, kv_scheme="kvarn", kv_tail_tokens=32) as server,
+        server.client() as c,
+    ):
         [entry] = c.get("/v1/models").json()["data"]
         assert entry["kv_quant"] == {
-            "scheme": "kvarn", "bits": 4, "group_size": 64, "layers_quantized": 1, "layers_fp16": 5,
-            "verdict": "partial", "reason": entry["kv_quant"]["reason"], "verdict_batched": "partial",
-            "value_bits": 4, "tail_tokens": 32}
+            "scheme": "kvarn",
+            "bits": 4,
+            "group_size": 64,
+            "layers_quantized": 1,
+            "layers_fp16": 5,
+            "verdict": "partial",
+            "reason": entry["kv_quant"]["reason"],
+            "verdict_batched": "partial",
+            "value_bits": 4,
+            "tail_tokens": 32,
+        }
         assert "5 of 6 layers slide" in entry["kv_quant"]["reason"]
         body = {"prompt": "hello there " * 40, "max_tokens": 8, "temperature": 0}
         first, again = (c.post("/v1/completions", json=body) for _ in range(2))  # the second from the prompt cache
@@ -343,15 +392,24 @@ def test_models_route_shows_kv_quant(tiny_models: dict[str, Path]) -> None:
 
 # --- the default model: greedy output against the float cache ----------------------------------
 
-PASSAGE = ("The river town of Marrow sits where two valleys meet. Its mill was built in 1820 by a family of "
-           "weavers, who brought wool down from the high pastures every spring. A stone bridge with five arches "
-           "crosses the water, and each arch is named for one of the founders. In winter the river freezes near the "
-           "eastern bank, and children skate from the bridge to the old customs house. The town library keeps the "
-           "mill's ledgers, which record every bale sold for a hundred years, along with letters from merchants in "
-           "distant ports. ")
-QUESTIONS = ["Who built the mill?", "How many arches does the bridge have?", "What happens in winter?",
-             "What does the library keep?", "Write a short poem about the river.",
-             "Summarize the passage in one sentence.", "What is the town called?", "List three facts about Marrow."]
+PASSAGE = (
+    "The river town of Marrow sits where two valleys meet. Its mill was built in 1820 by a family of "
+    "weavers, who brought wool down from the high pastures every spring. A stone bridge with five arches "
+    "crosses the water, and each arch is named for one of the founders. In winter the river freezes near the "
+    "eastern bank, and children skate from the bridge to the old customs house. The town library keeps the "
+    "mill's ledgers, which record every bale sold for a hundred years, along with letters from merchants in "
+    "distant ports. "
+)
+QUESTIONS = [
+    "Who built the mill?",
+    "How many arches does the bridge have?",
+    "What happens in winter?",
+    "What does the library keep?",
+    "Write a short poem about the river.",
+    "Summarize the passage in one sentence.",
+    "What is the town called?",
+    "List three facts about Marrow.",
+]
 # Share of greedy tokens (by position) equal to the float cache's on 8 prompts of ~230 tokens,
 # measured on this machine: 32 tokens each, uniform 8-bit 0.84 and kvarn K8/V4 + 128 float tokens
 # 0.91; 48 tokens each, 0.82 and 0.75; uniform 4-bit 0.03 (g64) and 0.39 (g32): gemma3's keys do
@@ -389,6 +447,7 @@ def test_offline_plan_takes_the_same_flags(tiny_models: dict[str, Path]) -> None
     kv_format = q["assumptions"]["kv_format"]
     assert kv_format["value"] == "4-bit g64, fp32 scales" and kv_format["kv_quant"]["verdict"] == "full"
     assert q["table"]["kv_format"]["bits"] == 4 and plain["table"]["kv_format"]["bits"] is None
-    est = invoke_json("estimate", path, "--prompt", "hi", "--max-tokens", "100", "--memory", "8GiB",
-                      "--kv-scheme", "kvarn", code=None)
+    est = invoke_json(
+        "estimate", path, "--prompt", "hi", "--max-tokens", "100", "--memory", "8GiB", "--kv-scheme", "kvarn", code=None
+    )
     assert est["assumptions"]["kv_format"]["kv_quant"]["scheme"] == "kvarn"

@@ -117,7 +117,7 @@ def test_next_token_top1_and_top10_match(runs: tuple[str, list[Run]]) -> None:
 def test_next_token_distribution_is_close(runs: tuple[str, list[Run]]) -> None:
     mode, rs = runs
     kl = [kl_top10(c["top"], r.logprobs[0]) for c, r in zip(CASES, rs)]
-    assert max(kl) <= KL_NEXT_MAX, f"{mode}: KL over llama.cpp's top 10: {['%.1e' % k for k in kl]}"
+    assert max(kl) <= KL_NEXT_MAX, f"{mode}: KL over llama.cpp's top 10: {[f'{k:.1e}' for k in kl]}"
 
 
 @pytest.mark.slow
@@ -129,10 +129,11 @@ def test_greedy_continuation_follows_llama_cpp(runs: tuple[str, list[Run]]) -> N
         assert n >= GREEDY_PREFIX, f"{mode} {label(case)}: first greedy token {run.greedy[0]}, llama.cpp's {ref[0]}"
         # up to and including the step where they part, both runs saw the same tokens
         kl = [kl_top10(case["steps"][k], run.logprobs[k]) for k in range(min(n + 1, len(ref)))]
-        assert max(kl) <= KL_STEPS_MAX, f"{mode} {label(case)}: KL by step {['%.1e' % k for k in kl]}"
+        assert max(kl) <= KL_STEPS_MAX, f"{mode} {label(case)}: KL by step {[f'{k:.1e}' for k in kl]}"
         if n < len(ref):
             theirs = dict((int(i), p) for i, p in case["steps"][n])
             ratio = theirs.get(run.greedy[n], 0.0) / case["steps"][n][0][1]
             assert ratio >= NEAR_TIE, (
                 f"{mode} {label(case)}: parted at token {n + 1} with {run.greedy[n]}, which llama.cpp gave "
-                f"{ratio:.2f} of its top-1's probability ({ref[n]})")
+                f"{ratio:.2f} of its top-1's probability ({ref[n]})"
+            )

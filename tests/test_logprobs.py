@@ -59,8 +59,9 @@ def test_logprobs_off_by_default_and_without_alternatives_at_0(server: LiveServe
 def test_the_first_token_logprobs_are_the_models_log_softmax(server: LiveServer) -> None:
     prompt = [1, 15, 27, 33, 8]
     with server.client() as c:
-        out = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1, "temperature": 0,
-                                              "logprobs": 5}).json()
+        out = c.post(
+            "/v1/completions", json={"prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": 5}
+        ).json()
     lp = out["choices"][0]["logprobs"]
     logits = server.engine.loaded.model(mx.array([prompt]))[0, -1].astype(mx.float32)
     expected = (logits - mx.logsumexp(logits)).tolist()
@@ -76,8 +77,9 @@ def test_the_first_token_logprobs_are_the_models_log_softmax(server: LiveServer)
 
 def test_completions_logprobs_lists_line_up_with_the_text(server: LiveServer) -> None:
     with server.client() as c:
-        out = c.post("/v1/completions", json={"prompt": "The sea", "max_tokens": 8, "temperature": 0,
-                                              "logprobs": 3}).json()
+        out = c.post(
+            "/v1/completions", json={"prompt": "The sea", "max_tokens": 8, "temperature": 0, "logprobs": 3}
+        ).json()
     choice = out["choices"][0]
     lp = choice["logprobs"]
     assert "".join(lp["tokens"]) == choice["text"]
@@ -91,9 +93,15 @@ def test_completions_logprobs_lists_line_up_with_the_text(server: LiveServer) ->
 
 @pytest.mark.parametrize("chat_api", [True, False])
 def test_streamed_logprobs_reassemble_to_the_whole_answer(server: LiveServer, chat_api: bool) -> None:
-    body = {"max_tokens": 10, "temperature": 0, **({"messages": [{"role": "user", "content": "Count"}],
-                                                     "logprobs": True, "top_logprobs": 2} if chat_api else
-                                                    {"prompt": "Count", "logprobs": 2})}
+    body = {
+        "max_tokens": 10,
+        "temperature": 0,
+        **(
+            {"messages": [{"role": "user", "content": "Count"}], "logprobs": True, "top_logprobs": 2}
+            if chat_api
+            else {"prompt": "Count", "logprobs": 2}
+        ),
+    }
     route = CHAT if chat_api else "/v1/completions"
     with server.client() as c:
         whole = c.post(route, json=body).json()["choices"][0]["logprobs"]
@@ -107,8 +115,15 @@ def test_streamed_logprobs_reassemble_to_the_whole_answer(server: LiveServer, ch
             assert [x for part in parts for x in part[key]] == whole[key], key
 
 
-@pytest.mark.parametrize("body", [{"logprobs": True, "top_logprobs": 21}, {"top_logprobs": 2},
-                                  {"logprobs": True, "top_logprobs": -1}, {"logprobs": 3}])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"logprobs": True, "top_logprobs": 21},
+        {"top_logprobs": 2},
+        {"logprobs": True, "top_logprobs": -1},
+        {"logprobs": 3},
+    ],
+)
 def test_bad_logprobs_are_a_400(server: LiveServer, body: dict) -> None:
     with server.client() as c:
         r = c.post(CHAT, json={"messages": [{"role": "user", "content": "hi"}], **body})
@@ -120,8 +135,14 @@ def test_bad_logprobs_are_a_400(server: LiveServer, body: dict) -> None:
 
 def test_the_openai_client_reads_them(server: LiveServer) -> None:
     client = OpenAI(base_url=server.url + "/v1", api_key="none")
-    r = client.chat.completions.create(model=server.model_id, messages=[{"role": "user", "content": "Hi"}],
-                                       max_tokens=4, temperature=0, logprobs=True, top_logprobs=3)
+    r = client.chat.completions.create(
+        model=server.model_id,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
     content = r.choices[0].logprobs.content
     assert content and content[0].top_logprobs[0].token == content[0].token and content[0].logprob <= 0
 

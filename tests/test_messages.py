@@ -13,8 +13,11 @@ from tiny_models import write_model
 anthropic = pytest.importorskip("anthropic")
 
 KEY = "msg-key"
-WEATHER = {"name": "get_weather", "description": "The weather in a city",
-           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+WEATHER = {
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
 
 
 @pytest.fixture(scope="module")
@@ -57,12 +60,25 @@ def scripted(server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[Sc
 
 
 def test_text_is_the_chat_answer(client, server: LiveServer) -> None:
-    r = client.messages.create(model=server.model_id, max_tokens=8, system="Be brief.", extra_body={"temperature": 0},
-                               messages=[{"role": "user", "content": "Tell me about the sea."}])  # greedy
+    r = client.messages.create(
+        model=server.model_id,
+        max_tokens=8,
+        system="Be brief.",
+        extra_body={"temperature": 0},
+        messages=[{"role": "user", "content": "Tell me about the sea."}],
+    )  # greedy
     with server.client(headers={"Authorization": f"Bearer {KEY}"}) as c:
-        chat = c.post("/v1/chat/completions", json={
-            "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about the sea."}],
-            "max_tokens": 8, "temperature": 0}).json()
+        chat = c.post(
+            "/v1/chat/completions",
+            json={
+                "messages": [
+                    {"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": "Tell me about the sea."},
+                ],
+                "max_tokens": 8,
+                "temperature": 0,
+            },
+        ).json()
     assert r.type == "message" and r.role == "assistant" and r.id.startswith("msg_")
     text = "".join(b.text for b in r.content if b.type == "text")
     assert text == chat["choices"][0]["message"]["content"]
@@ -79,10 +95,22 @@ def test_tool_use_and_tool_result(client, server: LiveServer, scripted: Script) 
     assert (text.type, text.text, r.stop_reason) == ("text", "Let me check.", "tool_use")
     assert (use.type, use.name, use.input) == ("tool_use", "get_weather", {"city": "Paris"})
     scripted[:] = ["It is 18 C."]
-    follow = client.messages.create(model=server.model_id, max_tokens=64, tools=[WEATHER], messages=[
-        ask, {"role": "assistant", "content": [b.model_dump() for b in r.content]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "18 C"},
-                                     {"type": "text", "text": "And tomorrow?"}]}])
+    follow = client.messages.create(
+        model=server.model_id,
+        max_tokens=64,
+        tools=[WEATHER],
+        messages=[
+            ask,
+            {"role": "assistant", "content": [b.model_dump() for b in r.content]},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": use.id, "content": "18 C"},
+                    {"type": "text", "text": "And tomorrow?"},
+                ],
+            },
+        ],
+    )
     assert [b.text for b in follow.content] == ["It is 18 C."] and follow.stop_reason == "end_turn"
     prompt = server.engine.loaded.tokenizer.decode(scripted.prompts[-1])
     assert prompt.index("get_weather") < prompt.index("18 C") < prompt.index("And tomorrow?")
@@ -90,8 +118,12 @@ def test_tool_use_and_tool_result(client, server: LiveServer, scripted: Script) 
 
 def test_streamed_events(client, server: LiveServer, scripted: Script) -> None:
     scripted += ["Sure. ", '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>']
-    args = {"model": server.model_id, "max_tokens": 64, "tools": [WEATHER],
-            "messages": [{"role": "user", "content": "Weather?"}]}
+    args = {
+        "model": server.model_id,
+        "max_tokens": 64,
+        "tools": [WEATHER],
+        "messages": [{"role": "user", "content": "Weather?"}],
+    }
     events = list(client.messages.create(**args, stream=True))
     kinds = [e.type for e in events]
     assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
@@ -106,17 +138,23 @@ def test_streamed_events(client, server: LiveServer, scripted: Script) -> None:
 
 def test_refusals(server: LiveServer) -> None:
     with server.client(headers={"Authorization": f"Bearer {KEY}"}) as c:
+
         def error(body: dict) -> dict:
             r = c.post("/v1/messages", json={"model": server.model_id, "max_tokens": 4, **body})
             assert r.status_code == 400, r.text
             return r.json()["error"]
 
         hi = [{"role": "user", "content": "hi"}]
-        assert error({"messages": hi, "thinking": {"type": "enabled", "budget_tokens": 1024}})["code"] == \
-            "unsupported_parameter"
-        assert error({"messages": hi, "tools": [{"type": "web_search_20250305", "name": "web_search"}]})["param"] == \
-            "tools"
-        assert error({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]})["param"] == \
-            "messages"
+        assert (
+            error({"messages": hi, "thinking": {"type": "enabled", "budget_tokens": 1024}})["code"]
+            == "unsupported_parameter"
+        )
+        assert (
+            error({"messages": hi, "tools": [{"type": "web_search_20250305", "name": "web_search"}]})["param"]
+            == "tools"
+        )
+        assert (
+            error({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]})["param"] == "messages"
+        )
         assert error({"messages": [{"role": "system", "content": "x"}]})["param"] == "messages"
         assert c.post("/v1/messages", json={"model": server.model_id, "messages": hi}).status_code == 400  # max_tokens

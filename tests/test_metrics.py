@@ -23,12 +23,28 @@ from gmlx.server import metrics
 from gmlx.server.memory_governor import MemoryReading
 from gmlx.server.metrics import snapshot
 
-SECTIONS = ["concurrency", "queue", "connections", "governor", "memory", "capacity", "rates", "totals", "kv_cache", "prompt_cache", "requests", "resident_models"]
+SECTIONS = [
+    "concurrency",
+    "queue",
+    "connections",
+    "governor",
+    "memory",
+    "capacity",
+    "rates",
+    "totals",
+    "kv_cache",
+    "prompt_cache",
+    "requests",
+    "resident_models",
+]
 
 
 def prometheus_values(text: str) -> dict[tuple[str, tuple], float]:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 Leaf = tuple[str, ...]
@@ -45,9 +61,22 @@ def numeric_leaves(node: Any, path: Leaf = ()) -> dict[Leaf, float | None]:
     return {}
 
 
-MIRRORED = ("concurrency", "queue", "connections", "governor", "memory", "rates", "resident_models", "capacity", "kv_cache")
-ACTION_SAMPLES = {"count": "gmlx_governor_actions_total", "bytes_freed": "gmlx_governor_freed_bytes_total",
-                  "last_at": "gmlx_governor_action_last_at_seconds"}
+MIRRORED = (
+    "concurrency",
+    "queue",
+    "connections",
+    "governor",
+    "memory",
+    "rates",
+    "resident_models",
+    "capacity",
+    "kv_cache",
+)
+ACTION_SAMPLES = {
+    "count": "gmlx_governor_actions_total",
+    "bytes_freed": "gmlx_governor_freed_bytes_total",
+    "last_at": "gmlx_governor_action_last_at_seconds",
+}
 
 
 def sample_of(path: Leaf, s: dict) -> tuple[str, tuple]:
@@ -69,7 +98,7 @@ def sample_of(path: Leaf, s: dict) -> tuple[str, tuple]:
             return "gmlx_governor_threshold", (("band", band),)
         case "governor", ["actions", action, field]:
             return ACTION_SAMPLES[field], (("action", action),)
-        case ("concurrency" | "queue" | "governor" | "memory" | "kv_cache"), [key]:
+        case (("concurrency" | "queue" | "governor" | "memory" | "kv_cache"), [key]):
             return f"gmlx_{section}_{key}", ()
         case "rates", [key]:
             return f"gmlx_rates_{key}", (("model", model),)
@@ -147,21 +176,38 @@ def test_a_failing_probe_nulls_its_section_only(live_server: LiveServer, monkeyp
 
 
 # Figures of configuration, of the machine, or measured once at start: they do not move with load.
-FIXED = [("concurrency", "decode_batch"), ("concurrency", "queue_cap"), ("queue", "cap"), ("connections", "cap"),
-         ("governor", "thresholds"), ("governor", "interval_s"), ("governor", "limit_bytes"),
-         ("memory", "budget_bytes"), ("memory", "system_total_bytes"),
-         ("capacity",),  # the table from the budget, and the warm-up measured at start
-         ("prompt_cache", "max_bytes"), ("prompt_cache", "block_tokens"),
-         ("kv_cache", "budget_bytes"), ("kv_cache", "block_tokens"), ("kv_cache", "blocks"),
-         ("resident_models", "0", "decode_batch"), ("resident_models", "0", "weight_bytes"),
-         ("resident_models", "0", "context_length")]
+FIXED = [
+    ("concurrency", "decode_batch"),
+    ("concurrency", "queue_cap"),
+    ("queue", "cap"),
+    ("connections", "cap"),
+    ("governor", "thresholds"),
+    ("governor", "interval_s"),
+    ("governor", "limit_bytes"),
+    ("memory", "budget_bytes"),
+    ("memory", "system_total_bytes"),
+    ("capacity",),  # the table from the budget, and the warm-up measured at start
+    ("prompt_cache", "max_bytes"),
+    ("prompt_cache", "block_tokens"),
+    ("kv_cache", "budget_bytes"),
+    ("kv_cache", "block_tokens"),
+    ("kv_cache", "blocks"),
+    ("resident_models", "0", "decode_batch"),
+    ("resident_models", "0", "weight_bytes"),
+    ("resident_models", "0", "context_length"),
+]
 # Counts of what this load does not cause, each driven where named.
-NOT_DRIVEN = [("governor", "actions", "stop_stream"),  # red: test_governor's live test
-              ("prompt_cache", "hits_by_tier", "block"), ("prompt_cache", "hits_by_tier", "ckpt"),
-              ("prompt_cache", "hits_by_tier", "anchor"),  # test_prompt_cache
-              ("rates", "speculative_accept_rate"),  # null without a drafter: test_speculative_engine
-              ("connections", "refused"), ("connections", "evicted"), ("connections", "header_timeouts"),
-              ("connections", "body_timeouts")]  # slow and surplus clients: test_connections
+NOT_DRIVEN = [
+    ("governor", "actions", "stop_stream"),  # red: test_governor's live test
+    ("prompt_cache", "hits_by_tier", "block"),
+    ("prompt_cache", "hits_by_tier", "ckpt"),
+    ("prompt_cache", "hits_by_tier", "anchor"),  # test_prompt_cache
+    ("rates", "speculative_accept_rate"),  # null without a drafter: test_speculative_engine
+    ("connections", "refused"),
+    ("connections", "evicted"),
+    ("connections", "header_timeouts"),
+    ("connections", "body_timeouts"),
+]  # slow and surplus clients: test_connections
 
 
 def test_every_numeric_field_follows_what_it_measures(tmp_path: Path) -> None:
@@ -219,12 +265,17 @@ def test_every_numeric_field_follows_what_it_measures(tmp_path: Path) -> None:
     for snap in snaps.values():  # and each is what Prometheus says at that moment
         assert_prometheus_matches(snap["server"], state.histograms.render(snap).decode())
 
-    walks = {name: numeric_leaves({k: v for k, v in snap["server"].items() if k != "requests"})
-             for name, snap in snaps.items()}
+    walks = {
+        name: numeric_leaves({k: v for k, v in snap["server"].items() if k != "requests"})
+        for name, snap in snaps.items()
+    }
     paths = set().union(*walks.values())
     allowed = FIXED + NOT_DRIVEN
-    unchanged = sorted(p for p in paths if not any(p[:len(a)] == a for a in allowed)
-                       and len({w.get(p, "absent") for w in walks.values()}) == 1)
+    unchanged = sorted(
+        p
+        for p in paths
+        if not any(p[: len(a)] == a for a in allowed) and len({w.get(p, "absent") for w in walks.values()}) == 1
+    )
     assert not unchanged, f"fields that never changed: {unchanged}"
     assert len(paths) > 80  # the walk saw the whole snapshot
 
@@ -282,8 +333,11 @@ def test_ttft_and_elapsed_count_the_queue_wait(tmp_path: Path, caplog: pytest.Lo
         with server.client() as c, c.stream("POST", "/v1/completions", json=holder) as s:
             lines = s.iter_lines()  # kept: a dropped iterator closes the stream
             next(lines)  # it holds the one slot
-            waiter = threading.Thread(target=lambda: answers.append(
-                server.client().post("/v1/completions", json={"prompt": "hello world", "max_tokens": 2})))
+            waiter = threading.Thread(
+                target=lambda: answers.append(
+                    server.client().post("/v1/completions", json={"prompt": "hello world", "max_tokens": 2})
+                )
+            )
             waiter.start()
             server.wait_until(lambda: len(server.state.queued) == 1)
             time.sleep(wait)
@@ -291,8 +345,9 @@ def test_ttft_and_elapsed_count_the_queue_wait(tmp_path: Path, caplog: pytest.Lo
             assert queued_row["elapsed_s"] >= wait and queued_row["queued_s"] >= wait
         waiter.join(30)  # the holder's client left: its slot went to the waiter
         assert answers[0].status_code == 200
-        [line] = [r.getMessage() for r in caplog.records
-                  if r.getMessage().startswith(answers[0].json()["id"] + " prompt=")]
+        [line] = [
+            r.getMessage() for r in caplog.records if r.getMessage().startswith(answers[0].json()["id"] + " prompt=")
+        ]
         queued, ttft = (float(re.search(rf"{k}=([\d.]+)s", line)[1]) for k in ("queued", "ttft"))
         assert wait <= queued <= ttft, line
         [ttft_sum] = [x.value for x in server.state.histograms.ttft.collect()[0].samples if x.name.endswith("_sum")]

@@ -45,8 +45,12 @@ def test_every_architecture_loads_and_generates(tiny_models: dict[str, Path], ar
 
 def test_gemma_norms_lose_the_stored_plus_one(tiny_models: dict[str, Path]) -> None:
     h = read_header(tiny_models["gemma3"])
-    stored = np.frombuffer(h._buffer(), np.float32, count=h.tensors["output_norm.weight"].n_elements,
-                           offset=h.tensors["output_norm.weight"].offset)
+    stored = np.frombuffer(
+        h._buffer(),
+        np.float32,
+        count=h.tensors["output_norm.weight"].n_elements,
+        offset=h.tensors["output_norm.weight"].offset,
+    )
     m = load(tiny_models["gemma3"], "float")
     np.testing.assert_allclose(np.array(m.model.model.norm.weight), stored - 1.0, atol=1e-6)
     args = m.model.args
@@ -98,13 +102,22 @@ def test_unknown_architecture_is_a_clear_error(tmp_path: Path) -> None:
         load(tmp_path / "m.gguf")
     r = CliRunner().invoke(app, ["inspect", str(tmp_path / "m.gguf")])  # header-only commands refuse it too
     assert r.exit_code == EXIT_BAD_MODEL and r.stderr.strip().splitlines() == [
-        f"error: unsupported architecture 'mamba' (supported: {', '.join(SUPPORTED)})"]
+        f"error: unsupported architecture 'mamba' (supported: {', '.join(SUPPORTED)})"
+    ]
 
 
-@pytest.mark.parametrize(("spec", "extra", "message"), [
-    (dense.PHI3, lambda t: t.vector("rope_factors_long.weight", 32), "phi3: LongRoPE (rope_factors_long) is not"),
-    (dense.OLMO2, lambda t: t.w.add_uint32("olmo2.attention.sliding_window", 32), "olmo2: a sliding window (Olmo 3)"),
-], ids=["phi3-longrope", "olmo3"])
+@pytest.mark.parametrize(
+    ("spec", "extra", "message"),
+    [
+        (dense.PHI3, lambda t: t.vector("rope_factors_long.weight", 32), "phi3: LongRoPE (rope_factors_long) is not"),
+        (
+            dense.OLMO2,
+            lambda t: t.w.add_uint32("olmo2.attention.sliding_window", 32),
+            "olmo2: a sliding window (Olmo 3)",
+        ),
+    ],
+    ids=["phi3-longrope", "olmo3"],
+)
 def test_unmapped_variants_are_refused_in_one_line(tmp_path: Path, spec: dense.Spec, extra, message: str) -> None:
     path = dense.write(tmp_path / "m.gguf", spec, extra=extra)
     with pytest.raises(GGUFError) as e:
@@ -112,8 +125,11 @@ def test_unmapped_variants_are_refused_in_one_line(tmp_path: Path, spec: dense.S
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("spec", [dense.PHI3, dataclasses.replace(dense.MISTRAL, keys={"attention.sliding_window": 32})],
-                         ids=["phi3", "mistral-v0.1"])
+@pytest.mark.parametrize(
+    "spec",
+    [dense.PHI3, dataclasses.replace(dense.MISTRAL, keys={"attention.sliding_window": 32})],
+    ids=["phi3", "mistral-v0.1"],
+)
 def test_a_window_llama_cpp_ignores_is_ignored(tmp_path: Path, spec: dense.Spec) -> None:
     # Phi-3's converter writes a sliding_window, and a llama file may carry Mistral v0.1's; llama.cpp and
     # mlx_lm attend to the whole context there, so the capacity model must count a full-length KV cache.
@@ -122,8 +138,11 @@ def test_a_window_llama_cpp_ignores_is_ignored(tmp_path: Path, spec: dense.Spec)
     assert h.geometry.sliding_window is None and not any(h.geometry.sliding_layers)
 
 
-@pytest.mark.parametrize(("spec", "why"), [(dense.GRANITE, "rotate-half RoPE"), (dense.GEMMA2, "no sliding window"),
-                                           (dense.LLAMA3, "rope_freqs")], ids=["granite", "gemma2", "llama3"])
+@pytest.mark.parametrize(
+    ("spec", "why"),
+    [(dense.GRANITE, "rotate-half RoPE"), (dense.GEMMA2, "no sliding window"), (dense.LLAMA3, "rope_freqs")],
+    ids=["granite", "gemma2", "llama3"],
+)
 def test_export_refuses_what_mlx_lm_would_rebuild_wrong(tmp_path: Path, spec: dense.Spec, why: str) -> None:
     path = dense.write(tmp_path / "m.gguf", spec)
     with pytest.raises(GGUFError, match=why):
@@ -137,8 +156,15 @@ def test_supported_names_are_the_loaders() -> None:
 def test_missing_tensor_is_a_clear_error(tiny_models: dict[str, Path], tmp_path: Path) -> None:
     src = read_header(tiny_models["llama"])
     w = gguf.GGUFWriter(str(tmp_path / "broken.gguf"), "llama")
-    for key in ("block_count", "context_length", "embedding_length", "feed_forward_length",
-                "attention.head_count", "attention.head_count_kv", "attention.layer_norm_rms_epsilon"):
+    for key in (
+        "block_count",
+        "context_length",
+        "embedding_length",
+        "feed_forward_length",
+        "attention.head_count",
+        "attention.head_count_kv",
+        "attention.layer_norm_rms_epsilon",
+    ):
         value = src.arch_key(key)
         (w.add_float32 if isinstance(value, float) else w.add_uint32)(f"llama.{key}", value)
     w.add_tensor("token_embd.weight", np.zeros((8, 256), np.float32))

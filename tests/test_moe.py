@@ -43,8 +43,9 @@ def _write(path: Path, arch: str, qtype: Q = Q.Q8_0) -> Path:
 
 
 @needs_kernels
-@pytest.mark.parametrize("arch, qtype", [("qwen3moe", Q.Q8_0), ("qwen2moe", Q.Q8_0), ("qwen3moe", Q.Q4_0),
-                                         ("deepseek2", Q.Q8_0)])
+@pytest.mark.parametrize(
+    "arch, qtype", [("qwen3moe", Q.Q8_0), ("qwen2moe", Q.Q8_0), ("qwen3moe", Q.Q4_0), ("deepseek2", Q.Q8_0)]
+)
 def test_gguf_mode_runs_experts_in_their_blocks(tmp_path: Path, arch: str, qtype: Q) -> None:
     path = _write(tmp_path / "m.gguf", arch, qtype)
     m = load(path, "gguf")
@@ -118,14 +119,26 @@ def _header_only(path: Path, arch: str, tensors: dict[str, tuple[int, ...]], **k
     return path
 
 
-@pytest.mark.parametrize("arch, tensors, keys, message", [
-    ("deepseek2", {"token_embd.weight": (4, 64), "blk.0.attn_k_b.weight": (2, 8, 16)}, {"expert_count": 4},
-     "deepseek2: deepseek2.rope.dimension_count is missing"),
-    ("qwen2moe", {"token_embd.weight": (4, 64)}, {"expert_count": 4, "expert_used_count": 2},
-     "qwen2moe: no output.weight"),
-])
-def test_a_file_gmlx_cannot_map_is_a_one_line_error(tmp_path: Path, arch: str, tensors: dict, keys: dict,
-                                                    message: str) -> None:
+@pytest.mark.parametrize(
+    "arch, tensors, keys, message",
+    [
+        (
+            "deepseek2",
+            {"token_embd.weight": (4, 64), "blk.0.attn_k_b.weight": (2, 8, 16)},
+            {"expert_count": 4},
+            "deepseek2: deepseek2.rope.dimension_count is missing",
+        ),
+        (
+            "qwen2moe",
+            {"token_embd.weight": (4, 64)},
+            {"expert_count": 4, "expert_used_count": 2},
+            "qwen2moe: no output.weight",
+        ),
+    ],
+)
+def test_a_file_gmlx_cannot_map_is_a_one_line_error(
+    tmp_path: Path, arch: str, tensors: dict, keys: dict, message: str
+) -> None:
     with pytest.raises(GGUFError, match=re.escape(message)) as e:
         load(_header_only(tmp_path / "m.gguf", arch, tensors, **keys), "float")
     assert "\n" not in str(e.value)

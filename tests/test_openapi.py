@@ -113,8 +113,12 @@ def _check_body(response, case) -> None:
         error = response.json()["error"]
         # Nor whether previous_response_id names an answer the server still keeps (/v1/responses).
         assert error["code"] == "context_length_exceeded" or error["param"] in (
-            "tools", "tool_choice", "response_format", "logit_bias", "previous_response_id"), (
-            case.body, text[:500])
+            "tools",
+            "tool_choice",
+            "response_format",
+            "logit_bias",
+            "previous_response_id",
+        ), (case.body, text[:500])
 
 
 def _run(case, server: LiveServer) -> None:
@@ -161,12 +165,16 @@ def test_fuzz_left_nothing_behind(server_name: str, request: pytest.FixtureReque
 def test_what_the_fuzz_found_stays_fixed(open_server: LiveServer) -> None:
     hi = [{"role": "user", "content": "hi"}]
     refused = {  # each a schema violation the server used to accept (or a 405 without Allow)
-        ("POST", "/v1/chat/completions"): [{"messages": hi, "dry_run": {}},
-                                           {"messages": hi, "stream_options": {"include_usage": "yes"}},
-                                           {"messages": hi, "max_completion_tokens": 2, "max_tokens": 0},
-                                           {"messages": hi, "max_completion_tokens": 2, "max_tokens": "many"}],
+        ("POST", "/v1/chat/completions"): [
+            {"messages": hi, "dry_run": {}},
+            {"messages": hi, "stream_options": {"include_usage": "yes"}},
+            {"messages": hi, "max_completion_tokens": 2, "max_tokens": 0},
+            {"messages": hi, "max_completion_tokens": 2, "max_tokens": "many"},
+        ],
         ("GET", "/v1/metrics"): [{"format": "xml"}, {"format": "null"}],
-        ("GET", "/v1/capacity/plan"): [{"width": w, "depth": "1"} for w in (" 2", "+2", "1_000", "\u0663", "--2", "9" * 5000)],
+        ("GET", "/v1/capacity/plan"): [
+            {"width": w, "depth": "1"} for w in (" 2", "+2", "1_000", "\u0663", "--2", "9" * 5000)
+        ],
     }
     with open_server.client() as c:
         for (method, path), cases in refused.items():
@@ -188,17 +196,36 @@ def test_the_document_and_the_validator_agree(open_server: LiveServer) -> None:
         ids = schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"][1]
         assert ids["items"]["maximum"] == vocab - 1  # the served model's vocabulary bounds a token id
         assert schemas["ChatCompletionRequest"]["properties"]["messages"]["items"]["properties"]["role"]["enum"] == [
-            "system", "developer", "user", "assistant", "tool", "function"]
+            "system",
+            "developer",
+            "user",
+            "assistant",
+            "tool",
+            "function",
+        ]
         # Integral floats are integers to JSON Schema, so they are to the server too.
-        for path, body in [("/v1/chat/completions", {"messages": hi, "seed": 169.0, "max_tokens": 2.0, "n": 1.0,
-                                                     "top_k": 5.0, "max_completion_tokens": 2.0}),
-                           ("/v1/completions", {"prompt": [1.0, vocab - 1], "max_tokens": 2}),
-                           ("/v1/estimate", {"messages": hi, "seed": 169.0})]:
+        for path, body in [
+            (
+                "/v1/chat/completions",
+                {
+                    "messages": hi,
+                    "seed": 169.0,
+                    "max_tokens": 2.0,
+                    "n": 1.0,
+                    "top_k": 5.0,
+                    "max_completion_tokens": 2.0,
+                },
+            ),
+            ("/v1/completions", {"prompt": [1.0, vocab - 1], "max_tokens": 2}),
+            ("/v1/estimate", {"messages": hi, "seed": 169.0}),
+        ]:
             r = c.post(path, json=body)
             assert r.status_code == 200, (body, r.text)
-        for path, body, param in [("/v1/chat/completions", {"messages": hi, "seed": 169.5}, "seed"),
-                                  ("/v1/chat/completions", {"messages": hi, "max_tokens": 2.5}, "max_tokens"),
-                                  ("/v1/completions", {"prompt": [1.5]}, "prompt"),
-                                  ("/v1/completions", {"prompt": [vocab]}, "prompt")]:
+        for path, body, param in [
+            ("/v1/chat/completions", {"messages": hi, "seed": 169.5}, "seed"),
+            ("/v1/chat/completions", {"messages": hi, "max_tokens": 2.5}, "max_tokens"),
+            ("/v1/completions", {"prompt": [1.5]}, "prompt"),
+            ("/v1/completions", {"prompt": [vocab]}, "prompt"),
+        ]:
             r = c.post(path, json=body)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)

@@ -29,8 +29,9 @@ def test_frequency_and_presence_follow_openai() -> None:
     out = frequency_presence(logits, ids(2, 2, 4), frequency=0.5, presence=1.0)
     # token 2 seen twice: 3 - 2 * 0.5 - 1; token 4 once: 4 - 0.5 - 1; the others untouched
     assert np.allclose(np.array(out), [[1.0, -2.0, 1.0, 0.5, 2.5]])
-    assert np.allclose(np.array(frequency_presence(logits, ids(1, 1, 1), frequency=-1.0, presence=0.0)),
-                       [[1.0, 1.0, 3.0, 0.5, 4.0]])  # negative: repeats encouraged
+    assert np.allclose(
+        np.array(frequency_presence(logits, ids(1, 1, 1), frequency=-1.0, presence=0.0)), [[1.0, 1.0, 3.0, 0.5, 4.0]]
+    )  # negative: repeats encouraged
 
 
 def test_repetition_follows_llama_cpp() -> None:
@@ -61,8 +62,15 @@ def tiny(tiny_models: dict[str, Path]) -> LoadedModel:
     return load(tiny_models["llama"], weights="float")
 
 
-def by_hand(m: LoadedModel, steps: int = STEPS, frequency: float = 0.0, presence: float = 0.0,
-            repeat: float = 1.0, last_n: int = 64, bias: dict[int, float] | None = None) -> list[int]:
+def by_hand(
+    m: LoadedModel,
+    steps: int = STEPS,
+    frequency: float = 0.0,
+    presence: float = 0.0,
+    repeat: float = 1.0,
+    last_n: int = 64,
+    bias: dict[int, float] | None = None,
+) -> list[int]:
     """Greedy decoding with each definition applied in numpy, token by token."""
     cache = make_prompt_cache(m.model)
     logits = m.model(mx.array([PROMPT]), cache=cache)[0, -1]
@@ -112,18 +120,29 @@ def test_greedy_output_is_repetitive_and_served_as_by_hand(server: LiveServer, t
     assert served(server)["text"] == text_of(tiny, plain)
 
 
-@pytest.mark.parametrize("kw", [{"frequency_penalty": 0.3}, {"presence_penalty": 0.3}, {"frequency_penalty": 2.0},
-                                {"presence_penalty": -2.0, "frequency_penalty": 1.0}])
-def test_frequency_and_presence_change_greedy_output_as_defined(server: LiveServer, tiny: LoadedModel,
-                                                                kw: dict) -> None:
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"frequency_penalty": 0.3},
+        {"presence_penalty": 0.3},
+        {"frequency_penalty": 2.0},
+        {"presence_penalty": -2.0, "frequency_penalty": 1.0},
+    ],
+)
+def test_frequency_and_presence_change_greedy_output_as_defined(
+    server: LiveServer, tiny: LoadedModel, kw: dict
+) -> None:
     expected = by_hand(tiny, frequency=kw.get("frequency_penalty", 0.0), presence=kw.get("presence_penalty", 0.0))
     assert expected != by_hand(tiny)
     assert served(server, **kw)["text"] == text_of(tiny, expected)
 
 
 def test_repetition_penalty_changes_greedy_output_as_defined(server: LiveServer, tiny: LoadedModel) -> None:
-    for kw in ({"repetition_penalty": 1.5}, {"repetition_penalty": 1.5, "repeat_last_n": 4},
-               {"repetition_penalty": 1.5, "repeat_last_n": -1}):
+    for kw in (
+        {"repetition_penalty": 1.5},
+        {"repetition_penalty": 1.5, "repeat_last_n": 4},
+        {"repetition_penalty": 1.5, "repeat_last_n": -1},
+    ):
         last = kw.get("repeat_last_n", 64)
         expected = by_hand(tiny, repeat=1.5, last_n=len(PROMPT) + STEPS if last == -1 else last)
         assert expected != by_hand(tiny)
@@ -142,20 +161,23 @@ def test_logit_bias_forces_and_bans(server: LiveServer, tiny: LoadedModel) -> No
     assert served(server, logit_bias={str(t): b for t, b in banned.items()})["text"] == text_of(tiny, expected)
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    ({"logit_bias": {"99999": 1}}, "logit_bias"),
-    ({"logit_bias": {"hello": 1}}, "logit_bias"),
-    ({"logit_bias": {"-1": 1}}, "logit_bias"),
-    ({"logit_bias": {"5": 101}}, "logit_bias"),
-    ({"logit_bias": {"5": "1"}}, "logit_bias"),
-    ({"logit_bias": [5]}, "logit_bias"),
-    ({"presence_penalty": 2.5}, "presence_penalty"),
-    ({"frequency_penalty": -3}, "frequency_penalty"),
-    ({"repetition_penalty": 0}, "repetition_penalty"),
-    ({"repetition_penalty": 5e-324}, "repetition_penalty"),  # dividing by it made NaN logprobs (a 500)
-    ({"repetition_penalty": 1e300}, "repetition_penalty"),
-    ({"repeat_last_n": -2}, "repeat_last_n"),
-])
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"logit_bias": {"99999": 1}}, "logit_bias"),
+        ({"logit_bias": {"hello": 1}}, "logit_bias"),
+        ({"logit_bias": {"-1": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {"5": "1"}}, "logit_bias"),
+        ({"logit_bias": [5]}, "logit_bias"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"repetition_penalty": 5e-324}, "repetition_penalty"),  # dividing by it made NaN logprobs (a 500)
+        ({"repetition_penalty": 1e300}, "repetition_penalty"),
+        ({"repeat_last_n": -2}, "repeat_last_n"),
+    ],
+)
 def test_bad_penalties_are_400(server: LiveServer, body: dict, param: str) -> None:
     with server.client() as c:
         r = c.post(COMPLETIONS, json={"prompt": PROMPT, "max_tokens": 2, **body})

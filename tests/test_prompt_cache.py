@@ -75,7 +75,7 @@ def test_reused_kv_gives_the_cold_logits(llama: LoadedModel) -> None:
     pc.store(a, prefilled(llama, a), "final")
     for tokens in (a, b):
         hit, cache = pc.fetch(tokens)
-        warm = last_logits(llama, tokens[hit.warm_tokens:], cache)
+        warm = last_logits(llama, tokens[hit.warm_tokens :], cache)
         assert hit.warm_tokens > 0 and mx.allclose(warm, last_logits(llama, tokens), atol=1e-4).item()
     # Trimming a copy left the stored entry whole: the exact hit still holds all 79 tokens.
     assert pc.peek(a).warm_tokens == 79
@@ -110,8 +110,9 @@ def test_a_longer_turn_replaces_the_entries_it_contains(llama: LoadedModel) -> N
 class Runner:
     def __init__(self, path: Path, **kw: object) -> None:
         self.cache = PromptCache(1 << 30)
-        self.engine = Engine(lambda: load(path, "float"), "pc", decode_batch=4, prefill_step=256,
-                             prompt_cache=self.cache, **kw)  # type: ignore[arg-type]
+        self.engine = Engine(
+            lambda: load(path, "float"), "pc", decode_batch=4, prefill_step=256, prompt_cache=self.cache, **kw
+        )  # type: ignore[arg-type]
         self.engine.start()
         assert self.engine.ready.wait(60) and self.engine.loaded is not None
 
@@ -192,8 +193,14 @@ def test_cache_off_means_no_cache(tiny: dict[str, Path]) -> None:
 
 
 def test_estimate_predicts_the_tier_and_metrics_count_it(tiny: dict[str, Path]) -> None:
-    body = {"messages": [{"role": "system", "content": "You are terse. " * 40},
-                         {"role": "user", "content": "Name a colour."}], "max_tokens": 4, "temperature": 0}
+    body = {
+        "messages": [
+            {"role": "system", "content": "You are terse. " * 40},
+            {"role": "user", "content": "Name a colour."},
+        ],
+        "max_tokens": 4,
+        "temperature": 0,
+    }
     other = {**body, "messages": [body["messages"][0], {"role": "user", "content": "Name a number."}]}
     with LiveServer(tiny["llama"]) as server, server.client() as c:
         assert c.post("/v1/estimate", json=body).json()["cache_tier"] == "miss"
@@ -243,8 +250,12 @@ def test_greedy_text_is_the_same_with_and_without_the_cache(default_model: Path)
 def ask_ids_shared(server: LiveServer, turn1: list[dict], turn2: list[dict]) -> int:
     """Tokens the second turn's prompt shares with the first turn's prompt and generated answer."""
     tok = server.engine.loaded.tokenizer
-    p1 = tok.encode(tok.apply_chat_template(turn1, add_generation_prompt=True, tokenize=False), add_special_tokens=False)
-    p2 = tok.encode(tok.apply_chat_template(turn2, add_generation_prompt=True, tokenize=False), add_special_tokens=False)
+    p1 = tok.encode(
+        tok.apply_chat_template(turn1, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+    )
+    p2 = tok.encode(
+        tok.apply_chat_template(turn2, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+    )
     answer = tok.encode(turn2[1]["content"], add_special_tokens=False)
     first = p1 + answer
     return next((i for i, (a, b) in enumerate(zip(first, p2)) if a != b), min(len(first), len(p2)))
@@ -258,8 +269,9 @@ def test_the_governors_release_drops_the_coldest_entries(tiny: dict[str, Path]) 
         r.run(prompt(200, salt=1))
         reports: list[tuple[int, int, str]] = []
         # What the governor sends under orange and red: one byte's worth is the coldest entry.
-        r.engine.release_memory(1, lambda evicted, released: reports.append(
-            (evicted, released, threading.current_thread().name)))
+        r.engine.release_memory(
+            1, lambda evicted, released: reports.append((evicted, released, threading.current_thread().name))
+        )
         r.run(prompt(20, salt=3))  # commands apply in order, so the release happened before this ran
         st = r.cache.snapshot()
         [(evicted, released, thread)] = reports

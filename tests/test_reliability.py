@@ -33,7 +33,9 @@ def chat_body(content: str = "Hello there", **kw: object) -> dict:
 @pytest.fixture(scope="module")
 def server(tiny_models: dict[str, Path]) -> Iterator[LiveServer]:
     # prefill_step 16: a long prompt prefills over several steps, so a disconnect can land inside it.
-    with LiveServer(tiny_models["llama"], decode_batch=4, queue_size=8, prefill_step=16, prompt_cache_bytes=0) as s:  # memory must settle to idle
+    with LiveServer(
+        tiny_models["llama"], decode_batch=4, queue_size=8, prefill_step=16, prompt_cache_bytes=0
+    ) as s:  # memory must settle to idle
         with s.client() as c:
             assert c.post(CHAT, json=chat_body(max_tokens=4)).status_code == 200  # warm, then measure idle
         s.idle_memory = mx.get_active_memory()  # type: ignore[attr-defined]
@@ -44,10 +46,15 @@ def assert_settled(s: LiveServer) -> None:
     """No slot, queue place or engine request lost; the engine alive; the next request served;
     MLX memory back near idle."""
     st = s.state
+
     # Generous: on a loaded 2-core CI machine the engine may still be ending cancelled work.
     def pending() -> dict[str, int]:
-        counts = {"running": st.gate.running, "waiting": st.gate.waiting, "engine": s.engine.in_flight,
-                  "queued": len(st.queued)}
+        counts = {
+            "running": st.gate.running,
+            "waiting": st.gate.waiting,
+            "engine": s.engine.in_flight,
+            "queued": len(st.queued),
+        }
         return {k: v for k, v in counts.items() if v}
 
     s.wait_until(lambda: not pending(), timeout=120, state=pending)
@@ -107,8 +114,10 @@ async def _disconnecting_client(port: int, rng: random.Random) -> str:
     words = rng.choice((2, 60, 150))  # long prompts prefill in several 16-token steps
     body = json.dumps(chat_body(" ".join(["word"] * words), max_tokens=rng.randint(8, 48), stream=stream)).encode()
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
-                 % (CHAT.encode(), len(body), body))
+    writer.write(
+        b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+        % (CHAT.encode(), len(body), body)
+    )
     await writer.drain()
     phase = "early"
     try:
@@ -162,8 +171,10 @@ def test_slow_reader_stalls_nobody(server: LiveServer) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
     sock.connect(("127.0.0.1", int(server.url.rsplit(":", 1)[1])))
     body = json.dumps(chat_body(max_tokens=200, stream=True)).encode()
-    sock.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
-                 % (CHAT.encode(), len(body), body))
+    sock.sendall(
+        b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+        % (CHAT.encode(), len(body), body)
+    )
     server.wait_until(lambda: server.engine.in_flight == 1)
     t0 = time.monotonic()
     with server.client() as c:
@@ -199,15 +210,21 @@ def test_sampling_failure_fails_only_its_request(server: LiveServer, monkeypatch
 
     async def batch() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
-            bodies = [chat_body(max_tokens=24), chat_body(max_tokens=24, temperature=0.7, seed=666),
-                      chat_body(max_tokens=24, temperature=0.7, seed=1), chat_body(max_tokens=24)]
+            bodies = [
+                chat_body(max_tokens=24),
+                chat_body(max_tokens=24, temperature=0.7, seed=666),
+                chat_body(max_tokens=24, temperature=0.7, seed=1),
+                chat_body(max_tokens=24),
+            ]
             return await asyncio.gather(*(c.post(CHAT, json=b) for b in bodies))
 
     ok1, bad, ok2, ok3 = asyncio.run(batch())
     assert bad.status_code == 500 and "injected sampler fault" in bad.json()["error"]["message"]
     assert [r.status_code for r in (ok1, ok2, ok3)] == [200, 200, 200]
-    with server.client() as c, c.stream("POST", CHAT, json=chat_body(max_tokens=8, stream=True, temperature=0.5,
-                                                                       seed=666)) as r:
+    with (
+        server.client() as c,
+        c.stream("POST", CHAT, json=chat_body(max_tokens=8, stream=True, temperature=0.5, seed=666)) as r,
+    ):
         assert sse_end([line for line in r.iter_lines() if line]) == "error"
     assert_settled(server)
 
@@ -223,20 +240,30 @@ def test_bad_seed_and_top_k_fail_alone(server: LiveServer) -> None:
     assert_settled(server)
 
 
-@pytest.mark.parametrize(("sig", "streams"), [(signal.SIGTERM, 2), (signal.SIGINT, 2), (signal.SIGTERM, 0),
-                                             (signal.SIGINT, 0)])
-def test_signal_drains_and_exits_0(tiny_models: dict[str, Path], tmp_path: Path, sig: signal.Signals,
-                                   streams: int) -> None:
+@pytest.mark.parametrize(
+    ("sig", "streams"), [(signal.SIGTERM, 2), (signal.SIGINT, 2), (signal.SIGTERM, 0), (signal.SIGINT, 0)]
+)
+def test_signal_drains_and_exits_0(
+    tiny_models: dict[str, Path], tmp_path: Path, sig: signal.Signals, streams: int
+) -> None:
     """SIGTERM (a supervisor) or SIGINT (Ctrl-C), busy or idle: running streams end properly and the
     process exits 0, every time (native threads once aborted the teardown with exit 134)."""
-    with ServeProcess(tiny_models["llama"], tmp_path / "serve.log", "--decode-batch", "2", "--shutdown-timeout", "0.5",
-                      env={"GMLX_GOVERNOR": "0"}) as server:
+    with ServeProcess(
+        tiny_models["llama"],
+        tmp_path / "serve.log",
+        "--decode-batch",
+        "2",
+        "--shutdown-timeout",
+        "0.5",
+        env={"GMLX_GOVERNOR": "0"},
+    ) as server:
         ends: list[str] = []
         started = threading.Barrier(streams + 1)  # the running streams and this thread
 
         def stream(i: int) -> None:
-            with httpx.stream("POST", server.url + CHAT, json=chat_body(f"go {i}", max_tokens=230, stream=True),
-                              timeout=30) as r:
+            with httpx.stream(
+                "POST", server.url + CHAT, json=chat_body(f"go {i}", max_tokens=230, stream=True), timeout=30
+            ) as r:
                 lines = []
                 for line in r.iter_lines():
                     if line and not lines:
@@ -258,13 +285,15 @@ def test_signal_drains_and_exits_0(tiny_models: dict[str, Path], tmp_path: Path,
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_a_second_signal_cancels_running_streams_at_once(tiny_models: dict[str, Path], tmp_path: Path,
-                                                        sig: signal.Signals) -> None:
+def test_a_second_signal_cancels_running_streams_at_once(
+    tiny_models: dict[str, Path], tmp_path: Path, sig: signal.Signals
+) -> None:
     """The first signal drains for the shutdown timeout (here 60 s); a second ends the streams now,
     each with its error event and [DONE], and the process exits 0 with no traceback."""
     model = write_model(tmp_path / "long.gguf", "llama", context=1 << 15)  # a stream that lasts a minute or more
-    with ServeProcess(model, tmp_path / "serve.log", "--decode-batch", "2", "--shutdown-timeout", "60",
-                      env={"GMLX_GOVERNOR": "0"}) as server:
+    with ServeProcess(
+        model, tmp_path / "serve.log", "--decode-batch", "2", "--shutdown-timeout", "60", env={"GMLX_GOVERNOR": "0"}
+    ) as server:
         ends: list[str] = []
         started = threading.Event()
 

@@ -13,8 +13,12 @@ import pytest
 from conftest import LiveServer
 from tiny_models import write_model
 
-WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
-           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
 
 
 @pytest.fixture(scope="module")
@@ -61,9 +65,11 @@ def scripted(server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[Sc
 def test_plain_text_is_the_chat_answer(client: openai.OpenAI, server: LiveServer) -> None:
     args = {"model": server.model_id, "temperature": 0}
     r = client.responses.create(input="Tell me about the sea.", max_output_tokens=8, instructions="Be brief.", **args)
-    chat = client.chat.completions.create(messages=[{"role": "system", "content": "Be brief."},
-                                                    {"role": "user", "content": "Tell me about the sea."}],
-                                          max_tokens=8, **args)
+    chat = client.chat.completions.create(
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about the sea."}],
+        max_tokens=8,
+        **args,
+    )
     assert r.object == "response" and r.id.startswith("resp_") and r.model == server.model_id
     assert r.output_text == chat.choices[0].message.content  # greedy: the same tokens as chat's
     assert r.usage.input_tokens == chat.usage.prompt_tokens and r.usage.output_tokens == chat.usage.completion_tokens
@@ -75,9 +81,17 @@ def test_streamed_events(client: openai.OpenAI, server: LiveServer, scripted: Sc
     scripted += ["The sea ", "is ", "calm."]
     events = list(client.responses.create(model=server.model_id, input="hi", stream=True))
     kinds = [e.type for e in events]
-    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
-                     "response.content_part.added", *["response.output_text.delta"] * 3, "response.output_text.done",
-                     "response.content_part.done", "response.output_item.done", "response.completed"]
+    assert kinds == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        *["response.output_text.delta"] * 3,
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "The sea is calm."
     final = events[-1].response
@@ -94,25 +108,32 @@ def test_a_tool_call_and_its_result(client: openai.OpenAI, server: LiveServer, s
     assert (message.type, message.content[0].text) == ("message", "Let me check.")
     assert (call.type, call.name, json.loads(call.arguments)) == ("function_call", "get_weather", {"city": "Paris"})
     assert call.call_id.startswith("call_")
-    streamed = list(client.responses.create(model=server.model_id, input="Weather in Paris?", tools=[WEATHER],
-                                            stream=True))
+    streamed = list(
+        client.responses.create(model=server.model_id, input="Weather in Paris?", tools=[WEATHER], stream=True)
+    )
     args = "".join(e.delta for e in streamed if e.type == "response.function_call_arguments.delta")
     assert json.loads(args) == {"city": "Paris"}
     done = [e.item for e in streamed if e.type == "response.output_item.done"]
     assert [i.type for i in done] == ["message", "function_call"] and done[1].name == "get_weather"
     # The result goes back as a function_call_output item, after the call, as an agent loop sends it.
     scripted[:] = ["It is 18 C."]
-    follow = client.responses.create(model=server.model_id, tools=[WEATHER], input=[
-        {"role": "user", "content": "Weather in Paris?"},
-        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
-        {"type": "function_call_output", "call_id": call.call_id, "output": "18 C"}])
+    follow = client.responses.create(
+        model=server.model_id,
+        tools=[WEATHER],
+        input=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+            {"type": "function_call_output", "call_id": call.call_id, "output": "18 C"},
+        ],
+    )
     assert follow.output_text == "It is 18 C."
     prompt = server.engine.loaded.tokenizer.decode(scripted.prompts[-1])
     assert "<tool_response>" in prompt and "18 C" in prompt and "get_weather" in prompt
 
 
-def test_previous_response_id_continues_the_conversation(client: openai.OpenAI, server: LiveServer,
-                                                        scripted: Script) -> None:
+def test_previous_response_id_continues_the_conversation(
+    client: openai.OpenAI, server: LiveServer, scripted: Script
+) -> None:
     decode = server.engine.loaded.tokenizer.decode
     scripted += ["Hello, Ann."]
     first = client.responses.create(model=server.model_id, input="My name is Ann.", instructions="Be kind.")
@@ -130,11 +151,16 @@ def test_previous_response_id_continues_the_conversation(client: openai.OpenAI, 
 
 
 def test_structured_output(client: openai.OpenAI, server: LiveServer) -> None:
-    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
-              "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer"}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
     fmt = {"type": "json_schema", "name": "num", "schema": schema, "strict": True}
-    r = client.responses.create(model=server.model_id, input="A number, as JSON.", max_output_tokens=40,
-                                text={"format": fmt})
+    r = client.responses.create(
+        model=server.model_id, input="A number, as JSON.", max_output_tokens=40, text={"format": fmt}
+    )
     if r.status == "completed":  # the grammar holds the random model to the schema; 40 tokens may cut it short
         assert isinstance(json.loads(r.output_text)["n"], int)
     assert r.text.format.type == "json_schema"
@@ -142,6 +168,7 @@ def test_structured_output(client: openai.OpenAI, server: LiveServer) -> None:
 
 def test_refusals(server: LiveServer) -> None:
     with server.client() as c:
+
         def error(body: dict) -> dict:
             r = c.post("/v1/responses", json=body)
             assert r.status_code == 400, r.text

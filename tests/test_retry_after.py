@@ -35,7 +35,8 @@ def sites_503() -> dict[str, bool]:
             elif "status_code" in kw and _is_503(kw["status_code"]):
                 headers = kw.get("headers")
                 found[where] = isinstance(headers, ast.Dict) and any(
-                    isinstance(k, ast.Constant) and k.value == "Retry-After" for k in headers.keys)
+                    isinstance(k, ast.Constant) and k.value == "Retry-After" for k in headers.keys
+                )
     return found
 
 

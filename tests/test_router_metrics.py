@@ -82,8 +82,11 @@ def memory_for_kv(path: Path, tokens: int, decode_batch: int) -> int:
     """A --memory whose table leaves room for about `tokens` tokens of KV (as conftest's small_memory_model)."""
     probe = offline_table(path, 10**12, decode_batch)
     b = probe.budget
-    return int((b.weight_bytes + b.prefill_bytes + 512 * MiB + tokens * probe.stream_bytes(256) // 256)
-               / (1 - 1 / PROMPT_CACHE_SHARE) / 0.999)
+    return int(
+        (b.weight_bytes + b.prefill_bytes + 512 * MiB + tokens * probe.stream_bytes(256) // 256)
+        / (1 - 1 / PROMPT_CACHE_SHARE)
+        / 0.999
+    )
 
 
 def test_waiting_running_and_kv_usage_move_with_load(tmp_path: Path) -> None:
@@ -92,8 +95,7 @@ def test_waiting_running_and_kv_usage_move_with_load(tmp_path: Path) -> None:
     per request that passed the gate."""
     path = write_model(tmp_path / "long.gguf", "llama", context=32768)
     memory = memory_for_kv(path, 64_000, 2)  # each stream is a share the picker sees, never the whole
-    with LiveServer(path, memory=memory, governor=False, decode_batch=2, queue_size=1) as server, \
-            server.client() as c:
+    with LiveServer(path, memory=memory, governor=False, decode_batch=2, queue_size=1) as server, server.client() as c:
         idle = picked(c)
         assert idle == {"num_requests_waiting": 0, "num_requests_running": 0, "kv_cache_usage_perc": 0}
         answers: list[httpx.Response] = []
@@ -102,8 +104,11 @@ def test_waiting_running_and_kv_usage_move_with_load(tmp_path: Path) -> None:
             one = picked(c)
             stack.enter_context(holding(server, "the sky " * 100))
             two = picked(c)
-            waiter = threading.Thread(target=lambda: answers.append(
-                server.client().post("/v1/completions", json={"prompt": "hello", "max_tokens": 2})))
+            waiter = threading.Thread(
+                target=lambda: answers.append(
+                    server.client().post("/v1/completions", json={"prompt": "hello", "max_tokens": 2})
+                )
+            )
             waiter.start()
             server.wait_until(lambda: server.state.gate.waiting == 1)
             time.sleep(0.2)

@@ -43,8 +43,9 @@ def test_a_base_url_without_v1_reaches_every_route(server: LiveServer) -> None:
     bare = _client(server, prefix="")
     assert bare.models.retrieve(server.model_id).id == server.model_id
     assert [m.id for m in bare.models.list().data] == [server.model_id]
-    chat = bare.chat.completions.create(model=server.model_id, messages=[{"role": "user", "content": "hi"}],
-                                        max_tokens=3, temperature=0)
+    chat = bare.chat.completions.create(
+        model=server.model_id, messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0
+    )
     assert chat.choices[0].finish_reason in ("stop", "length") and chat.usage.completion_tokens >= 1
     prefixed = _client(server).completions.create(model=server.model_id, prompt="the sea", max_tokens=4, temperature=0)
     unprefixed = bare.completions.create(model=server.model_id, prompt="the sea", max_tokens=4, temperature=0)
@@ -90,7 +91,7 @@ def test_more_stop_strings_than_openai_allows_are_honoured(server: LiveServer) -
         r = c.post("/v1/completions", json={**body, "stop": stops})
         assert r.status_code == 200, r.text
         choice = r.json()["choices"][0]
-        assert (choice["text"], choice["finish_reason"]) == (text[:text.index(stop)], "stop")
+        assert (choice["text"], choice["finish_reason"]) == (text[: text.index(stop)], "stop")
         r = c.post("/v1/completions", json={**body, "stop": [f"s{i}" for i in range(17)]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "stop"
 
@@ -107,11 +108,15 @@ def test_max_tokens_past_the_window_is_refused_up_front(small_window: LiveServer
         r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 13, "temperature": 0})
         assert r.status_code == 400, r.text
         error = r.json()["error"]
-        assert (error["code"], error["type"], error["param"]) == ("context_length_exceeded", "invalid_request_error",
-                                                                  "prompt")
+        assert (error["code"], error["type"], error["param"]) == (
+            "context_length_exceeded",
+            "invalid_request_error",
+            "prompt",
+        )
         assert "16 tokens" in error["message"] and "at most 12" in error["message"]
-        chat = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
-                                                    "max_completion_tokens": 16})
+        chat = c.post(
+            "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 16}
+        )
         assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages"
         assert small_window.state.engine.stats.finished == 0  # neither queued nor ran
         no_eos = {str(t): -100 for t in small_window.engine.loaded.tokenizer.eos_token_ids}  # run to the end
@@ -127,11 +132,19 @@ def test_system_fingerprint(server: LiveServer, small_window: LiveServer, tiny_m
     from gmlx.server.fingerprint import system_fingerprint
 
     client = _client(server)
-    first = client.chat.completions.create(model=server.model_id, messages=[{"role": "user", "content": "hi"}],
-                                           max_tokens=2)
+    first = client.chat.completions.create(
+        model=server.model_id, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    )
     again = client.completions.create(model=server.model_id, prompt="x", max_tokens=2)
-    chunks = list(client.chat.completions.create(model=server.model_id, messages=[{"role": "user", "content": "hi"}],
-                                                 max_tokens=2, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=server.model_id,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=2,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     fingerprint = first.system_fingerprint
     assert fingerprint.startswith("fp_") and len(fingerprint) == 15
     assert again.system_fingerprint == fingerprint and {c.system_fingerprint for c in chunks} == {fingerprint}

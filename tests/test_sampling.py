@@ -5,12 +5,11 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 from conftest import needs_kernels
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from gmlx import kernels
 from gmlx.engine.sampling import SamplingParams, greedy, make_sampler
-
 
 
 def reference_probs(logprobs: np.ndarray, temperature: float, top_p: float, min_p: float, top_k: int) -> np.ndarray:
@@ -31,9 +30,18 @@ def logprobs_of(logits: np.ndarray) -> np.ndarray:
 
 
 @needs_kernels
-@pytest.mark.parametrize("temperature,top_p,min_p,top_k", [
-    (0.7, 1.0, 0.0, 0), (1.0, 0.9, 0.0, 0), (0.8, 1.0, 0.05, 0), (1.2, 1.0, 0.0, 40),
-    (0.7, 0.95, 0.02, 50), (1.0, 0.5, 0.0, 3), (1.0, 0.999, 0.0, 0)])
+@pytest.mark.parametrize(
+    "temperature,top_p,min_p,top_k",
+    [
+        (0.7, 1.0, 0.0, 0),
+        (1.0, 0.9, 0.0, 0),
+        (0.8, 1.0, 0.05, 0),
+        (1.2, 1.0, 0.0, 40),
+        (0.7, 0.95, 0.02, 50),
+        (1.0, 0.5, 0.0, 3),
+        (1.0, 0.999, 0.0, 0),
+    ],
+)
 @pytest.mark.parametrize("spread", [3.0, 0.5])  # peaked, and flat (most of the vocabulary in the nucleus)
 def test_sample_draws_the_filtered_distribution(temperature, top_p, min_p, top_k, spread, isa):
     # u on an even grid of n points: each token gets n times its probability, to within one draw

@@ -39,8 +39,9 @@ def test_every_route_but_the_open_ones_needs_the_key(tiny_models: dict[str, Path
         assert c.get("/no/such/route").status_code == 401  # no probing for routes without the key
 
 
-def test_open_routes_and_default_logs_hold_no_content(tiny_models: dict[str, Path],
-                                                      caplog: pytest.LogCaptureFixture) -> None:
+def test_open_routes_and_default_logs_hold_no_content(
+    tiny_models: dict[str, Path], caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.DEBUG)
     with LiveServer(tiny_models["llama"], log_level="debug") as s, s.client() as c:
         with c.stream("POST", CHAT, json=chat_body(stream=True, max_tokens=64)) as r:
@@ -67,8 +68,9 @@ def test_log_input_text_logs_prompts(tiny_models: dict[str, Path], caplog: pytes
 
 def _raw_post(port: int, head: bytes, body: bytes) -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", port))
-    sock.sendall(b"POST " + CHAT.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 + head + b"\r\n" + body)
+    sock.sendall(
+        b"POST " + CHAT.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + head + b"\r\n" + body
+    )
     sock.settimeout(10)
     return sock
 
@@ -98,8 +100,11 @@ def test_loopback_by_default_and_a_warning_when_open() -> None:
 def test_two_authorization_headers_are_refused(tiny_models: dict[str, Path]) -> None:
     """Which of two would count is a guess that proxies make differently: neither order passes."""
     with LiveServer(tiny_models["llama"], api_key="right-key") as s, s.client() as c:
-        for pair in (["Bearer right-key", "Bearer wrong-key"], ["Bearer wrong-key", "Bearer right-key"],
-                     ["Bearer right-key", "Bearer right-key"]):
+        for pair in (
+            ["Bearer right-key", "Bearer wrong-key"],
+            ["Bearer wrong-key", "Bearer right-key"],
+            ["Bearer right-key", "Bearer right-key"],
+        ):
             r = c.get("/v1/models", headers=[("Authorization", v) for v in pair])
             assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request", pair
         assert c.get("/v1/models", headers={"Authorization": "Bearer right-key"}).status_code == 200

@@ -40,7 +40,9 @@ def test_chat_non_streaming_and_usage(live_server: LiveServer) -> None:
     choice = body["choices"][0]
     assert choice["message"]["role"] == "assistant" and isinstance(choice["message"]["content"], str)
     tokenizer = live_server.engine.loaded.tokenizer
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "Hello there"}], add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hello there"}], add_generation_prompt=True, tokenize=False
+    )
     usage = body["usage"]
     assert usage["prompt_tokens"] == len(tokenizer.encode(text, add_special_tokens=False))
     assert usage["completion_tokens"] in range(1, 13)
@@ -52,8 +54,9 @@ def test_chat_non_streaming_and_usage(live_server: LiveServer) -> None:
 def test_streaming_matches_non_streaming(live_server: LiveServer) -> None:
     with live_server.client() as c:
         whole = c.post(CHAT, json=chat_body(max_tokens=16)).json()
-        with c.stream("POST", CHAT, json=chat_body(max_tokens=16, stream=True,
-                                                   stream_options={"include_usage": True})) as r:
+        with c.stream(
+            "POST", CHAT, json=chat_body(max_tokens=16, stream=True, stream_options={"include_usage": True})
+        ) as r:
             assert r.status_code == 200
             assert r.headers["content-type"].startswith("text/event-stream")
             events = sse_events(r)
@@ -78,8 +81,9 @@ def test_completions_max_tokens_and_stop(live_server: LiveServer) -> None:
         if len(text) < 6:
             pytest.skip("the random model ended too early to pick a stop string")
         stop = text[len(text) // 2 : len(text) // 2 + 3]
-        stopped = c.post("/v1/completions", json={"prompt": "the cat", "max_tokens": 24, "temperature": 0,
-                                                  "stop": [stop]}).json()
+        stopped = c.post(
+            "/v1/completions", json={"prompt": "the cat", "max_tokens": 24, "temperature": 0, "stop": [stop]}
+        ).json()
     assert stopped["choices"][0]["text"] == text[: text.index(stop)]
     assert stopped["choices"][0]["finish_reason"] == "stop"
 
@@ -96,11 +100,17 @@ def test_seeded_sampling_repeats(live_server: LiveServer) -> None:
 def test_openai_client(live_server: LiveServer) -> None:
     client = openai.OpenAI(base_url=live_server.url + "/v1", api_key="unused")
     assert [m.id for m in client.models.list().data] == [live_server.model_id]
-    r = client.chat.completions.create(model=live_server.model_id, messages=[{"role": "user", "content": "hi"}],
-                                       max_tokens=8, temperature=0)
+    r = client.chat.completions.create(
+        model=live_server.model_id, messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0
+    )
     assert r.choices[0].message.role == "assistant" and r.usage.completion_tokens >= 1
-    stream = client.chat.completions.create(model=live_server.model_id, messages=[{"role": "user", "content": "hi"}],
-                                            max_tokens=8, temperature=0, stream=True)
+    stream = client.chat.completions.create(
+        model=live_server.model_id,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+    )
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == r.choices[0].message.content
 
 
@@ -132,12 +142,20 @@ def test_bad_requests(live_server: LiveServer, body: object, status: int, code: 
 def test_unknown_roles_are_refused_and_tool_turns_rendered(live_server: LiveServer) -> None:
     hi = {"role": "user", "content": "hi"}
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
-    refused = [[{"role": "wizard", "content": "hi"}], [hi, {"role": "User", "content": "hi"}],
-               [hi, {"role": "tool", "content": "18 C"}]]  # a tool message answers a call: it needs the id
-    rendered = [[hi, {"role": "assistant", "content": None, "tool_calls": [call]},
-                 {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}],
-                [hi, {"role": "function", "name": "get_weather", "content": "18 C"}],
-                [hi, {"role": "assistant", "content": "hello", "tool_calls": []}, hi]]
+    refused = [
+        [{"role": "wizard", "content": "hi"}],
+        [hi, {"role": "User", "content": "hi"}],
+        [hi, {"role": "tool", "content": "18 C"}],
+    ]  # a tool message answers a call: it needs the id
+    rendered = [
+        [
+            hi,
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
+        ],
+        [hi, {"role": "function", "name": "get_weather", "content": "18 C"}],
+        [hi, {"role": "assistant", "content": "hello", "tool_calls": []}, hi],
+    ]
     with live_server.client() as c:
         for messages in refused + rendered:
             for path in (CHAT, "/v1/estimate"):
@@ -146,7 +164,9 @@ def test_unknown_roles_are_refused_and_tool_turns_rendered(live_server: LiveServ
                     assert r.status_code == 200, (messages, r.text)
                 else:
                     error = r.json()["error"]
-                    assert (r.status_code, error["code"], error["param"]) == (400, "invalid_request", "messages"), r.text
+                    assert (r.status_code, error["code"], error["param"]) == (400, "invalid_request", "messages"), (
+                        r.text
+                    )
 
 
 def test_developer_messages_are_system_messages(live_server: LiveServer) -> None:
@@ -216,6 +236,7 @@ def test_ready_reasons_follow_the_gate(tmp_path: Path) -> None:
         async def run() -> list[tuple[int, str | None, str | None]]:
             seen = []
             async with httpx.AsyncClient(base_url=server.url, timeout=60) as ac:
+
                 async def ready() -> None:
                     r = await ac.get("/health", params={"ready": 1})
                     seen.append((r.status_code, r.json().get("reason"), r.headers.get("Retry-After")))
@@ -268,7 +289,11 @@ def test_every_request_ends_in_one_log_line(tmp_path: Path, caplog: pytest.LogCa
 
         assert done.status_code == 200 and asyncio.run(run()) == 503
     lines = [r.getMessage() for r in caplog.records if r.name == "gmlx.server" and " finish=" in r.getMessage()]
-    ends = {m.group(1): m.group(2) for line in lines if (m := re.match(r"(\S+) prompt=\d+ generated=\d+ .*finish=(\S+)", line))}
+    ends = {
+        m.group(1): m.group(2)
+        for line in lines
+        if (m := re.match(r"(\S+) prompt=\d+ generated=\d+ .*finish=(\S+)", line))
+    }
     assert len(ends) == len(lines) == 4, lines
     assert sorted(ends.values()) == ["client_gone", "client_gone", "length", "rejected:queue_full"], lines
     finished = next(line for line in lines if "finish=length" in line)
@@ -283,8 +308,10 @@ def test_batching_is_real(tiny_models: dict[str, Path], arch: str) -> None:
     prompts = [f"prompt number {i} says " + "hello world " * (words * (i + 1) // 4) for i in range(4)]
     with LiveServer(tiny_models[arch], decode_batch=4) as server:
         with server.client() as c:
-            alone = [c.post("/v1/completions", json={"prompt": p, "max_tokens": 48, "temperature": 0}).json()
-                     for p in prompts]
+            alone = [
+                c.post("/v1/completions", json={"prompt": p, "max_tokens": 48, "temperature": 0}).json()
+                for p in prompts
+            ]
         seen = []
 
         def watch() -> None:
@@ -296,8 +323,12 @@ def test_batching_is_real(tiny_models: dict[str, Path], arch: str) -> None:
 
         async def burst() -> list[dict]:
             async with httpx.AsyncClient(base_url=server.url, timeout=60) as ac:
-                rs = await asyncio.gather(*(ac.post("/v1/completions", json={"prompt": p, "max_tokens": 48,
-                                                                               "temperature": 0}) for p in prompts))
+                rs = await asyncio.gather(
+                    *(
+                        ac.post("/v1/completions", json={"prompt": p, "max_tokens": 48, "temperature": 0})
+                        for p in prompts
+                    )
+                )
             return [r.json() for r in rs]
 
         together = asyncio.run(burst())
@@ -334,13 +365,17 @@ def test_queue_timeout(tiny_models: dict[str, Path]) -> None:
     # The first request must hold the slot well past the timeout: the tiny model decodes 200
     # tokens in about 0.2 s here, so the queue waits a quarter of that.
     with LiveServer(tiny_models["llama"], decode_batch=1, queue_timeout=0.05) as server:
+
         async def run() -> list[httpx.Response]:
             async with httpx.AsyncClient(base_url=server.url, timeout=60) as ac:
-                first = asyncio.create_task(ac.post("/v1/completions", json={"prompt": "x", "max_tokens": 240, "temperature": 0}))
+                first = asyncio.create_task(
+                    ac.post("/v1/completions", json={"prompt": "x", "max_tokens": 240, "temperature": 0})
+                )
                 while server.state.gate.running < 1:
                     await asyncio.sleep(0.005)
-                queued = await asyncio.gather(*(ac.post("/v1/completions", json={"prompt": w, "max_tokens": 2})
-                                                for w in ("y", "z")))
+                queued = await asyncio.gather(
+                    *(ac.post("/v1/completions", json={"prompt": w, "max_tokens": 2}) for w in ("y", "z"))
+                )
                 return [await first, *queued]
 
         first, *queued = asyncio.run(run())
@@ -358,7 +393,9 @@ def test_queued_client_that_disconnects_frees_its_place(tiny_models: dict[str, P
 
         async def run() -> int:
             async with httpx.AsyncClient(base_url=server.url, timeout=60) as ac:
-                first = asyncio.create_task(ac.post("/v1/completions", json={"prompt": "x", "max_tokens": 200, "temperature": 0}))
+                first = asyncio.create_task(
+                    ac.post("/v1/completions", json={"prompt": "x", "max_tokens": 200, "temperature": 0})
+                )
                 while gate.running < 1:
                     await asyncio.sleep(0.005)
                 async with httpx.AsyncClient(base_url=server.url, timeout=60) as gone:
@@ -457,7 +494,9 @@ def test_long_prompt_prefills_in_chunks_between_decode_steps(tmp_path: Path) -> 
         first = threading.Thread(target=stream)
         first.start()
         server.wait_until(lambda: engine.decoding == 1)
-        second = threading.Thread(target=lambda: server.client().post(CHAT, json=chat_body("word " * 3000, max_tokens=2)))
+        second = threading.Thread(
+            target=lambda: server.client().post(CHAT, json=chat_body("word " * 3000, max_tokens=2))
+        )
         second.start()
         server.wait_until(long_prompt_seen, timeout=60)
         engine.cancel_all()

@@ -95,29 +95,35 @@ def test_unknown_config_keys(tmp_path):
     assert str(tmp_path) in str(e.value)
 
 
-@pytest.mark.parametrize("text, match", [
-    ("", "file not found"),
-    ("port = \n", "cannot parse"),
-])
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("", "file not found"),
+        ("port = \n", "cannot parse"),
+    ],
+)
 def test_config_file_errors(tmp_path, text, match):
     path = tmp_path / "missing.toml" if not text else toml(tmp_path, text)
     with pytest.raises(SettingsError, match=match):
         resolve(config=path)
 
 
-@pytest.mark.parametrize("flags, env, message", [
-    ({}, {"MAX_CONCURRENCY": "abc"}, "decode_batch: 'abc' from env MAX_CONCURRENCY is not an integer"),
-    ({}, {"GMLX_DECODE_BATCH": "0"}, "decode_batch: '0' from env GMLX_DECODE_BATCH must be >= 1"),
-    ({"queue_size": -1}, {}, "queue_size: -1 from flag must be >= 0"),
-    ({}, {"QUEUE_TIMEOUT_S": "0"}, "queue_timeout: '0' from env QUEUE_TIMEOUT_S must be > 0"),
-    ({}, {"GMLX_QUEUE_TIMEOUT": "soon"}, "queue_timeout: 'soon' from env GMLX_QUEUE_TIMEOUT is not a number"),
-    ({"weights": "q4"}, {}, "weights: 'q4' from flag must be one of auto, native, float"),
-    ({"prefill_step": 8}, {}, "prefill_step: 8 from flag must be >= 16"),
-    ({}, {"PORT": "70000"}, "port: '70000' from env PORT must be between 0 and 65535"),
-    ({}, {"GMLX_LOG_LEVEL": "loud"}, "log_level: 'loud' from env GMLX_LOG_LEVEL must be one of"),
-    ({}, {"GMLX_GOVERNOR_ORANGE": "0.7"}, "governor thresholds must rise"),
-    ({}, {"GMLX_GOVERNOR_YELLOW": "0.01"}, "governor hysteresis 0.05 must be at least 0 and below yellow"),
-])
+@pytest.mark.parametrize(
+    "flags, env, message",
+    [
+        ({}, {"MAX_CONCURRENCY": "abc"}, "decode_batch: 'abc' from env MAX_CONCURRENCY is not an integer"),
+        ({}, {"GMLX_DECODE_BATCH": "0"}, "decode_batch: '0' from env GMLX_DECODE_BATCH must be >= 1"),
+        ({"queue_size": -1}, {}, "queue_size: -1 from flag must be >= 0"),
+        ({}, {"QUEUE_TIMEOUT_S": "0"}, "queue_timeout: '0' from env QUEUE_TIMEOUT_S must be > 0"),
+        ({}, {"GMLX_QUEUE_TIMEOUT": "soon"}, "queue_timeout: 'soon' from env GMLX_QUEUE_TIMEOUT is not a number"),
+        ({"weights": "q4"}, {}, "weights: 'q4' from flag must be one of auto, native, float"),
+        ({"prefill_step": 8}, {}, "prefill_step: 8 from flag must be >= 16"),
+        ({}, {"PORT": "70000"}, "port: '70000' from env PORT must be between 0 and 65535"),
+        ({}, {"GMLX_LOG_LEVEL": "loud"}, "log_level: 'loud' from env GMLX_LOG_LEVEL must be one of"),
+        ({}, {"GMLX_GOVERNOR_ORANGE": "0.7"}, "governor thresholds must rise"),
+        ({}, {"GMLX_GOVERNOR_YELLOW": "0.01"}, "governor hysteresis 0.05 must be at least 0 and below yellow"),
+    ],
+)
 def test_bad_values_name_field_and_source(flags, env, message):
     with pytest.raises(SettingsError) as e:
         resolve(flags, env)
@@ -142,10 +148,20 @@ def test_api_key_masked():
     assert (off.api_key, off.sources["api_key"]) == (None, "flag")
 
 
-@pytest.mark.parametrize("word, value", [
-    ("true", True), ("TRUE", True), ("1", True), ("yes", True), ("On", True),
-    ("false", False), ("0", False), ("no", False), ("OFF", False),
-])
+@pytest.mark.parametrize(
+    "word, value",
+    [
+        ("true", True),
+        ("TRUE", True),
+        ("1", True),
+        ("yes", True),
+        ("On", True),
+        ("false", False),
+        ("0", False),
+        ("no", False),
+        ("OFF", False),
+    ],
+)
 def test_log_input_text_parsing(word, value):
     s = resolve(env={"LOG_INPUT_TEXT": word})
     assert (s.log_input_text, s.sources["log_input_text"]) == (value, "env LOG_INPUT_TEXT")
@@ -198,8 +214,11 @@ def test_serve_flags_reach_print_config(tmp_path):
 
     from gmlx.cli.main import app
 
-    r = CliRunner().invoke(app, ["serve", "--max-kv-size", "4096", "--models-dir", str(tmp_path), "--print-config",
-                                 "--json"], env={k: "" for k in ("GMLX_MAX_KV_SIZE", "GMLX_MODELS_DIR", "GMLX_CONFIG")})
+    r = CliRunner().invoke(
+        app,
+        ["serve", "--max-kv-size", "4096", "--models-dir", str(tmp_path), "--print-config", "--json"],
+        env={k: "" for k in ("GMLX_MAX_KV_SIZE", "GMLX_MODELS_DIR", "GMLX_CONFIG")},
+    )
     assert r.exit_code == 0, r.output
     shown = json.loads(r.stdout)
     assert shown["max_kv_size"] == {"value": "4096", "source": "flag"}

@@ -197,7 +197,7 @@ def test_stop_token_ends_the_round(models: dict[str, LoadedModel]) -> None:
     out: list[int] = []
     while not out or out[-1] != stop:
         out += s.round(30 - len(out), stop_tokens={stop})
-    assert out == ref[:first + 1]
+    assert out == ref[: first + 1]
     assert s.history == prompt + out[:-1] and s.pending == [stop]
     assert all(c.offset == len(s.history) for c in s.cache)
 
@@ -219,8 +219,9 @@ def test_max_new_is_respected_and_sampled_decoding_runs(models: dict[str, Loaded
     s = stream_for(m.model, m.model, prompt, num_draft=5)
     assert s.round(1) == plain_greedy(m.model, prompt, 1) and s.drafted == 0  # one token: no drafting
     assert s.round(0) == []
-    sampled = stream_for(m.model, m.model, prompt, num_draft=3,
-                         sampler=make_sampler(SamplingParams(temperature=0.8, seed=3)))
+    sampled = stream_for(
+        m.model, m.model, prompt, num_draft=3, sampler=make_sampler(SamplingParams(temperature=0.8, seed=3))
+    )
     out = run(sampled, 20)
     assert all(0 <= t < m.geometry.vocab_size for t in out) and sampled.rounds > 0
 
@@ -246,8 +247,14 @@ def test_counters_json_and_lifetime_sum() -> None:
     assert life.accept_rate is None and life.to_json()["accept_rate"] is None
     life.add(SpeculativeCounters(rounds=2, drafted=6, accepted=3, emitted=5))
     life.add(SpeculativeCounters(rounds=1, drafted=2, accepted=2, emitted=3, batched=True))
-    assert life.to_json() == {"rounds": 3, "drafted": 8, "accepted": 5, "emitted": 8, "accept_rate": 0.625,
-                              "batched": False}
+    assert life.to_json() == {
+        "rounds": 3,
+        "drafted": 8,
+        "accepted": 5,
+        "emitted": 8,
+        "accept_rate": 0.625,
+        "batched": False,
+    }
 
 
 def test_tokenizer_check(models: dict[str, LoadedModel]) -> None:
@@ -320,8 +327,14 @@ def test_settings_rows() -> None:
 
 def test_serve_refuses_an_incompatible_drafter(files: dict[str, Path]) -> None:
     env = {**os.environ, "GMLX_LOG_LEVEL": "warning"}
-    r = subprocess.run([sys.executable, "-m", "gmlx", "serve", str(files["llama"]), "--draft", str(files["qwen2"]),
-                        "--port", "0"], check=False, capture_output=True, text=True, timeout=120, env=env)
+    r = subprocess.run(
+        [sys.executable, "-m", "gmlx", "serve", str(files["llama"]), "--draft", str(files["qwen2"]), "--port", "0"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert r.returncode == EXIT_BAD_MODEL, r.stderr
     assert "cannot draft for served-llama.gguf" in r.stderr and "tokenizer 'gpt2' differs" in r.stderr
     assert "serving" not in r.stderr  # refused before the server started

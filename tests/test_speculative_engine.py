@@ -26,21 +26,31 @@ GREEDY = SamplingParams(temperature=0.0)
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     # Untied heads, so greedy text does not just echo one token and agreement means something.
     root = tmp_path_factory.mktemp("spec-engine")
-    return {"served": write_model(root / "served.gguf", "llama", tied=False, seed=0, context=1024),
-            "other": write_model(root / "other.gguf", "llama", tied=False, seed=7, context=1024)}
+    return {
+        "served": write_model(root / "served.gguf", "llama", tied=False, seed=0, context=1024),
+        "other": write_model(root / "other.gguf", "llama", tied=False, seed=7, context=1024),
+    }
 
 
 def engine(served: Path, draft: Path | None, kv: KVQuantSettings | None = None) -> Engine:
     plan = plan_kv_quant(kv, read_header(served).geometry) if kv else None
-    e = Engine(lambda: load(served, "float"), "spec", decode_batch=4, prompt_cache=PromptCache(0),
-               load_draft=(lambda _: load(draft, "float")) if draft else None, num_draft=3,
-               make_cache=make_cache_factory(plan))
+    e = Engine(
+        lambda: load(served, "float"),
+        "spec",
+        decode_batch=4,
+        prompt_cache=PromptCache(0),
+        load_draft=(lambda _: load(draft, "float")) if draft else None,
+        num_draft=3,
+        make_cache=make_cache_factory(plan),
+    )
     e.start()
     assert e.ready.wait(60) and e.loaded is not None
     return e
 
 
-def submit(e: Engine, ids: list[int], max_tokens: int, rid: str) -> tuple[Request, threading.Event, list[str], list[Event]]:
+def submit(
+    e: Engine, ids: list[int], max_tokens: int, rid: str
+) -> tuple[Request, threading.Event, list[str], list[Event]]:
     done, text, end = threading.Event(), [], []
 
     def emit(ev: Event) -> None:
@@ -74,8 +84,9 @@ def plain(files: dict[str, Path]) -> list[str]:
 
 
 @pytest.mark.parametrize(("drafter", "accept"), [("served", (0.9, 1.0)), ("other", (0.0, 0.5))])
-def test_a_lone_request_drafts_and_keeps_its_text(files: dict[str, Path], plain: list[str], drafter: str,
-                                                  accept: tuple[float, float]) -> None:
+def test_a_lone_request_drafts_and_keeps_its_text(
+    files: dict[str, Path], plain: list[str], drafter: str, accept: tuple[float, float]
+) -> None:
     e = engine(files["served"], files[drafter])
     try:
         rounds = 0
@@ -98,7 +109,7 @@ def test_a_second_request_sends_the_stream_back_to_the_batch(files: dict[str, Pa
         while first[0].speculative is None or first[0].speculative.rounds == 0:  # drafting alone by now
             assert not first[1].wait(0.01), "it finished before it drafted"
         second = submit(e, PROMPTS[1], 40, "b")
-        for (req, done, text, end), expected in zip((first, second), plain):
+        for (_, done, text, end), expected in zip((first, second), plain):
             assert done.wait(120) and isinstance(end[0], Finished), end
             assert "".join(text) == expected  # handed over mid-stream, the text is the same
         assert first[0].speculative.batched

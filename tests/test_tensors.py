@@ -44,8 +44,9 @@ def reference(data: np.ndarray, qtype: T) -> np.ndarray:
 def native_dequant(arrays, quant, name: str) -> np.ndarray:
     base = name.removesuffix(".weight")
     bits, group = quant[name]
-    return np.array(mx.dequantize(arrays[name], arrays[base + ".scales"], arrays[base + ".biases"],
-                                  group_size=group, bits=bits))
+    return np.array(
+        mx.dequantize(arrays[name], arrays[base + ".scales"], arrays[base + ".biases"], group_size=group, bits=bits)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +203,9 @@ def test_unsupported_type(tmp_path):
     block, size = GGML_QUANT_SIZES[T.IQ4_NL]
     raw = rng.integers(0, 256, size=(2, 64 // block * size), dtype=np.uint8)
     header = write_gguf(tmp_path / "iq.gguf", {"blk.0.ffn_up.weight": (raw, T.IQ4_NL)})
-    with pytest.raises(GGUFError, match=r"tensor blk.0.ffn_up.weight: GGML type IQ4_NL is not supported \(supported: F32"):
+    with pytest.raises(
+        GGUFError, match=r"tensor blk.0.ffn_up.weight: GGML type IQ4_NL is not supported \(supported: F32"
+    ):
         load_tensors(header, "native")
     with pytest.raises(GGUFError, match="not in"):
         load_tensors(header, "float", names=["missing.weight"])
@@ -227,8 +230,13 @@ def test_default_model():
         pytest.skip("default model not installed")
     arrays, quant, report = load_tensors(header, "native")
     actions = {t: e["action"] for t, e in report.by_type.items()}
-    assert actions == {"F32": "float32", "Q8_0": "exact 8-bit g32", "Q5_0": "exact 5-bit g32",
-                       "Q4_K": "exact 4-bit g32", "Q6_K": "re-quantized 8-bit g32"}
+    assert actions == {
+        "F32": "float32",
+        "Q8_0": "exact 8-bit g32",
+        "Q5_0": "exact 5-bit g32",
+        "Q4_K": "exact 4-bit g32",
+        "Q6_K": "re-quantized 8-bit g32",
+    }
     info = header.tensors["blk.0.ffn_down.weight"]  # Q6_K
     raw = tz._blocks(header._buffer(), info).reshape(-1)
     ref = dequantize(raw, T.Q6_K).reshape(info.shape[::-1])

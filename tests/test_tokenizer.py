@@ -22,15 +22,20 @@ from gmlx.gguf.tokenizer import build_backend, load_tokenizer
 DATA = Path(__file__).parent / "data"
 REFERENCE = DATA / "gemma3_270m_llamacpp_tokens.json"
 TINY_REFERENCE = DATA / "tiny_llamacpp_tokens.json"  # regenerate if tiny_vocab.py changes
-CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-        {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}]
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": "Hello."},
+    {"role": "user", "content": "Bye"},
+]
 
 
 _NO_KEY = object()
 
 
-def write_vocab(path: Path, arch: str, kind: str, chat_template: str | None = None, eot: int | None = None,
-                pre: object = None) -> Path:
+def write_vocab(
+    path: Path, arch: str, kind: str, chat_template: str | None = None, eot: int | None = None, pre: object = None
+) -> Path:
     """`pre`: a `tokenizer.ggml.pre` in place of the tiny vocabulary's own, or _NO_KEY for none."""
     writer = gguf.GGUFWriter(str(path), arch)
     add_tiny_vocab(writer, kind)
@@ -101,7 +106,12 @@ def test_spm_pieces_and_bos(spm):
     # No space prefix (add_space_prefix false): "hello" at the start is spelled out, "▁world" is whole.
     assert tok.convert_ids_to_tokens(ids[1:]) == ["h", "e", "l", "l", "o", "▁world"]
     # Characters outside the vocabulary fall back to bytes; "\n\n" and "  " are cut out whole.
-    assert tok.convert_ids_to_tokens(tok.encode("é\n\n  ", add_special_tokens=False)) == ["<0xC3>", "<0xA9>", "\n\n", "  "]
+    assert tok.convert_ids_to_tokens(tok.encode("é\n\n  ", add_special_tokens=False)) == [
+        "<0xC3>",
+        "<0xA9>",
+        "\n\n",
+        "  ",
+    ]
 
 
 def test_bpe_merges_and_no_bos(bpe):
@@ -125,8 +135,10 @@ def test_eot_key_joins_eos_ids(tmp_path):
 def test_chat_template_gemma(spm):
     tok = spm
     text = tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
-    assert text == ("<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello.<end_of_turn>\n"
-                    "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n")
+    assert text == (
+        "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello.<end_of_turn>\n"
+        "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n"
+    )
     ids = tok.apply_chat_template(CHAT[1:2], add_generation_prompt=True)
     assert ids[:2] == [2, tok.convert_tokens_to_ids("<start_of_turn>")] and ids.count(2) == 1
 
@@ -146,9 +158,13 @@ def test_chat_template_llama_families(tmp_path):
     assert chat_template_for(read_header(write_vocab(tmp_path / "q3.gguf", "qwen3", "gpt2"))) == CHATML
     assert chat_template_for(read_header(write_vocab(tmp_path / "g2.gguf", "gemma2", "llama"))) == GEMMA
     render = {"bos_token": "<s>", "eos_token": "</s>", "add_generation_prompt": True}
-    assert Template(INST).render(messages=CHAT, **render) == "<s>[INST] Be brief.\n\nHi [/INST] Hello.</s>[INST] Bye [/INST]"
+    assert (
+        Template(INST).render(messages=CHAT, **render)
+        == "<s>[INST] Be brief.\n\nHi [/INST] Hello.</s>[INST] Bye [/INST]"
+    )
     assert Template(LLAMA3).render(messages=CHAT[1:2], **render) == (
-        "<s><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
+        "<s><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
 
 
 def test_file_template_wins(tmp_path):
@@ -204,8 +220,7 @@ def test_default_model_matches_llama_cpp(default_model, tmp_path_factory):
     assert not no_bos, f"{len(no_bos)} of {len(cases)} differ without BOS, first: {no_bos[0]!r}"
 
 
-@pytest.mark.parametrize(("pre", "why"), [("martian-bpe", "unknown pre-tokenizer"),
-                                          ("kimi-k2", "code of its own")])
+@pytest.mark.parametrize(("pre", "why"), [("martian-bpe", "unknown pre-tokenizer"), ("kimi-k2", "code of its own")])
 def test_unknown_pre_tokenizer_is_refused(tmp_path, pre, why):
     """No silent fallback to GPT-2's split: the file is refused at load, naming the value."""
     header = read_header(write_vocab(tmp_path / "v.gguf", "qwen2", "gpt2", pre=pre))
@@ -260,7 +275,12 @@ def test_cli_refuses_unknown_pre_tokenizer(tmp_path, monkeypatch):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.run([sys.executable, "-m", "gmlx", "serve", str(model), "--port", str(port)],
-                          capture_output=True, text=True, timeout=120, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "gmlx", "serve", str(model), "--port", str(port)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == EXIT_BAD_MODEL and "tokenizer.ggml.pre='martian-bpe'" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr

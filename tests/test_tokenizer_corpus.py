@@ -22,8 +22,22 @@ from gmlx.llama_sdist import LLAMA_CPP_PYTHON, vocab_corpus
 pytestmark = pytest.mark.slow  # downloads the sdist (75 MB) on first run; CI runs it
 
 # The vocabularies of llama-cpp-python 0.3.36, by the kind llama.cpp gives them.
-WITH_CASES = ["command-r", "deepseek-coder", "deepseek-llm", "falcon", "gemma-4", "gpt-2", "llama-bpe", "llama-spm",
-              "mpt", "phi-3", "qwen2", "qwen35", "refact", "starcoder"]
+WITH_CASES = [
+    "command-r",
+    "deepseek-coder",
+    "deepseek-llm",
+    "falcon",
+    "gemma-4",
+    "gpt-2",
+    "llama-bpe",
+    "llama-spm",
+    "mpt",
+    "phi-3",
+    "qwen2",
+    "qwen35",
+    "refact",
+    "starcoder",
+]
 WITHOUT_CASES = ["aquila", "baichuan", "gpt-neox"]  # no .inp/.out: round-tripped over the others' texts
 REFUSED = {"bert-bge": "'bert'", "nomic-bert-moe": "'t5'"}  # WordPiece and Unigram models
 SEP = b"\n__ggml_vocab_test__\n"
@@ -129,13 +143,17 @@ def test_split_matches_llama_cpp(name: str, corpus: Path) -> None:
         tok = build_backend(dataclasses.replace(header, metadata={**header.metadata, "tokenizer.ggml.pre": name}))
         cases = [c for c in SPLIT_CASES["cases"] if c["base"] == base]
         got = tok.encode_batch([c["text"] for c in cases], add_special_tokens=False)
-        wrong = [(c["text"], c["variants"][c["split_variant"][k]], g.ids) for c, g in zip(cases, got)
-                 if g.ids != c["variants"][c["split_variant"][k]]]
+        wrong = [
+            (c["text"], c["variants"][c["split_variant"][k]], g.ids)
+            for c, g in zip(cases, got)
+            if g.ids != c["variants"][c["split_variant"][k]]
+        ]
         assert not wrong, f"{name} on {base}: {len(wrong)} of {len(cases)} differ, first {wrong[0]}"
 
 
 def test_split_cases_cover_every_split() -> None:
     """A split added to gmlx.gguf.splits without llama.cpp's ids for it fails here."""
+
     def key(name: str) -> tuple:
         return tuple(SPLITS[name].regexes), SPLITS[name].ignore_merges
 
@@ -145,8 +163,19 @@ def test_split_cases_cover_every_split() -> None:
 # llama-tokenize (llama-cpp-python 0.3.36) on the phi-3 vocabulary, special tokens parsed, BOS added.
 PHI3_CHAT = {
     "<|user|>\nHi there<|end|>\n<|assistant|>\n": [1, 32010, 6324, 727, 32007, 32001],
-    "<|system|>\n  Be brief.<|end|>\n<|user|> \n\tHi <|end|>\n<|assistant|>":
-        [1, 32006, 1522, 11473, 29889, 32007, 32010, 6324, 29871, 32007, 32001],
+    "<|system|>\n  Be brief.<|end|>\n<|user|> \n\tHi <|end|>\n<|assistant|>": [
+        1,
+        32006,
+        1522,
+        11473,
+        29889,
+        32007,
+        32010,
+        6324,
+        29871,
+        32007,
+        32001,
+    ],
     "<s> Hello</s>  x<|endoftext|> y<unk> z": [1, 1, 29871, 15043, 2, 921, 32000, 29871, 343, 0, 29871, 503],
 }
 

@@ -17,36 +17,76 @@ from gmlx.server import openai_api, tool_prompt, tools
 from gmlx.server.errors import APIError
 from gmlx.server.tools import FORCED, HERMES, LLAMA3, MISTRAL, ToolCallParser
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-                   "required": ["city"], "additionalProperties": False}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
 TIME = {"type": "function", "function": {"name": "get_time"}}
 NAMES = frozenset({"get_weather", "get_time"})
 ASK = {"role": "user", "content": "Weather in Paris?"}
-CALLED = {"role": "assistant", "content": None, "tool_calls": [
-    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+CALLED = {
+    "role": "assistant",
+    "content": None,
+    "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    ],
+}
 ANSWERED = {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}
 PARIS = ("get_weather", '{"city": "Paris"}')
 
 # (format, model output, expected content, expected calls as (name, arguments))
 OUTPUTS = [
-    (HERMES, 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
-     "Let me check.", [PARIS]),
-    (HERMES, '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>\n'
-             '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>', None, [PARIS, ("get_time", "{}")]),
-    (HERMES, 'A <tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}</tool_call> then B',
-     "A then B", [PARIS]),  # arguments written as a string of JSON
+    (
+        HERMES,
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+        "Let me check.",
+        [PARIS],
+    ),
+    (
+        HERMES,
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>\n'
+        '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>',
+        None,
+        [PARIS, ("get_time", "{}")],
+    ),
+    (
+        HERMES,
+        'A <tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}</tool_call> then B',
+        "A then B",
+        [PARIS],
+    ),  # arguments written as a string of JSON
     (HERMES, '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}', None, [PARIS]),  # unclosed at EOS
     (LLAMA3, '{"name": "get_weather", "parameters": {"city": "Paris"}}', None, [PARIS]),
-    (LLAMA3, '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
-             '{"name": "get_time", "parameters": {}}', None, [PARIS, ("get_time", "{}")]),
+    (
+        LLAMA3,
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+        '{"name": "get_time", "parameters": {}}',
+        None,
+        [PARIS, ("get_time", "{}")],
+    ),
     (LLAMA3, 'Sure: <|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}', "Sure:", [PARIS]),
-    (MISTRAL, '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
-              '{"name": "get_time", "arguments": {}}]', None, [PARIS, ("get_time", "{}")]),
+    (
+        MISTRAL,
+        '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "arguments": {}}]',
+        None,
+        [PARIS, ("get_time", "{}")],
+    ),
     (FORCED, '{"name": "get_weather", "arguments": {"city": "Paris"}}', None, [PARIS]),
-    (FORCED, '[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "arguments": {}}]',
-     None, [PARIS, ("get_time", "{}")]),
+    (
+        FORCED,
+        '[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "arguments": {}}]',
+        None,
+        [PARIS, ("get_time", "{}")],
+    ),
 ]
 # Output that looks like a call and is not one stays content, as the model wrote it.
 NOT_CALLS = [
@@ -54,11 +94,11 @@ NOT_CALLS = [
     (HERMES, '<tool_call>{"name": "get_weather", "arguments": {"city": "Par'),  # cut off
     (HERMES, '<tool_call>{"name": "launch_rockets", "arguments": {}}</tool_call>'),  # not a declared function
     (HERMES, '<tool_call>{"name": "get_weather"}</tool_call>'),  # no arguments
-    (HERMES, 'a < b and <tool_ call> is not a marker'),
+    (HERMES, "a < b and <tool_ call> is not a marker"),
     (LLAMA3, '{"answer": 42}'),
     (LLAMA3, '{"name": "Paris", "parameters": {"population": 2}}'),
     (LLAMA3, '{"name": "get_weather", "parameters": {"city": "Paris"'),
-    (MISTRAL, 'x [TOOL_CALLS] get_weather'),
+    (MISTRAL, "x [TOOL_CALLS] get_weather"),
     (MISTRAL, '[TOOL_CALLS] [{"name": "get_weather", "arguments": {]'),
 ]
 
@@ -122,7 +162,12 @@ def test_a_call_streams_name_first_then_arguments() -> None:
     call = tools.ToolCall(*PARIS)
     first, second = tools.call_deltas(call, 2)
     assert call.id.startswith("call_") and len(call.id) > 10
-    assert first == {"index": 2, "id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": ""}}
+    assert first == {
+        "index": 2,
+        "id": call.id,
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": ""},
+    }
     assert second == {"index": 2, "function": {"arguments": PARIS[1]}}
     assert tools.finish_reason("stop", [call]) == "tool_calls" and tools.finish_reason("length", [call]) == "length"
 
@@ -134,23 +179,38 @@ def chat(**body: object) -> openai_api.GenerationParams:
     return openai_api.parse({"messages": [ASK], **body}, chat=True)
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    ({"tools": {"type": "function"}}, "tools"),
-    ({"tools": [{"type": "retrieval"}]}, "tools"),
-    ({"tools": [{"type": "function", "function": {"name": "two words"}}]}, "tools"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]}, "tools"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"x": {"type": "nonsense"}}}}}]}, "tools"),
-    ({"tools": [WEATHER, WEATHER]}, "tools"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice"),
-    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
-    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
-    ({"messages": [ASK, {"role": "tool", "content": "18 C"}]}, "messages"),  # no tool_call_id
-    ({"messages": [ASK, {"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": 3}}]}]}, "messages"),
-    ({"messages": [{"role": "user", "content": "hi", "tool_calls": CALLED["tool_calls"]}]}, "messages"),
-])
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"tools": {"type": "function"}}, "tools"),
+        ({"tools": [{"type": "retrieval"}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "two words"}}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]}, "tools"),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {"type": "object", "properties": {"x": {"type": "nonsense"}}},
+                        },
+                    }
+                ]
+            },
+            "tools",
+        ),
+        ({"tools": [WEATHER, WEATHER]}, "tools"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+        ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+        ({"messages": [ASK, {"role": "tool", "content": "18 C"}]}, "messages"),  # no tool_call_id
+        ({"messages": [ASK, {"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": 3}}]}]}, "messages"),
+        ({"messages": [{"role": "user", "content": "hi", "tool_calls": CALLED["tool_calls"]}]}, "messages"),
+    ],
+)
 def test_bad_tools_are_a_400_naming_the_field(body: dict, param: str) -> None:
     with pytest.raises(APIError) as e:
         chat(**body)
@@ -158,10 +218,16 @@ def test_bad_tools_are_a_400_naming_the_field(body: dict, param: str) -> None:
 
 
 def test_tool_turns_reach_the_template_as_transformers_gives_them() -> None:
-    p = chat(messages=[ASK, CALLED, ANSWERED, {"role": "function", "name": "get_time", "content": "noon"}],
-             tools=[WEATHER])
-    assert p.messages[1] == {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    p = chat(
+        messages=[ASK, CALLED, ANSWERED, {"role": "function", "name": "get_time", "content": "noon"}], tools=[WEATHER]
+    )
+    assert p.messages[1] == {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+        ],
+    }
     assert p.messages[2] == {"role": "tool", "content": "18 C", "tool_call_id": "call_1", "name": "get_weather"}
     assert p.messages[3] == {"role": "tool", "content": "noon", "name": "get_time"}
     assert "tool_calls" not in p.messages[0]  # templates test for the key
@@ -174,8 +240,13 @@ def test_the_forced_call_schema_admits_exactly_the_allowed_calls() -> None:
     params = {"get_weather": WEATHER["function"]["parameters"], "get_time": {"type": "object", "properties": {}}}
     one, many = tools.forced_call_schema(params, parallel=False), tools.forced_call_schema(params, parallel=True)
     good = [{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}, {"name": "get_time", "arguments": {}}]
-    bad = [{"name": "get_weather", "arguments": {}}, {"name": "get_weather", "arguments": {"city": 3}},
-           {"name": "launch", "arguments": {}}, {"name": "get_time"}, {"name": "get_time", "arguments": {}, "x": 1}]
+    bad = [
+        {"name": "get_weather", "arguments": {}},
+        {"name": "get_weather", "arguments": {"city": 3}},
+        {"name": "launch", "arguments": {}},
+        {"name": "get_time"},
+        {"name": "get_time", "arguments": {}, "x": 1},
+    ]
     for call in good:
         jsonschema.validate(call, one)
     jsonschema.validate(good, many)
@@ -184,7 +255,8 @@ def test_the_forced_call_schema_admits_exactly_the_allowed_calls() -> None:
     assert not jsonschema.Draft202012Validator(many).is_valid([])
     named = chat(tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_time"}}).tools
     assert named.grammar and named.callable_parameters() == {  # no parameters: no arguments
-        "get_time": {"type": "object", "properties": {}, "additionalProperties": False}}
+        "get_time": {"type": "object", "properties": {}, "additionalProperties": False}
+    }
 
 
 # --- rendering -----------------------------------------------------------------------------------
@@ -194,9 +266,11 @@ def test_the_forced_call_schema_admits_exactly_the_allowed_calls() -> None:
 def templated(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Tiny models carrying a Qwen-style and a Llama-3-style tool template, and one with none."""
     root = tmp_path_factory.mktemp("tool-templates")
-    return {"qwen": write_model(root / "qwen.gguf", "qwen2", chat_template=QWEN_TOOLS),
-            "llama": write_model(root / "llama.gguf", "llama", chat_template=LLAMA3_TOOLS),
-            "none": write_model(root / "none.gguf", "gemma3")}
+    return {
+        "qwen": write_model(root / "qwen.gguf", "qwen2", chat_template=QWEN_TOOLS),
+        "llama": write_model(root / "llama.gguf", "llama", chat_template=LLAMA3_TOOLS),
+        "none": write_model(root / "none.gguf", "gemma3"),
+    }
 
 
 def rendered(path: Path, p: openai_api.GenerationParams) -> str:
@@ -213,16 +287,20 @@ def rendered(path: Path, p: openai_api.GenerationParams) -> str:
 def test_a_qwen_template_renders_the_tools_calls_and_results(templated: dict[str, Path]) -> None:
     text = rendered(templated["qwen"], chat(messages=[ASK, CALLED, ANSWERED], tools=[WEATHER]))
     assert "<tools>\n" + json.dumps(WEATHER) + "\n</tools>" in text
-    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
-            '</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n18 C\n</tool_response><|im_end|>') in text
+    assert (
+        '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+        "</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n18 C\n</tool_response><|im_end|>"
+    ) in text
     assert "<tools>" not in rendered(templated["qwen"], chat())
 
 
 def test_a_llama3_template_renders_the_tools_calls_and_results(templated: dict[str, Path]) -> None:
     text = rendered(templated["llama"], chat(messages=[ASK, CALLED, ANSWERED], tools=[WEATHER]))
     assert json.dumps(WEATHER, indent=4) in text and "Environment: ipython" in text
-    assert ('<|start_header_id|>assistant<|end_header_id|>\n\n{"name": "get_weather", "parameters": '
-            '{"city": "Paris"}}<|eot_id|><|start_header_id|>ipython<|end_header_id|>\n\n18 C<|eot_id|>') in text
+    assert (
+        '<|start_header_id|>assistant<|end_header_id|>\n\n{"name": "get_weather", "parameters": '
+        '{"city": "Paris"}}<|eot_id|><|start_header_id|>ipython<|end_header_id|>\n\n18 C<|eot_id|>'
+    ) in text
 
 
 def test_a_template_without_tools_gets_the_fallback(templated: dict[str, Path]) -> None:
@@ -230,9 +308,11 @@ def test_a_template_without_tools_gets_the_fallback(templated: dict[str, Path]) 
     text = rendered(templated["none"], chat(messages=[system, ASK, CALLED, ANSWERED, ANSWERED], tools=[WEATHER]))
     described = tool_prompt.FALLBACK_TOOLS.format(tools=json.dumps(WEATHER))
     assert f"<start_of_turn>user\nBe brief.\n\n{described}\n\nWeather in Paris?<end_of_turn>" in text
-    assert ('<start_of_turn>model\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
-            '</tool_call><end_of_turn>\n<start_of_turn>user\n<tool_response>\n18 C\n</tool_response>\n'
-            '<tool_response>\n18 C\n</tool_response><end_of_turn>') in text  # one turn's results share a turn
+    assert (
+        '<start_of_turn>model\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+        "</tool_call><end_of_turn>\n<start_of_turn>user\n<tool_response>\n18 C\n</tool_response>\n"
+        "<tool_response>\n18 C\n</tool_response><end_of_turn>"
+    ) in text  # one turn's results share a turn
     assert tools.call_format(None) is HERMES and "<tool_call>" in described  # it asks for what is parsed
 
 
@@ -299,25 +379,33 @@ def reassembled(stream) -> tuple[str | None, list[dict], str | None]:
 def test_calls_reach_the_openai_client_streamed_or_not(live_server: LiveServer, scripted: list[str]) -> None:
     openai = pytest.importorskip("openai")
     text = OUTPUTS[0][1] + '\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
-    scripted += [text[i:i + 3] for i in range(0, len(text), 3)]  # a few characters a token
+    scripted += [text[i : i + 3] for i in range(0, len(text), 3)]  # a few characters a token
     client = openai.OpenAI(base_url=live_server.url + "/v1", api_key="k")
     args = {"model": live_server.model_id, "messages": [ASK], "tools": [WEATHER, TIME]}
     r = client.chat.completions.create(**args)
     choice = r.choices[0]
     assert (choice.finish_reason, choice.message.content) == ("tool_calls", "Let me check.")
     got = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
-    assert got == [PARIS, ("get_time", "{}")] and all(c.id.startswith("call_") and c.type == "function"
-                                                      for c in choice.message.tool_calls)
+    assert got == [PARIS, ("get_time", "{}")] and all(
+        c.id.startswith("call_") and c.type == "function" for c in choice.message.tool_calls
+    )
     content, calls, finish = reassembled(client.chat.completions.create(**args, stream=True))
     assert (content, finish) == ("Let me check.", "tool_calls")
     assert [(c["name"], c["arguments"]) for c in calls] == got and all(c["id"].startswith("call_") for c in calls)
     # tool_choice none: the same text is only text.
     r = client.chat.completions.create(**args, tool_choice="none")
-    assert (r.choices[0].message.content, r.choices[0].message.tool_calls, r.choices[0].finish_reason) == (text, None, "stop")
+    assert (r.choices[0].message.content, r.choices[0].message.tool_calls, r.choices[0].finish_reason) == (
+        text,
+        None,
+        "stop",
+    )
     # The loop goes on: the calls and the tool's answer go back in.
     scripted[:] = ["It is 18 C."]
-    messages = [ASK, choice.message.model_dump(exclude_none=True),
-                {"role": "tool", "tool_call_id": choice.message.tool_calls[0].id, "content": "18 C"}]
+    messages = [
+        ASK,
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": choice.message.tool_calls[0].id, "content": "18 C"},
+    ]
     r = client.chat.completions.create(**{**args, "messages": messages})
     assert (r.choices[0].message.content, r.choices[0].finish_reason) == ("It is 18 C.", "stop")
 
@@ -338,8 +426,12 @@ def test_an_agent_loop_on_the_default_model(default_model: Path) -> None:
                 spec = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]["function"]
                 jsonschema.validate(json.loads(call.function.arguments), spec.get("parameters", {}))
         assert r.choices[0].message.tool_calls[0].function.name in NAMES
-        messages += [r.choices[0].message.model_dump(exclude_none=True),
-                     *({"role": "tool", "tool_call_id": c.id, "content": "18 C, sunny"}
-                       for c in r.choices[0].message.tool_calls)]
+        messages += [
+            r.choices[0].message.model_dump(exclude_none=True),
+            *(
+                {"role": "tool", "tool_call_id": c.id, "content": "18 C, sunny"}
+                for c in r.choices[0].message.tool_calls
+            ),
+        ]
         final = client.chat.completions.create(**args, messages=messages, tool_choice="none")
         assert final.choices[0].message.content and final.choices[0].message.tool_calls is None

@@ -17,15 +17,20 @@ def test_urls_keys_and_files(tmp_path: Path) -> None:
     fleet = tmp_path / "fleet.txt"
     fleet.write_text("# the lab\nhttp://10.0.0.1:8080#alpha\n\n10.0.0.2:8080\n")
     assert targets(["http://a:1/#k1", "http://b:2", f"@{fleet}"], "shared") == [
-        Target("http://a:1", "k1"), Target("http://b:2", "shared"),
-        Target("http://10.0.0.1:8080", "alpha"), Target("http://10.0.0.2:8080", "shared")]
+        Target("http://a:1", "k1"),
+        Target("http://b:2", "shared"),
+        Target("http://10.0.0.1:8080", "alpha"),
+        Target("http://10.0.0.2:8080", "shared"),
+    ]
     assert targets(["http://a:1#"], None) == [Target("http://a:1", None)]  # an empty key is none
 
 
 def test_the_haproxy_configuration_names_the_fleet() -> None:
     env = {"GMLX_A": "10.0.0.11:8080", "GMLX_B": "10.0.0.12:8080"}
-    assert targets([f"@{HAPROXY}"], "k", env) == [Target("http://10.0.0.11:8080", "k"),
-                                                  Target("http://10.0.0.12:8080", "k")]
+    assert targets([f"@{HAPROXY}"], "k", env) == [
+        Target("http://10.0.0.11:8080", "k"),
+        Target("http://10.0.0.12:8080", "k"),
+    ]
     with pytest.raises(ValueError, match=r"\$\{GMLX_B\}, which is not set"):
         targets([f"@{HAPROXY}"], "k", {"GMLX_A": "10.0.0.11:8080"})
     with pytest.raises(ValueError, match="cannot read the fleet file"):

@@ -16,8 +16,8 @@ import pytest
 from conftest import ServeProcess
 from rich.text import Text
 from textual.pilot import Pilot
-from tiny_models import write_model
 from textual.widgets import DataTable, Static
+from tiny_models import write_model
 from typer.testing import CliRunner
 
 from gmlx.cli.main import app as cli
@@ -53,7 +53,10 @@ class FakeServer:
                 elif path == "/v1/metrics":
                     body = fake.data["metrics"]
                     if fake.key and self.headers.get("Authorization") != f"Bearer {fake.key}":
-                        status, body = 401, {"error": {"message": "a valid API key is required", "code": "invalid_api_key"}}
+                        status, body = (
+                            401,
+                            {"error": {"message": "a valid API key is required", "code": "invalid_api_key"}},
+                        )
                 raw = json.dumps(body).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
@@ -134,15 +137,30 @@ async def test_band_and_rows_follow_the_snapshot(fake: FakeServer) -> None:
         assert "up 1 h 02 m" in shown(app, "server").plain  # uptime_s 3725
         assert states(app) == []
         capacity = app.query_one("#capacity", DataTable)
-        assert [capacity.get_row_at(i) for i in range(capacity.row_count)] == [["1", "32,768"], ["2", "32,768"], ["4", "16,384"]]
+        assert [capacity.get_row_at(i) for i in range(capacity.row_count)] == [
+            ["1", "32,768"],
+            ["2", "32,768"],
+            ["4", "16,384"],
+        ]
 
         fake.use("busy_yellow")
         await until(pilot, lambda: len(states(app)) == 4)
         assert "YELLOW" in shown(app, "band").plain and "yellow" in band_style(app)
         assert states(app) == ["queued", "decode", "prefill", "decode"]  # queued rows first
         row = app.query_one("#requests", DataTable).get_row_at(1)
-        assert [str(c) for c in row] == ["cmpl-a1", "tiny", "decode", "1834", "212 / 4096", "11.4 s", "0.64 s", "1.7 s",
-                                         "21.8 tok/s", "block 1536", "62 %"]
+        assert [str(c) for c in row] == [
+            "cmpl-a1",
+            "tiny",
+            "decode",
+            "1834",
+            "212 / 4096",
+            "11.4 s",
+            "0.64 s",
+            "1.7 s",
+            "21.8 tok/s",
+            "block 1536",
+            "62 %",
+        ]
         assert "GPU0 NVIDIA H200" in shown(app, "gpu").plain
         slots = shown(app, "slots").plain
         assert "slots 3 / 4" in slots and "queue 1 / 16" in slots and "rejections 2 (last: queue_full)" in slots
@@ -252,7 +270,9 @@ async def test_stale_requests_are_cleared_and_marked() -> None:
             server.start()
             await pilot.press("r")
             await until(pilot, lambda: app.poller.status is Status.AUTH)
-            assert states(app) == [] and str(requests.border_title).startswith("requests (cleared: key needed, last seen ")
+            assert states(app) == [] and str(requests.border_title).startswith(
+                "requests (cleared: key needed, last seen "
+            )
             assert "last seen " in shown(app, "server").plain
     finally:
         server.stop()
@@ -263,8 +283,17 @@ async def test_poller_survives_odd_answers(fake: FakeServer) -> None:
     """Null sections, wrong types and unknown fields draw dashes; nothing raises."""
     from gmlx.tui.render import plain_text
 
-    fake.data["metrics"] = {"server": {"concurrency": None, "queue": {"waiting": "x", "cap": None}, "governor": {"band": ["?"]},
-                                       "memory": 7, "capacity": None, "rates": {}, "requests": [None, {"state": 3}]}}
+    fake.data["metrics"] = {
+        "server": {
+            "concurrency": None,
+            "queue": {"waiting": "x", "cap": None},
+            "governor": {"band": ["?"]},
+            "memory": 7,
+            "capacity": None,
+            "rates": {},
+            "requests": [None, {"state": 3}],
+        }
+    }
     fake.data["system"] = ["not", "an", "object"]
     p = Poller(fake.url)
     await p.poll()
@@ -290,8 +319,13 @@ def test_rates_line_shows_the_prompt_cache_when_it_runs() -> None:
 
 
 def test_human_numbers() -> None:
-    assert (fmt.size(1.2 * 2**30), fmt.rate(41.26), fmt.duration(192), fmt.duration(0.4), fmt.tokens(32768)) == \
-           ("1.2 GiB", "41.3 tok/s", "3 m 12 s", "0.40 s", "32,768")
+    assert (fmt.size(1.2 * 2**30), fmt.rate(41.26), fmt.duration(192), fmt.duration(0.4), fmt.tokens(32768)) == (
+        "1.2 GiB",
+        "41.3 tok/s",
+        "3 m 12 s",
+        "0.40 s",
+        "32,768",
+    )
     assert fmt.size(None) == fmt.rate("fast") == fmt.duration(True) == fmt.count(None) == "-"
 
 
@@ -335,7 +369,9 @@ def test_real_server_rows_move_from_queued_to_decode(gmlx_serve: str) -> None:
     asyncio.run(watch())
     assert len(seen) == 2, seen
     assert any("queued" not in s and "decode" in s for s in seen.values()), seen  # one takes the single slot
-    assert any("queued" in s and "decode" in s[s.index("queued"):] for s in seen.values()), seen  # the other waits, then decodes
+    assert any("queued" in s and "decode" in s[s.index("queued") :] for s in seen.values()), (
+        seen
+    )  # the other waits, then decodes
 
 
 # Snapshot tests of the whole screen (pytest-textual-snapshot; the SVGs are in
@@ -346,8 +382,11 @@ def test_real_server_rows_move_from_queued_to_decode(gmlx_serve: str) -> None:
 SCREEN = (160, 45)
 HISTORIES = {  # (decode, prefill, queue depth) samples, oldest first
     "idle_green": ([0.0] * 40, [0.0] * 40, [0.0] * 40),
-    "busy_yellow": ([float(20 + (i * 7) % 45) for i in range(40)], [float((i * 131) % 900) for i in range(40)],
-                    [float(min(i // 8, 3)) for i in range(40)]),
+    "busy_yellow": (
+        [float(20 + (i * 7) % 45) for i in range(40)],
+        [float((i * 131) % 900) for i in range(40)],
+        [float(min(i // 8, 3)) for i in range(40)],
+    ),
 }
 
 

@@ -80,20 +80,25 @@ class Tiny:
         return self.path
 
 
-def llama3_rope_factors(head_dim: int, base: float, factor: float = 8.0, low: float = 1.0, high: float = 4.0,
-                        original_context: int = 64) -> np.ndarray:
+def llama3_rope_factors(
+    head_dim: int, base: float, factor: float = 8.0, low: float = 1.0, high: float = 4.0, original_context: int = 64
+) -> np.ndarray:
     """Llama 3.1's frequency factors as llama.cpp's converter writes them (`rope_freqs.weight`); the tiny
     original context makes all three bands (kept, divided by `factor`, smoothed) occur at head_dim 64."""
     freqs = base ** -(np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     wavelen = 2 * np.pi / freqs
     smooth = (original_context / wavelen - low) / (high - low)
-    out = np.where(wavelen < original_context / high, 1.0,
-                   np.where(wavelen > original_context / low, factor, 1 / ((1 - smooth) / factor + smooth)))
+    out = np.where(
+        wavelen < original_context / high,
+        1.0,
+        np.where(wavelen > original_context / low, factor, 1 / ((1 - smooth) / factor + smooth)),
+    )
     return out.astype(np.float32)
 
 
-def write(path: Path, spec: Spec, seed: int = 0, extra: Callable[[Tiny], None] | None = None,
-          qtype: Q = Q.Q8_0) -> Path:
+def write(
+    path: Path, spec: Spec, seed: int = 0, extra: Callable[[Tiny], None] | None = None, qtype: Q = Q.Q8_0
+) -> Path:
     """`qtype`: the matrices' type (Q8_0 or F32). `extra` adds what no reference file has (a test's odd
     tensor or key) before the file is closed."""
     t = Tiny(path, spec.arch, seed, qtype)
@@ -178,22 +183,48 @@ QWEN2 = Spec("qwen2", qkv_bias=True, tied=True, rope_base=1000000.0)
 QWEN3 = Spec("qwen3", qk_norm="head", tied=True, rope_base=1000000.0)
 # Phi-3 mini: fused attn_qkv and gate|up ffn_up; the converter writes a sliding_window llama.cpp ignores. Not
 # named "phi3": llama.cpp then looks up Phi-3's own special tokens, which the tiny vocabulary lacks.
-PHI3 = Spec("phi3", vocab="llama", kv_heads=4, fused=True, name="tiny-phi-mini",
-            keys={"attention.sliding_window": 32, "rope.scaling.original_context_length": 256})
+PHI3 = Spec(
+    "phi3",
+    vocab="llama",
+    kv_heads=4,
+    fused=True,
+    name="tiny-phi-mini",
+    keys={"attention.sliding_window": 32, "rope.scaling.original_context_length": 256},
+)
 GEMMA_EMBED = 0.1 / np.sqrt(HIDDEN)
 # Gemma 2: sliding window on even layers (llama.cpp's default pattern 2), soft-capped attention and logits
 # (the real final cap, which bends these logits' top; a small attention cap, for these small attention scores).
-GEMMA2 = Spec("gemma2", vocab="llama", layers=4, tied=True, post_norms=True, embed_scale=GEMMA_EMBED,
-              keys={"attention.sliding_window": 32, "attn_logit_softcapping": 3.0, "final_logit_softcapping": 30.0})
+GEMMA2 = Spec(
+    "gemma2",
+    vocab="llama",
+    layers=4,
+    tied=True,
+    post_norms=True,
+    embed_scale=GEMMA_EMBED,
+    keys={"attention.sliding_window": 32, "attn_logit_softcapping": 3.0, "final_logit_softcapping": 30.0},
+)
 # Gemma 3: five sliding layers in six; global RoPE base 1e6 as Gemma 3's, the sliding layers' 10,000 (hard-coded
 # by llama.cpp).
-GEMMA3 = Spec("gemma3", vocab="llama", layers=6, tied=True, qk_norm="head", post_norms=True, embed_scale=GEMMA_EMBED,
-              rope_base=1000000.0, keys={"attention.sliding_window": 32})
+GEMMA3 = Spec(
+    "gemma3",
+    vocab="llama",
+    layers=6,
+    tied=True,
+    qk_norm="head",
+    post_norms=True,
+    embed_scale=GEMMA_EMBED,
+    rope_base=1000000.0,
+    keys={"attention.sliding_window": 32},
+)
 # Granite 3: its four multipliers (the embedding's offset by a smaller embedding, so that layers still matter;
 # the attention scale twice 1/sqrt(head_dim), not Granite's 1/head_dim, which leaves these tiny models' attention
 # uniform and blind to positions); untied, else the input token's own embedding, 12x larger, dominates its logit.
-GRANITE = Spec("granite", embed_scale=0.1 / 12, rope_base=10000000.0,
-               keys={"embedding_scale": 12.0, "residual_scale": 0.5, "attention.scale": 0.25, "logit_scale": 8.0})
+GRANITE = Spec(
+    "granite",
+    embed_scale=0.1 / 12,
+    rope_base=10000000.0,
+    keys={"embedding_scale": 12.0, "residual_scale": 0.5, "attention.scale": 0.25, "logit_scale": 8.0},
+)
 # OLMo 2: post-norms only, Q/K norms over the whole projection, untied output (llama.cpp requires it).
 OLMO2 = Spec("olmo2", pre_norms=False, post_norms=True, qk_norm="full", rope_base=500000.0)
 # SmolLM3: llama with no RoPE on layers 3, 7, ... (8 layers: two of them).

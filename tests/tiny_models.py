@@ -21,9 +21,19 @@ def _layers(arch: str) -> int:
     return 6 if arch == "gemma3" else 2  # gemma3 needs one full-attention layer per 6
 
 
-def write_model(path: Path, arch: str = "llama", qtype: Q = Q.F32, tied: bool = True, seed: int = 0,
-                context: int = CONTEXT, heads: int = HEADS, kv_heads: int = KV_HEADS, head_dim: int = HEAD_DIM,
-                chat_template: str | None = None, space_prefix: bool = False) -> Path:
+def write_model(
+    path: Path,
+    arch: str = "llama",
+    qtype: Q = Q.F32,
+    tied: bool = True,
+    seed: int = 0,
+    context: int = CONTEXT,
+    heads: int = HEADS,
+    kv_heads: int = KV_HEADS,
+    head_dim: int = HEAD_DIM,
+    chat_template: str | None = None,
+    space_prefix: bool = False,
+) -> Path:
     """`kv_heads` and `head_dim` size the KV cache per token; `heads` must be a multiple
     of `kv_heads`, and a K-quant needs `heads * head_dim` a multiple of 256. Without a
     `chat_template` the file carries none (gmlx falls back to the family's). `space_prefix`: a

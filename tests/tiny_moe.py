@@ -85,8 +85,14 @@ def _close(w: gguf.GGUFWriter, path: Path) -> Path:
     return path
 
 
-def write_moe(path: Path, arch: str = "qwen3moe", qtype: Q = Q.Q8_0, seed: int = SEED,
-              size: Size = TINY, expert_qtypes: tuple[Q, Q, Q] | None = None) -> Path:
+def write_moe(
+    path: Path,
+    arch: str = "qwen3moe",
+    qtype: Q = Q.Q8_0,
+    seed: int = SEED,
+    size: Size = TINY,
+    expert_qtypes: tuple[Q, Q, Q] | None = None,
+) -> Path:
     """`expert_qtypes`: the (gate, up, down) experts' types where they differ from `qtype` (as llama.cpp's
     K-quant mixes write them); a type gguf cannot quantize gets random valid blocks."""
     if arch not in MOE_ARCHES:

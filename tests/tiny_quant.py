@@ -8,8 +8,18 @@ from gguf.constants import GGMLQuantizationType as T
 from gguf.quants import quantize
 
 # Byte offsets of the fp16 scale fields in each block, set to sane values in random blocks.
-FP16_FIELDS = {T.Q8_0: [0], T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2],
-               T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208], T.Q3_K: [108], T.Q2_K: [80, 82]}
+FP16_FIELDS = {
+    T.Q8_0: [0],
+    T.Q4_0: [0],
+    T.Q4_1: [0, 2],
+    T.Q5_0: [0],
+    T.Q5_1: [0, 2],
+    T.Q4_K: [0, 2],
+    T.Q5_K: [0, 2],
+    T.Q6_K: [208],
+    T.Q3_K: [108],
+    T.Q2_K: [80, 82],
+}
 
 
 def random_blocks(qtype: T, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:

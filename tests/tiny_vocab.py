@@ -15,14 +15,41 @@ NORMAL, CONTROL, USER_DEFINED, BYTE = 1, 3, 4, 6
 
 # SentencePiece pieces: "▁" marks a word start. Every prefix of each word is a piece too,
 # so that score-ranked merging can build each word from its characters.
-_SPM_WORDS = ["▁hello", "▁world", "▁the", "▁capital", "▁of", "▁France", "▁is", "▁Paris",
-              "▁chat", "▁model", "▁user", "ing", "▁a", "er"]
+_SPM_WORDS = [
+    "▁hello",
+    "▁world",
+    "▁the",
+    "▁capital",
+    "▁of",
+    "▁France",
+    "▁is",
+    "▁Paris",
+    "▁chat",
+    "▁model",
+    "▁user",
+    "ing",
+    "▁a",
+    "er",
+]
 _SPM_CONTROL = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
 _SPM_USER = ["\n", "\n\n", "  "]  # Gemma cuts these out of the text before merging
 
-_BPE_MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("Ġ", "w"), ("o", "r"), ("Ġw", "or"),
-               ("l", "d"), ("Ġwor", "ld"), ("i", "n"), ("in", "g"), ("H", "e"), ("l", "l"),
-               ("He", "ll"), ("Hell", "o")]
+_BPE_MERGES = [
+    ("Ġ", "t"),
+    ("h", "e"),
+    ("Ġt", "he"),
+    ("Ġ", "w"),
+    ("o", "r"),
+    ("Ġw", "or"),
+    ("l", "d"),
+    ("Ġwor", "ld"),
+    ("i", "n"),
+    ("in", "g"),
+    ("H", "e"),
+    ("l", "l"),
+    ("He", "ll"),
+    ("Hell", "o"),
+]
 _BPE_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 

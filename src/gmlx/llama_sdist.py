@@ -30,8 +30,18 @@ class SdistError(Exception):
 def download_sdist(dest: Path, version: str = LLAMA_CPP_PYTHON, log: Path | None = None) -> Path:
     """`llama_cpp_python-<version>.tar.gz`, downloaded by pip into `dest`; pip's output goes to `log`
     (appended) when one is given."""
-    argv = [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
-            f"llama-cpp-python=={version}", "-d", str(dest)]
+    argv = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-binary",
+        ":all:",
+        "--no-deps",
+        f"llama-cpp-python=={version}",
+        "-d",
+        str(dest),
+    ]
     proc = subprocess.run(argv, capture_output=True, text=True, check=False)
     output = proc.stdout + proc.stderr
     if log is not None:
@@ -61,8 +71,11 @@ def vocab_corpus(version: str = LLAMA_CPP_PYTHON) -> Path:
         with tarfile.open(sdist) as tar:
             for member in tar:
                 parts = Path(member.name).parts
-                if member.isfile() and parts[1:-1] == ("vendor", "llama.cpp", "models") and \
-                        Path(parts[-1]).match(_VOCAB_GLOB):
+                if (
+                    member.isfile()
+                    and parts[1:-1] == ("vendor", "llama.cpp", "models")
+                    and Path(parts[-1]).match(_VOCAB_GLOB)
+                ):
                     with tar.extractfile(member) as src, (staging / parts[-1]).open("wb") as out:
                         shutil.copyfileobj(src, out)
         if not any(staging.glob("*.gguf")):

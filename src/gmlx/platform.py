@@ -75,15 +75,12 @@ def blas_warning(info: BlasInfo) -> str | None:
     """A one-line warning when MLX's float matmul will run on the reference BLAS."""
     if info.name != "reference" or backend() != "cpu":
         return None
-    return (
-        "no optimized BLAS found: float matmul on the CPU will be slow. "
-        f"Install OpenBLAS: {BLAS_INSTALL_HINT}"
-    )
+    return f"no optimized BLAS found: float matmul on the CPU will be slow. Install OpenBLAS: {BLAS_INSTALL_HINT}"
 
 
 @cache
 def backend() -> str:
-    """"metal", "cuda" or "cpu": where MLX runs by default."""
+    """ "metal", "cuda" or "cpu": where MLX runs by default."""
     import mlx.core as mx
 
     if mx.metal.is_available():

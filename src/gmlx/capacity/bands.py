@@ -24,8 +24,10 @@ class Thresholds:
 
     def __post_init__(self) -> None:
         if not 0 < self.yellow < self.orange < self.red <= 1:
-            raise ValueError(f"governor thresholds must rise within (0, 1]: yellow {self.yellow:g}, "
-                             f"orange {self.orange:g}, red {self.red:g}")
+            raise ValueError(
+                f"governor thresholds must rise within (0, 1]: yellow {self.yellow:g}, "
+                f"orange {self.orange:g}, red {self.red:g}"
+            )
         if not 0 <= self.hysteresis < self.yellow:
             raise ValueError(f"governor hysteresis {self.hysteresis:g} must be at least 0 and below yellow")
 

@@ -70,13 +70,22 @@ class MemoryBudget:
         return max(0, self.drained_bytes - self.batch_bytes - self.prefill_bytes)
 
     def to_json(self) -> dict:
-        return {"total_bytes": self.total_bytes, "weight_bytes": self.weight_bytes,
-                "reserve_bytes": self.reserve_bytes, "prefill_bytes": self.prefill_bytes,
-                "batch_bytes": self.batch_bytes, "prompt_cache_bytes": self.prompt_cache_bytes,
-                "host_bytes": self.host_bytes, "ceiling": self.ceiling, "kv_bytes": self.kv_bytes}
+        return {
+            "total_bytes": self.total_bytes,
+            "weight_bytes": self.weight_bytes,
+            "reserve_bytes": self.reserve_bytes,
+            "prefill_bytes": self.prefill_bytes,
+            "batch_bytes": self.batch_bytes,
+            "prompt_cache_bytes": self.prompt_cache_bytes,
+            "host_bytes": self.host_bytes,
+            "ceiling": self.ceiling,
+            "kv_bytes": self.kv_bytes,
+        }
 
 
-def prefill_working_bytes(g: ModelGeometry, chunk_tokens: int, context_tokens: int, tiled_attention: bool = False) -> int:
+def prefill_working_bytes(
+    g: ModelGeometry, chunk_tokens: int, context_tokens: int, tiled_attention: bool = False
+) -> int:
     """An estimate of the float32 activations one prefill chunk holds at its peak.
 
     With C = min(chunk_tokens, context_tokens) tokens in the chunk and K keys it attends to
@@ -102,9 +111,26 @@ def prefill_working_bytes(g: ModelGeometry, chunk_tokens: int, context_tokens: i
 
 
 # Bare letters and "iB" are binary (as `docker --memory 1g` reads them); "B" after a letter is decimal.
-_UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40,
-          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 2**10,
+    "m": 2**20,
+    "g": 2**30,
+    "t": 2**40,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "ki": 2**10,
+    "mi": 2**20,
+    "gi": 2**30,
+    "ti": 2**40,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+}
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", re.IGNORECASE)
 
 

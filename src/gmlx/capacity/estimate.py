@@ -61,7 +61,8 @@ def estimate(
     """The fields of POST /v1/estimate.
 
     need_bytes is one prefill chunk's working set plus the stream's memory (its KV cache as
-    mlx_lm allocates it, and its logits rows) for the prompt and `max_tokens` more when set. context_ok asks only that the prompt leave
+    mlx_lm allocates it, and its logits rows) for the prompt and `max_tokens` more when set.
+    context_ok asks only that the prompt leave
     room for one generated token (prompt_tokens < context_limit); a max_tokens that reaches
     past the window does not make it false. est_ttft_s is the queue wait, plus the cold
     prompt tokens' prefill (by `prefill_fit` over chunks of `prefill_step` where the server has
@@ -78,11 +79,11 @@ def estimate(
     need_now = need
     if running:
         joined = max(depth, longest)
-        need_now = (prefill_bytes + (running + 1) * stream_bytes(g, joined, kv)
-                    - running * stream_bytes(g, longest, kv))
+        need_now = prefill_bytes + (running + 1) * stream_bytes(g, joined, kv) - running * stream_bytes(g, longest, kv)
     cold = max(0, prompt_tokens - warm_tokens)
-    prefill_s = (prefill_fit.seconds(cold, prefill_step) if prefill_fit
-                 else cold / prefill_tok_s if prefill_tok_s else None)
+    prefill_s = (
+        prefill_fit.seconds(cold, prefill_step) if prefill_fit else cold / prefill_tok_s if prefill_tok_s else None
+    )
     ttft = round(queue_wait_s + prefill_s + first_step_s, 3) if prefill_s is not None else None
     return {
         "prompt_tokens": prompt_tokens,
@@ -99,12 +100,22 @@ def estimate(
     }
 
 
-def estimate_not_loaded(table: CapacityTable, *, prompt_tokens: int, max_tokens: int | None,
-                        free_now_bytes: int | None) -> dict:
+def estimate_not_loaded(
+    table: CapacityTable, *, prompt_tokens: int, max_tokens: int | None, free_now_bytes: int | None
+) -> dict:
     """The estimate for a model that is not loaded, from the table built for its header alone:
     fits_drained against the budget it would have served, est_ttft_s null (no measured rate)."""
     b = table.budget
-    return estimate(table.geometry, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
-                    context_limit=table.context_length, prefill_bytes=b.prefill_bytes,
-                    free_now_bytes=free_now_bytes, free_drained_bytes=b.drained_bytes, prefill_tok_s=None,
-                    queue_wait_s=0.0, resident=False, kv=table.kv)
+    return estimate(
+        table.geometry,
+        prompt_tokens=prompt_tokens,
+        max_tokens=max_tokens,
+        context_limit=table.context_length,
+        prefill_bytes=b.prefill_bytes,
+        free_now_bytes=free_now_bytes,
+        free_drained_bytes=b.drained_bytes,
+        prefill_tok_s=None,
+        queue_wait_s=0.0,
+        resident=False,
+        kv=table.kv,
+    )

@@ -92,14 +92,24 @@ class KVQuantPlan:
         """The format capacity plans with: float when the verdict is dropped."""
         if not self.quantizes:
             return KVFormat(float_bytes=float_bytes)
-        return KVFormat(bits=self.bits, group_size=self.group_size, float_bytes=float_bytes,
-                        value_bits=self.value_bits, tail_tokens=self.tail_tokens or 0)
+        return KVFormat(
+            bits=self.bits,
+            group_size=self.group_size,
+            float_bytes=float_bytes,
+            value_bits=self.value_bits,
+            tail_tokens=self.tail_tokens or 0,
+        )
 
     def to_json(self) -> dict:
         """The `kv_quant` object (docs/ARCHITECTURE.md, "Contract")."""
-        out: dict = {"scheme": self.scheme, "bits": self.bits, "group_size": self.group_size,
-                     "layers_quantized": self.layers_quantized, "layers_fp16": self.layers_fp16,
-                     "verdict": self.verdict}
+        out: dict = {
+            "scheme": self.scheme,
+            "bits": self.bits,
+            "group_size": self.group_size,
+            "layers_quantized": self.layers_quantized,
+            "layers_fp16": self.layers_fp16,
+            "verdict": self.verdict,
+        }
         if self.reason is not None:
             out["reason"] = self.reason
         out["verdict_batched"] = self.verdict_batched
@@ -114,8 +124,9 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
-def choose_scheme(g: ModelGeometry, *, streams: int, context_length: int,
-                  float_bytes: int, kv_budget_bytes: int | None) -> tuple[str, str]:
+def choose_scheme(
+    g: ModelGeometry, *, streams: int, context_length: int, float_bytes: int, kv_budget_bytes: int | None
+) -> tuple[str, str]:
     """(scheme, why) for `auto`. uniform 8-bit where it is enough: on the default model it kept
     greedy output about as close to float as kvarn K8/V4, and its quantized attention is faster.
     kvarn where even 8-bit uniform leaves the decode batch short of the context: 4-bit values
@@ -128,10 +139,14 @@ def choose_scheme(g: ModelGeometry, *, streams: int, context_length: int,
     uniform8 = streams * context_length * per_token * (1 + 2 * float_bytes / DEFAULT_GROUP_SIZE)
     what = f"{streams} streams of {context_length} tokens"
     if uniform8 > kv_budget_bytes:
-        return "kvarn", (f"8-bit uniform KV for {what} needs {_gib(uniform8)}, more than the "
-                         f"{_gib(kv_budget_bytes)} budget: kvarn's 4-bit values fit more")
-    return "uniform", (f"8-bit uniform KV for {what} ({_gib(uniform8)}) fits the {_gib(kv_budget_bytes)} "
-                       "budget: uniform, as close to float as kvarn and faster")
+        return "kvarn", (
+            f"8-bit uniform KV for {what} needs {_gib(uniform8)}, more than the "
+            f"{_gib(kv_budget_bytes)} budget: kvarn's 4-bit values fit more"
+        )
+    return "uniform", (
+        f"8-bit uniform KV for {what} ({_gib(uniform8)}) fits the {_gib(kv_budget_bytes)} "
+        "budget: uniform, as close to float as kvarn and faster"
+    )
 
 
 def _drop_reason(g: ModelGeometry, group_size: int) -> str | None:
@@ -145,9 +160,15 @@ def _drop_reason(g: ModelGeometry, group_size: int) -> str | None:
     return None
 
 
-def plan_kv_quant(s: KVQuantSettings, g: ModelGeometry, *, streams: int = 1,
-                  context_length: int | None = None, float_bytes: int = 2,
-                  kv_budget_bytes: int | None = None) -> KVQuantPlan | None:
+def plan_kv_quant(
+    s: KVQuantSettings,
+    g: ModelGeometry,
+    *,
+    streams: int = 1,
+    context_length: int | None = None,
+    float_bytes: int = 2,
+    kv_budget_bytes: int | None = None,
+) -> KVQuantPlan | None:
     """The plan for model `g` under settings `s`; None when KV quantization is off.
 
     `streams`, `context_length`, `float_bytes` and `kv_budget_bytes` (memory left for KV once
@@ -162,9 +183,9 @@ def plan_kv_quant(s: KVQuantSettings, g: ModelGeometry, *, streams: int = 1,
         if s.value_bits is not None or s.tail_tokens is not None:
             scheme, auto = "kvarn", "kv value bits or tail tokens were set, and only kvarn has them"
         else:
-            scheme, auto = choose_scheme(g, streams=streams,
-                                         context_length=window,
-                                         float_bytes=float_bytes, kv_budget_bytes=kv_budget_bytes)
+            scheme, auto = choose_scheme(
+                g, streams=streams, context_length=window, float_bytes=float_bytes, kv_budget_bytes=kv_budget_bytes
+            )
     bits = s.bits if s.bits is not None else DEFAULT_BITS[scheme]
     group_size = s.group_size if s.group_size is not None else DEFAULT_GROUP_SIZE
     value_bits = tail_tokens = None
@@ -178,8 +199,10 @@ def plan_kv_quant(s: KVQuantSettings, g: ModelGeometry, *, streams: int = 1,
         quantized, verdict, reason = 0, DROPPED, why
     elif sliding:
         quantized, verdict = n - sliding, PARTIAL
-        reason = (f"{sliding} of {n} layers slide (window {g.sliding_window}) and keep a float cache: "
-                  "it stops at the window, so quantizing it would save a constant, not a share of the context")
+        reason = (
+            f"{sliding} of {n} layers slide (window {g.sliding_window}) and keep a float cache: "
+            "it stops at the window, so quantizing it would save a constant, not a share of the context"
+        )
     else:
         quantized, verdict, reason = n, FULL, None
     if tail_tokens and verdict != DROPPED and tail_tokens >= window:
@@ -187,18 +210,29 @@ def plan_kv_quant(s: KVQuantSettings, g: ModelGeometry, *, streams: int = 1,
         quantized = 0
         reason = f"the float tail of {tail_tokens} tokens covers the whole {window}-token context"
 
-    return KVQuantPlan(scheme, bits, group_size, quantized, n - quantized, verdict, reason, verdict,
-                       value_bits, tail_tokens, auto)
+    return KVQuantPlan(
+        scheme, bits, group_size, quantized, n - quantized, verdict, reason, verdict, value_bits, tail_tokens, auto
+    )
 
 
-
-def server_plan(s: KVQuantSettings, g: ModelGeometry, *, memory: int, weight_bytes: int, reserve_fraction: float,
-                reserve_floor: int, prompt_cache_bytes: int = 0, streams: int = 1, context_length: int | None = None,
-                float_bytes: int = 4) -> KVQuantPlan | None:
+def server_plan(
+    s: KVQuantSettings,
+    g: ModelGeometry,
+    *,
+    memory: int,
+    weight_bytes: int,
+    reserve_fraction: float,
+    reserve_floor: int,
+    prompt_cache_bytes: int = 0,
+    streams: int = 1,
+    context_length: int | None = None,
+    float_bytes: int = 4,
+) -> KVQuantPlan | None:
     """`plan_kv_quant` with the budget a server plans with (weights, reserve and prompt cache
     taken off `memory`). float_bytes 4: the engine computes in float32 (as gmlx.cli.plan assumes)."""
     from gmlx.capacity.budget import MemoryBudget
 
     budget = MemoryBudget(memory, weight_bytes, 0, reserve_floor, reserve_fraction, prompt_cache_bytes)
-    return plan_kv_quant(s, g, streams=streams, context_length=context_length,
-                         float_bytes=float_bytes, kv_budget_bytes=budget.kv_bytes)
+    return plan_kv_quant(
+        s, g, streams=streams, context_length=context_length, float_bytes=float_bytes, kv_budget_bytes=budget.kv_bytes
+    )

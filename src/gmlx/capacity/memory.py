@@ -78,9 +78,15 @@ class KVFormat:
         return f"{width} g{self.group_size}, {float_name} scales{tail}"
 
     def to_json(self) -> dict:
-        return {"bits": self.bits, "group_size": self.group_size, "float_bytes": self.float_bytes,
-                "value_bits": self.value_bits, "tail_tokens": self.tail_tokens,
-                "element_bytes": self.element_bytes(), "describe": self.describe()}
+        return {
+            "bits": self.bits,
+            "group_size": self.group_size,
+            "float_bytes": self.float_bytes,
+            "value_bits": self.value_bits,
+            "tail_tokens": self.tail_tokens,
+            "element_bytes": self.element_bytes(),
+            "describe": self.describe(),
+        }
 
 
 FP16 = KVFormat()
@@ -114,8 +120,11 @@ def tail_bytes_per_token(g: ModelGeometry, kv: KVFormat) -> float:
     """Float bytes per token of the kvarn tails, all quantized layers together (0 without one)."""
     if not kv.tail_tokens or g.kv_lora_rank:
         return 0.0
-    return sum(g.n_kv_heads[i] * (g.key_length + g.value_length) * kv.float_bytes
-               for i in range(g.n_layers) if layer_quantized(g, i, kv))
+    return sum(
+        g.n_kv_heads[i] * (g.key_length + g.value_length) * kv.float_bytes
+        for i in range(g.n_layers)
+        if layer_quantized(g, i, kv)
+    )
 
 
 def kv_profile(g: ModelGeometry, kv: KVFormat = FP16) -> KVProfile:
@@ -219,8 +228,10 @@ def kv_bytes_after_prefill(g: ModelGeometry, depth: int, kv: KVFormat = FP16) ->
     caches have grown in whole 256-token steps, while a RotatingKVCache has concatenated the
     chunk and holds exactly min(depth, window) tokens until decoding starts to grow it. A kvarn
     tail has grown like a full cache, or been cut to its `tail_tokens` if it reached 256 more."""
-    total = sum(k.bytes_per_token * (min(depth, k.window) if k.window else allocated_tokens(depth))
-                for k in kv_layer_kinds(g, kv))
+    total = sum(
+        k.bytes_per_token * (min(depth, k.window) if k.window else allocated_tokens(depth))
+        for k in kv_layer_kinds(g, kv)
+    )
     if tail := tail_bytes_per_token(g, kv):
         t = kv.tail_tokens
         total += round(tail * (allocated_tokens(depth) if depth < t + ALLOC_STEP else t))
@@ -244,5 +255,7 @@ def warmup_per_token(g: ModelGeometry, tokens: int, measured_kv_bytes: int, kv: 
     per_token = kv_bytes_per_token(g, kv)
     predicted = kv_bytes_after_prefill(g, tokens, kv)
     slots = predicted / per_token if per_token else 0
-    return {"kv_bytes_per_token_predicted": round(per_token, 1),
-            "kv_bytes_per_token_measured": round(measured_kv_bytes / slots, 1) if slots else None}
+    return {
+        "kv_bytes_per_token_predicted": round(per_token, 1),
+        "kv_bytes_per_token_measured": round(measured_kv_bytes / slots, 1) if slots else None,
+    }

@@ -45,9 +45,17 @@ def plan(
     else:
         reason = "ok"
     return {
-        "width": width, "depth": depth, "ok": ok,
-        "max_context_at_width": max_context, "max_width_at_depth": max_width,
-        "model": model, "band": live.band,
-        "decode_batch": live.decode_batch, "in_flight": live.in_flight, "waiting": live.waiting, "slots": slots,
-        "admit_now": reason == "ok", "reason": reason,
+        "width": width,
+        "depth": depth,
+        "ok": ok,
+        "max_context_at_width": max_context,
+        "max_width_at_depth": max_width,
+        "model": model,
+        "band": live.band,
+        "decode_batch": live.decode_batch,
+        "in_flight": live.in_flight,
+        "waiting": live.waiting,
+        "slots": slots,
+        "admit_now": reason == "ok",
+        "reason": reason,
     }

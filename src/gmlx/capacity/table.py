@@ -109,8 +109,10 @@ class CapacityTable:
         """One line for the start-up log, such as 'capacity: 8 streams of 32768 tokens, or 1 stream of 131072'."""
         one, batch = self.max_context_at_width(1), self.decode_batch
         if one == 0:
-            return (f"capacity: no room for a KV cache ({self.budget.kv_bytes} bytes left after weights, reserve, "
-                    "prompt cache, prefill and the process's memory outside MLX)")
+            return (
+                f"capacity: no room for a KV cache ({self.budget.kv_bytes} bytes left after weights, reserve, "
+                "prompt cache, prefill and the process's memory outside MLX)"
+            )
         full = self.max_context_at_width(batch)
         if batch == 1 or full == one:
             return f"capacity: {_streams(batch)} of {full} tokens"
@@ -136,7 +138,11 @@ def _streams(n: int) -> str:
 
 
 def build_table(
-    g: ModelGeometry, budget: MemoryBudget, decode_batch: int, kv: KVFormat = FP16, context_length: int | None = None,
+    g: ModelGeometry,
+    budget: MemoryBudget,
+    decode_batch: int,
+    kv: KVFormat = FP16,
+    context_length: int | None = None,
     prefill_step: int | None = None,
 ) -> CapacityTable:
     """`context_length` is max_kv_size where the server sets one; the GGUF's window caps it."""
@@ -174,8 +180,9 @@ def capacity_table(
     chunk = min(prefill_step, window)
     transient = rotating_prefill_bytes(g, chunk, kv)
     prefill = prefill_working_bytes(g, prefill_step, window, tiled_attention) + transient
-    budget = MemoryBudget(memory, weight_bytes, prefill, reserve_floor, reserve_fraction, prompt_cache_bytes,
-                          batch_bytes=transient)
+    budget = MemoryBudget(
+        memory, weight_bytes, prefill, reserve_floor, reserve_fraction, prompt_cache_bytes, batch_bytes=transient
+    )
     if governor is not None:
         budget = replace(budget, host_bytes=governor.host_bytes, ceiling=governor.ceiling)
     return build_table(g, budget, decode_batch, kv, window, chunk)
@@ -221,8 +228,16 @@ KV_FLOAT_BYTES = FLOAT32_BYTES
 KV_FLOAT_WHY = "the engine computes in float32 (float32 weights or float32 scales)"
 
 
-def header_table(h: GGUFHeader, s: TableSettings, *, mode: str, memory: int, float_bytes: int = KV_FLOAT_BYTES,
-                 fast_kernels: bool = False, host_memory: bool = True) -> tuple[CapacityTable, KVQuantPlan | None]:
+def header_table(
+    h: GGUFHeader,
+    s: TableSettings,
+    *,
+    mode: str,
+    memory: int,
+    float_bytes: int = KV_FLOAT_BYTES,
+    fast_kernels: bool = False,
+    host_memory: bool = True,
+) -> tuple[CapacityTable, KVQuantPlan | None]:
     """The table a server with settings `s` would build for this file, from its header alone (no
     weights): its weights as `mode` loads them, and the KV quantization plan it would make (None
     when off). `gmlx plan`/`gmlx estimate` and /v1/estimate for a model not loaded use it.
@@ -232,14 +247,35 @@ def header_table(h: GGUFHeader, s: TableSettings, *, mode: str, memory: int, flo
     is host memory, as everywhere but CUDA)."""
     g, weight_bytes, cache_bytes = h.geometry, resident_bytes(h, mode), s.prompt_cache_limit(memory)
     window = g.context_length if s.max_kv_size is None else min(g.context_length, s.max_kv_size)
-    kv_plan = server_plan(s.kv_quant(), g, memory=memory, weight_bytes=weight_bytes,
-                          reserve_fraction=s.reserve_fraction, reserve_floor=s.reserve_floor,
-                          prompt_cache_bytes=cache_bytes, streams=s.decode_batch, context_length=window,
-                          float_bytes=float_bytes) if s.kv_quant().enabled else None
+    kv_plan = (
+        server_plan(
+            s.kv_quant(),
+            g,
+            memory=memory,
+            weight_bytes=weight_bytes,
+            reserve_fraction=s.reserve_fraction,
+            reserve_floor=s.reserve_floor,
+            prompt_cache_bytes=cache_bytes,
+            streams=s.decode_batch,
+            context_length=window,
+            float_bytes=float_bytes,
+        )
+        if s.kv_quant().enabled
+        else None
+    )
     kv = kv_plan.kv_format(float_bytes) if kv_plan is not None else KVFormat(float_bytes=float_bytes)
-    table = capacity_table(g, weight_bytes=weight_bytes, decode_batch=s.decode_batch, prefill_step=s.prefill_step,
-                           kv=kv, memory=memory, reserve_fraction=s.reserve_fraction,
-                           reserve_floor=s.reserve_floor, context_length=window, prompt_cache_bytes=cache_bytes,
-                           tiled_attention=attention_in_tiles(fast_kernels, kv_plan),
-                           governor=governor_terms(s, HOST_BYTES_ESTIMATE, host_memory))
+    table = capacity_table(
+        g,
+        weight_bytes=weight_bytes,
+        decode_batch=s.decode_batch,
+        prefill_step=s.prefill_step,
+        kv=kv,
+        memory=memory,
+        reserve_fraction=s.reserve_fraction,
+        reserve_floor=s.reserve_floor,
+        context_length=window,
+        prompt_cache_bytes=cache_bytes,
+        tiled_attention=attention_in_tiles(fast_kernels, kv_plan),
+        governor=governor_terms(s, HOST_BYTES_ESTIMATE, host_memory),
+    )
     return table, kv_plan

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, NoReturn
+from typing import Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -27,8 +28,12 @@ EXIT_NO_DEFAULT_MODEL = 4  # no model given and the demo extra is not installed
 console = Console()
 err_console = Console(stderr=True)
 
-MODEL_ARG = typer.Argument(None, help="A .gguf file; the embedded default model when omitted.", show_default=False,
-                           autocompletion=complete_gguf)
+MODEL_ARG = typer.Argument(
+    None,
+    help="A .gguf file; the embedded default model when omitted.",
+    show_default=False,
+    autocompletion=complete_gguf,
+)
 JSON_OPT = typer.Option(False, "--json", help="Print one JSON object instead of a table.")
 
 

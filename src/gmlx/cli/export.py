@@ -36,8 +36,18 @@ def export_command(
     with model_errors(), load_progress() as step:
         report = export(path, out_dir, weights, progress=step)  # type: ignore[arg-type]
     if json_out:
-        print_json({"model": str(path), "out_dir": str(report.out_dir), "weights": report.mode,
-                    "weight_bytes": report.weight_bytes, "quantized_layers": report.quantized_layers})
+        print_json(
+            {
+                "model": str(path),
+                "out_dir": str(report.out_dir),
+                "weights": report.mode,
+                "weight_bytes": report.weight_bytes,
+                "quantized_layers": report.quantized_layers,
+            }
+        )
         return
-    console.print(f"wrote {report.out_dir} ({report.mode} weights, {human_bytes(report.weight_bytes)}); "
-                  f"load it with mlx_lm.load({str(report.out_dir)!r})", highlight=False)
+    console.print(
+        f"wrote {report.out_dir} ({report.mode} weights, {human_bytes(report.weight_bytes)}); "
+        f"load it with mlx_lm.load({str(report.out_dir)!r})",
+        highlight=False,
+    )

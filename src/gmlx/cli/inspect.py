@@ -56,8 +56,12 @@ def describe(model: str | None, weights: WeightsOption) -> dict[str, Any]:
         "kv_format": {"value": kv.describe(), "from": KV_FLOAT_WHY, "element_bytes": kv.element_bytes()},
         "kv_bytes_per_token": {k.kind: asdict(k) for k in kv_layer_kinds(g, kv)},
         "weights": {"mode": mode, "resident_bytes": resident_bytes(h, mode)},
-        "platform": {"backend": platform.backend(), "blas": gmlx.BLAS.name, "blas_path": gmlx.BLAS.path,
-                     "gguf_kernels": _kernels()},
+        "platform": {
+            "backend": platform.backend(),
+            "blas": gmlx.BLAS.name,
+            "blas_path": gmlx.BLAS.path,
+            "gguf_kernels": _kernels(),
+        },
     }
 
 
@@ -102,7 +106,10 @@ def inspect_command(
         ("layers", str(info["layers"])),
         ("heads", f"{info['attention_heads']} attention, {info['kv_heads']} KV"),
         ("key / value width", f"{info['key_length']} / {info['value_length']}"),
-        ("sliding window", f"{info['sliding_window']} on {info['sliding_layers']} layers" if info["sliding_window"] else "none"),
+        (
+            "sliding window",
+            f"{info['sliding_window']} on {info['sliding_layers']} layers" if info["sliding_window"] else "none",
+        ),
         ("context", f"{info['context_length']:,} tokens"),
         ("vocabulary", f"{info['vocab_size']:,}"),
         ("chat template", "in file" if info["chat_template"] else "none (architecture default)"),
@@ -115,4 +122,3 @@ def inspect_command(
         table.add_row(key, value)
     console.print(table)
     warn_if_slow_blas()
-

@@ -36,18 +36,27 @@ _HTTP_TIMEOUT_S = 60
 
 URL_OPT = typer.Option(None, "--url", help="Ask the server at this URL instead of reading the model file.")
 API_KEY_OPT = typer.Option(None, "--api-key", envvar="GMLX_API_KEY", help="The server's API key, for --url.")
-MEMORY_OPT = typer.Option(None, "--memory", help="Memory to plan with, such as 64GiB.  [default: this machine's]",
-                          show_default=False)
+MEMORY_OPT = typer.Option(
+    None, "--memory", help="Memory to plan with, such as 64GiB.  [default: this machine's]", show_default=False
+)
 BODY_OPT = typer.Option(None, "--body", help="A chat-completions request body (JSON file).", show_default=False)
-WEIGHTS_OPT = typer.Option(None, help="Weight mode to assume: auto, gguf, native or float.  [default: auto]",
-                           show_default=False)
-KV_BITS_OPT = typer.Option(None, "--kv-bits", help="KV cache quantization to assume: 2, 4 or 8 bits.", show_default=False)
+WEIGHTS_OPT = typer.Option(
+    None, help="Weight mode to assume: auto, gguf, native or float.  [default: auto]", show_default=False
+)
+KV_BITS_OPT = typer.Option(
+    None, "--kv-bits", help="KV cache quantization to assume: 2, 4 or 8 bits.", show_default=False
+)
 KV_GROUP_OPT = typer.Option(None, "--kv-group-size", help="KV quantization group: 32, 64 or 128.", show_default=False)
 KV_SCHEME_OPT = typer.Option(None, "--kv-scheme", help="uniform, kvarn or auto.", show_default=False)
 KV_VALUE_BITS_OPT = typer.Option(None, "--kv-value-bits", help="kvarn: bits of the values.", show_default=False)
 KV_TAIL_OPT = typer.Option(None, "--kv-tail-tokens", help="kvarn: newest tokens kept in float.", show_default=False)
-MAX_KV_OPT = typer.Option(None, "--max-kv-size", min=1, help="Cap the context window, as `gmlx serve --max-kv-size` "
-                          "does.  [default: the GGUF's trained window]", show_default=False)
+MAX_KV_OPT = typer.Option(
+    None,
+    "--max-kv-size",
+    min=1,
+    help="Cap the context window, as `gmlx serve --max-kv-size` does.  [default: the GGUF's trained window]",
+    show_default=False,
+)
 # The table's own fields in the capacity section of /v1/metrics (the rest is warm-up measurement).
 _TABLE_KEYS = ("kv_format", "budget", "decode_batch", "context_length", "prefill_step", "headline", "widths", "depths")
 
@@ -74,12 +83,25 @@ def _from(s: Settings, name: str) -> str:
     return "--" + name.replace("_", "-") if source == "flag" else source
 
 
-def offline(model: str | None, memory: str | None, weights: str | None,
-            decode_batch: int | None = None, prefill_step: int | None = None,
-            kv_flags: dict[str, Any] | None = None, max_kv_size: int | None = None) -> Offline:
+def offline(
+    model: str | None,
+    memory: str | None,
+    weights: str | None,
+    decode_batch: int | None = None,
+    prefill_step: int | None = None,
+    kv_flags: dict[str, Any] | None = None,
+    max_kv_size: int | None = None,
+) -> Offline:
     """The table `gmlx serve` would build for this model, from its header and the server's own settings."""
-    flags = {"model": model, "memory": memory, "weights": weights, "decode_batch": decode_batch,
-             "prefill_step": prefill_step, "max_kv_size": max_kv_size, **(kv_flags or {})}
+    flags = {
+        "model": model,
+        "memory": memory,
+        "weights": weights,
+        "decode_batch": decode_batch,
+        "prefill_step": prefill_step,
+        "max_kv_size": max_kv_size,
+        **(kv_flags or {}),
+    }
     with errors():
         s = resolve_settings(flags)
         path = resolve_model(s.model)
@@ -102,22 +124,35 @@ def offline(model: str | None, memory: str | None, weights: str | None,
         "model": str(path),
         "memory_bytes": {"value": total, "from": memory_from},
         "weights": {"value": mode, "from": weights_from, "resident_bytes": table.budget.weight_bytes},
-        "kv_format": {"value": table.kv.describe(), "from": KV_FLOAT_WHY, "element_bytes": table.kv.element_bytes(),
-                      **({"kv_quant": kv_plan.to_json()} if kv_plan is not None else {})},
+        "kv_format": {
+            "value": table.kv.describe(),
+            "from": KV_FLOAT_WHY,
+            "element_bytes": table.kv.element_bytes(),
+            **({"kv_quant": kv_plan.to_json()} if kv_plan is not None else {}),
+        },
         "decode_batch": {"value": s.decode_batch, "from": _from(s, "decode_batch")},
         "prompt_cache_bytes": {"value": s.prompt_cache_limit(total), "from": _from(s, "prompt_cache_bytes")},
         "prefill_step": {"value": s.prefill_step, "from": _from(s, "prefill_step")},
-        "prefill_bytes": {"value": table.budget.prefill_bytes,
-                          "from": "one chunk's activations" + (", attention in tiles (gmlx's CPU kernels)" if tiled
-                                                               else " and one layer's attention scores")},
-        "reserve_bytes": {"value": table.budget.reserve_bytes,
-                          "from": f"max({human_bytes(s.reserve_floor)}, {s.reserve_fraction:g} x memory)"},
+        "prefill_bytes": {
+            "value": table.budget.prefill_bytes,
+            "from": "one chunk's activations"
+            + (", attention in tiles (gmlx's CPU kernels)" if tiled else " and one layer's attention scores"),
+        },
+        "reserve_bytes": {
+            "value": table.budget.reserve_bytes,
+            "from": f"max({human_bytes(s.reserve_floor)}, {s.reserve_fraction:g} x memory)",
+        },
         "context_length": {"value": table.context_length, "from": _window_from(s, h.geometry.context_length)},
-        "host_bytes": {"value": table.budget.host_bytes,
-                       "from": "the process's memory outside MLX, as a server measures it (estimated offline)"
-                       if table.budget.host_bytes else "not counted (no governor, or CUDA)"},
-        "ceiling": {"value": table.budget.ceiling,
-                    "from": "the governor's orange threshold" if s.governor else "no governor: the whole budget"},
+        "host_bytes": {
+            "value": table.budget.host_bytes,
+            "from": "the process's memory outside MLX, as a server measures it (estimated offline)"
+            if table.budget.host_bytes
+            else "not counted (no governor, or CUDA)",
+        },
+        "ceiling": {
+            "value": table.budget.ceiling,
+            "from": "the governor's orange threshold" if s.governor else "no governor: the whole budget",
+        },
     }
     return Offline(path, h, table, assumptions)
 
@@ -191,8 +226,10 @@ def _finish(title: str, answer: dict[str, Any], assumptions: dict[str, Any], jso
     if json_out:
         print_json({title: answer, "assumptions": assumptions})
     else:
-        _show(title, [(k, human_bytes(v) if k.endswith("_bytes") and v is not None else _value(v))
-                      for k, v in answer.items()])
+        _show(
+            title,
+            [(k, human_bytes(v) if k.endswith("_bytes") and v is not None else _value(v)) for k, v in answer.items()],
+        )
         console.print()
         _show_assumptions(assumptions)
     raise typer.Exit(EXIT_OK if ok else EXIT_FAILED)
@@ -205,11 +242,13 @@ def _show_table(table: dict[str, Any]) -> None:
     usable = f"(memory {human_bytes(b['total_bytes'])} - reserve {human_bytes(b['reserve_bytes'])})"
     if b.get("ceiling", 1) != 1:
         usable += f" x {b['ceiling']:g} (up to orange)"
-    console.print(f"{usable} - weights {human_bytes(b['weight_bytes'])} - outside MLX {human_bytes(b.get('host_bytes', 0))}"
-                  f" - prompt cache {human_bytes(b['prompt_cache_bytes'])} - prefill {human_bytes(b['prefill_bytes'])}"
-                  f" - batch {human_bytes(b.get('batch_bytes', 0))} = KV {human_bytes(b['kv_bytes'])} for one stream "
-                  f"({table['kv_format']['describe']}); each stream more brings its own prefill\n",
-                  highlight=False)
+    console.print(
+        f"{usable} - weights {human_bytes(b['weight_bytes'])} - outside MLX {human_bytes(b.get('host_bytes', 0))}"
+        f" - prompt cache {human_bytes(b['prompt_cache_bytes'])} - prefill {human_bytes(b['prefill_bytes'])}"
+        f" - batch {human_bytes(b.get('batch_bytes', 0))} = KV {human_bytes(b['kv_bytes'])} for one stream "
+        f"({table['kv_format']['describe']}); each stream more brings its own prefill\n",
+        highlight=False,
+    )
     widths = Table("width", "max context", box=None, pad_edge=False)
     for w, c in table["widths"].items():
         widths.add_row(w, str(c))
@@ -234,10 +273,12 @@ def plan_command(
     depth: int = typer.Option(None, "--depth", min=1, help="Tokens in each stream.", show_default=False),
     memory: str = MEMORY_OPT,
     weights: str = WEIGHTS_OPT,
-    decode_batch: int = typer.Option(None, "--decode-batch", help="Streams the server decodes together.  [default: 8]",
-                                     show_default=False),
-    prefill_step: int = typer.Option(None, "--prefill-step", help="Prompt tokens per prefill chunk.  [default: 512]",
-                                     show_default=False),
+    decode_batch: int = typer.Option(
+        None, "--decode-batch", help="Streams the server decodes together.  [default: 8]", show_default=False
+    ),
+    prefill_step: int = typer.Option(
+        None, "--prefill-step", help="Prompt tokens per prefill chunk.  [default: 512]", show_default=False
+    ),
     whole_table: bool = typer.Option(False, "--table", help="Show the whole table: widths x depths."),
     kv_bits: int = KV_BITS_OPT,
     kv_group_size: int = KV_GROUP_OPT,
@@ -250,8 +291,13 @@ def plan_command(
     api_key: str = API_KEY_OPT,
 ) -> None:
     """Can W streams of D tokens fit, and start now? Exit 0 if ok, 1 if not, 2 on error."""
-    kv_flags = {"kv_bits": kv_bits, "kv_group_size": kv_group_size, "kv_scheme": kv_scheme,
-                "kv_value_bits": kv_value_bits, "kv_tail_tokens": kv_tail_tokens}
+    kv_flags = {
+        "kv_bits": kv_bits,
+        "kv_group_size": kv_group_size,
+        "kv_scheme": kv_scheme,
+        "kv_value_bits": kv_value_bits,
+        "kv_tail_tokens": kv_tail_tokens,
+    }
     if whole_table:
         if url:
             table, assumptions = served_table(url, api_key), _server_assumptions(url)
@@ -308,8 +354,9 @@ def _estimate_offline(o: Offline, body: dict[str, Any]) -> dict[str, Any]:
     except APIError as e:
         fail(e.message, EXIT_ERROR)
     # Nothing runs, so free now is free once drained.
-    out = estimate_not_loaded(o.table, prompt_tokens=len(ids), max_tokens=p.max_tokens,
-                              free_now_bytes=o.table.budget.drained_bytes)
+    out = estimate_not_loaded(
+        o.table, prompt_tokens=len(ids), max_tokens=p.max_tokens, free_now_bytes=o.table.budget.drained_bytes
+    )
     return {**out, "model": o.path.stem}
 
 
@@ -317,8 +364,9 @@ def estimate_command(
     model: str = MODEL_ARG,
     body_file: Path = BODY_OPT,
     prompt: str = typer.Option(None, "--prompt", help="One user message, instead of --body.", show_default=False),
-    max_tokens: int = typer.Option(None, "--max-tokens", min=1, help="Tokens to generate (overrides the body's).",
-                                   show_default=False),
+    max_tokens: int = typer.Option(
+        None, "--max-tokens", min=1, help="Tokens to generate (overrides the body's).", show_default=False
+    ),
     memory: str = MEMORY_OPT,
     weights: str = WEIGHTS_OPT,
     kv_bits: int = KV_BITS_OPT,
@@ -336,10 +384,25 @@ def estimate_command(
     if url:
         answer, assumptions = ask_server("POST", url, "/v1/estimate", api_key, json=body), _server_assumptions(url)
     else:
-        o = offline(model, memory, weights, kv_flags={
-            "kv_bits": kv_bits, "kv_group_size": kv_group_size, "kv_scheme": kv_scheme,
-            "kv_value_bits": kv_value_bits, "kv_tail_tokens": kv_tail_tokens}, max_kv_size=max_kv_size)
+        o = offline(
+            model,
+            memory,
+            weights,
+            kv_flags={
+                "kv_bits": kv_bits,
+                "kv_group_size": kv_group_size,
+                "kv_scheme": kv_scheme,
+                "kv_value_bits": kv_value_bits,
+                "kv_tail_tokens": kv_tail_tokens,
+            },
+            max_kv_size=max_kv_size,
+        )
         answer = _estimate_offline(o, body)
-        assumptions = {**o.assumptions, "prefill_tok_s": {
-            "value": None, "from": "offline there is no measured prefill rate, so est_ttft_s is null"}}
+        assumptions = {
+            **o.assumptions,
+            "prefill_tok_s": {
+                "value": None,
+                "from": "offline there is no measured prefill rate, so est_ttft_s is null",
+            },
+        }
     _finish("estimate", answer, assumptions, json_out, ok=answer["context_ok"] and answer["fits_drained"] is not False)

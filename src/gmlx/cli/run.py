@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -31,7 +31,11 @@ def load_progress() -> Iterator:
         yield None
         return
     with Progress(
-        TextColumn("loading {task.fields[step]:<9}"), BarColumn(), TimeElapsedColumn(), console=err_console, transient=True
+        TextColumn("loading {task.fields[step]:<9}"),
+        BarColumn(),
+        TimeElapsedColumn(),
+        console=err_console,
+        transient=True,
     ) as bar:
         task = bar.add_task("load", total=len(LOAD_STEPS), step="")
 
@@ -51,7 +55,9 @@ def run_command(
     top_k: int = typer.Option(0, "--top-k", min=0),
     min_p: float = typer.Option(0.0, "--min-p", min=0.0, max=1.0),
     seed: int = typer.Option(None, "--seed", help="Seed for sampling, so a run repeats."),
-    weights: str = typer.Option("auto", help="auto, gguf (the file's blocks, gmlx kernels), native (MLX quantized) or float (dequantized)."),
+    weights: str = typer.Option(
+        "auto", help="auto, gguf (the file's blocks, gmlx kernels), native (MLX quantized) or float (dequantized)."
+    ),
     json_out: bool = JSON_OPT,
 ) -> None:
     """Generate from a model, streaming the text, then print speed and memory figures."""
@@ -105,7 +111,11 @@ def run_command(
         "load_s": round(loaded.load_seconds, 3),
         "peak_memory_bytes": int(mx.get_peak_memory()),
         "finish_reason": last.finish_reason,
-        "weights": {"mode": loaded.mode, "resident_bytes": loaded.report.resident_bytes, "detail": loaded.report.describe()},
+        "weights": {
+            "mode": loaded.mode,
+            "resident_bytes": loaded.report.resident_bytes,
+            "detail": loaded.report.describe(),
+        },
     }
     if json_out:
         print_json({"model": str(path), "text": "".join(text), **figures})
@@ -116,7 +126,10 @@ def run_command(
         f"prefill {figures['prefill_tok_s']} tok/s, decode {figures['decode_tok_s']} tok/s | "
         f"load {figures['load_s']} s | peak {human_bytes(figures['peak_memory_bytes'])} | "
         f"weights {loaded.mode} ({human_bytes(loaded.report.resident_bytes)})",
-        highlight=False, soft_wrap=True,  # one line, also when piped
+        highlight=False,
+        soft_wrap=True,  # one line, also when piped
     )
     if lossy := loaded.report.lossy():
-        err_console.print(f"note: not exact in {loaded.mode} weights: {'; '.join(lossy)}", highlight=False, soft_wrap=True)
+        err_console.print(
+            f"note: not exact in {loaded.mode} weights: {'; '.join(lossy)}", highlight=False, soft_wrap=True
+        )

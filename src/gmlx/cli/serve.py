@@ -36,51 +36,172 @@ def serve_command(
     model: str = MODEL_ARG,
     host: str = typer.Option(None, help="Address to listen on.  [default: 127.0.0.1]", show_default=False),
     port: int = typer.Option(None, help="Port to listen on.  [default: 8080]", show_default=False),
-    api_key: str = typer.Option(None, "--api-key", help="Require `Authorization: Bearer KEY` on every route but /health."),
-    cors_origins: list[str] = typer.Option(None, "--cors-origins", help="Browser origins allowed to call the API (repeat it, or separate with commas), or '*' for any.  [default: none, CORS off]", show_default=False),
-    decode_batch: int = typer.Option(None, "--decode-batch", help="Streams decoding together.  [default: 8]", show_default=False),
-    queue_size: int = typer.Option(None, "--queue-size", help="Requests that may wait for a slot.  [default: 2 x decode batch]", show_default=False),
-    queue_timeout: float = typer.Option(None, "--queue-timeout", help="Seconds a request may wait for a slot.  [default: 120]", show_default=False),
-    max_body_bytes: int = typer.Option(None, "--max-body-bytes", help="Largest request body accepted.  [default: 4 MiB]", show_default=False),
-    max_connections: int = typer.Option(None, "--max-connections", help="Open connections accepted; more get 503.  [default: 1024, below the open-file limit]", show_default=False),
-    header_timeout: float = typer.Option(None, "--header-timeout", help="Seconds a client has to send a request's headers.  [default: 10]", show_default=False),
-    body_timeout: float = typer.Option(None, "--body-timeout", help="Seconds a client has to send a request's body.  [default: 30]", show_default=False),
-    keep_alive_timeout: float = typer.Option(None, "--keep-alive-timeout", help="Seconds an idle connection is kept open.  [default: 5]", show_default=False),
-    weights: str = typer.Option(None, help="auto, gguf (gmlx CPU kernels), native (MLX quantized) or float.  [default: auto]", show_default=False),
-    prefill_step: int = typer.Option(None, "--prefill-step", help="Prompt tokens per prefill chunk between decode steps.", show_default=False),
-    max_tokens: int = typer.Option(None, "--max-tokens", help="max_tokens for a request that sets none.", show_default=False),
-    log_input_text: bool = typer.Option(None, "--log-input-text/--no-log-input-text", help="Log prompts and outputs.", show_default=False),
-    shutdown_timeout: float = typer.Option(None, "--shutdown-timeout", help="Seconds running streams get to finish on shutdown.", show_default=False),
+    api_key: str = typer.Option(
+        None, "--api-key", help="Require `Authorization: Bearer KEY` on every route but /health."
+    ),
+    cors_origins: list[str] = typer.Option(
+        None,
+        "--cors-origins",
+        help="Browser origins allowed to call the API (repeat it, or separate with commas), or '*' for any.  "
+        "[default: none, CORS off]",
+        show_default=False,
+    ),
+    decode_batch: int = typer.Option(
+        None, "--decode-batch", help="Streams decoding together.  [default: 8]", show_default=False
+    ),
+    queue_size: int = typer.Option(
+        None, "--queue-size", help="Requests that may wait for a slot.  [default: 2 x decode batch]", show_default=False
+    ),
+    queue_timeout: float = typer.Option(
+        None, "--queue-timeout", help="Seconds a request may wait for a slot.  [default: 120]", show_default=False
+    ),
+    max_body_bytes: int = typer.Option(
+        None, "--max-body-bytes", help="Largest request body accepted.  [default: 4 MiB]", show_default=False
+    ),
+    max_connections: int = typer.Option(
+        None,
+        "--max-connections",
+        help="Open connections accepted; more get 503.  [default: 1024, below the open-file limit]",
+        show_default=False,
+    ),
+    header_timeout: float = typer.Option(
+        None,
+        "--header-timeout",
+        help="Seconds a client has to send a request's headers.  [default: 10]",
+        show_default=False,
+    ),
+    body_timeout: float = typer.Option(
+        None, "--body-timeout", help="Seconds a client has to send a request's body.  [default: 30]", show_default=False
+    ),
+    keep_alive_timeout: float = typer.Option(
+        None, "--keep-alive-timeout", help="Seconds an idle connection is kept open.  [default: 5]", show_default=False
+    ),
+    weights: str = typer.Option(
+        None,
+        help="auto, gguf (gmlx CPU kernels), native (MLX quantized) or float.  [default: auto]",
+        show_default=False,
+    ),
+    prefill_step: int = typer.Option(
+        None, "--prefill-step", help="Prompt tokens per prefill chunk between decode steps.", show_default=False
+    ),
+    max_tokens: int = typer.Option(
+        None, "--max-tokens", help="max_tokens for a request that sets none.", show_default=False
+    ),
+    log_input_text: bool = typer.Option(
+        None, "--log-input-text/--no-log-input-text", help="Log prompts and outputs.", show_default=False
+    ),
+    shutdown_timeout: float = typer.Option(
+        None, "--shutdown-timeout", help="Seconds running streams get to finish on shutdown.", show_default=False
+    ),
     log_level: str = typer.Option(None, "--log-level", help="debug, info, warning or error.", show_default=False),
-    max_kv_size: int = typer.Option(None, "--max-kv-size", help="Cap the context window at this many tokens.  [default: the GGUF's trained window]", show_default=False),
-    models_dir: str = typer.Option(None, "--models-dir", help="A folder whose GGUF files /system lists as available.", show_default=False),
-    memory: str = typer.Option(None, "--memory", help="Memory the capacity table plans with, e.g. 64GiB.  [default: device or system memory]", show_default=False),
-    prompt_cache_bytes: str = typer.Option(None, "--prompt-cache-bytes", help="Memory for reusable prompt KV, e.g. 2GiB; 0 turns the cache off.  [default: 1/16 of memory, at most 4 GiB]", show_default=False),
-    prompt_cache_block: int = typer.Option(None, "--prompt-cache-block", help="Tokens per block of a prefix hit in a plain-attention model.  [default: 16]", show_default=False),
-    prompt_cache_checkpoint: int = typer.Option(None, "--prompt-cache-checkpoint", help="Tokens between checkpoints of a long prefill whose cache cannot be trimmed.  [default: 1024]", show_default=False),
-    draft: str = typer.Option(None, "--draft", help="A smaller GGUF with the same vocabulary that drafts tokens for speculative decoding.", show_default=False, autocompletion=complete_gguf),
-    num_draft: int = typer.Option(None, "--num-draft", help="Tokens the drafter proposes per round.  [default: 3]", show_default=False),
-    kv_bits: int = typer.Option(None, "--kv-bits", help="Quantize the KV cache: 2, 4 or 8 bits (keys, under kvarn).", show_default=False),
-    kv_group_size: int = typer.Option(None, "--kv-group-size", help="Elements per KV quantization group: 32, 64 or 128.  [default: 64]", show_default=False),
-    kv_scheme: str = typer.Option(None, "--kv-scheme", help="uniform, kvarn or auto.  [default: auto when --kv-bits is set, else off]", show_default=False),
-    kv_value_bits: int = typer.Option(None, "--kv-value-bits", help="kvarn: bits of the values.  [default: 4]", show_default=False),
-    kv_tail_tokens: int = typer.Option(None, "--kv-tail-tokens", help="kvarn: newest tokens kept in float.  [default: 128]", show_default=False),
-    config: Path = typer.Option(None, "--config", help="A TOML or YAML file of settings (below flags and environment)."),
-    print_config: bool = typer.Option(False, "--print-config", help="Show each setting and where it came from, then exit."),
+    max_kv_size: int = typer.Option(
+        None,
+        "--max-kv-size",
+        help="Cap the context window at this many tokens.  [default: the GGUF's trained window]",
+        show_default=False,
+    ),
+    models_dir: str = typer.Option(
+        None, "--models-dir", help="A folder whose GGUF files /system lists as available.", show_default=False
+    ),
+    memory: str = typer.Option(
+        None,
+        "--memory",
+        help="Memory the capacity table plans with, e.g. 64GiB.  [default: device or system memory]",
+        show_default=False,
+    ),
+    prompt_cache_bytes: str = typer.Option(
+        None,
+        "--prompt-cache-bytes",
+        help="Memory for reusable prompt KV, e.g. 2GiB; 0 turns the cache off.  "
+        "[default: 1/16 of memory, at most 4 GiB]",
+        show_default=False,
+    ),
+    prompt_cache_block: int = typer.Option(
+        None,
+        "--prompt-cache-block",
+        help="Tokens per block of a prefix hit in a plain-attention model.  [default: 16]",
+        show_default=False,
+    ),
+    prompt_cache_checkpoint: int = typer.Option(
+        None,
+        "--prompt-cache-checkpoint",
+        help="Tokens between checkpoints of a long prefill whose cache cannot be trimmed.  [default: 1024]",
+        show_default=False,
+    ),
+    draft: str = typer.Option(
+        None,
+        "--draft",
+        help="A smaller GGUF with the same vocabulary that drafts tokens for speculative decoding.",
+        show_default=False,
+        autocompletion=complete_gguf,
+    ),
+    num_draft: int = typer.Option(
+        None, "--num-draft", help="Tokens the drafter proposes per round.  [default: 3]", show_default=False
+    ),
+    kv_bits: int = typer.Option(
+        None, "--kv-bits", help="Quantize the KV cache: 2, 4 or 8 bits (keys, under kvarn).", show_default=False
+    ),
+    kv_group_size: int = typer.Option(
+        None,
+        "--kv-group-size",
+        help="Elements per KV quantization group: 32, 64 or 128.  [default: 64]",
+        show_default=False,
+    ),
+    kv_scheme: str = typer.Option(
+        None,
+        "--kv-scheme",
+        help="uniform, kvarn or auto.  [default: auto when --kv-bits is set, else off]",
+        show_default=False,
+    ),
+    kv_value_bits: int = typer.Option(
+        None, "--kv-value-bits", help="kvarn: bits of the values.  [default: 4]", show_default=False
+    ),
+    kv_tail_tokens: int = typer.Option(
+        None, "--kv-tail-tokens", help="kvarn: newest tokens kept in float.  [default: 128]", show_default=False
+    ),
+    config: Path = typer.Option(
+        None, "--config", help="A TOML or YAML file of settings (below flags and environment)."
+    ),
+    print_config: bool = typer.Option(
+        False, "--print-config", help="Show each setting and where it came from, then exit."
+    ),
     json_out: bool = JSON_OPT,
 ) -> None:
     """Serve a GGUF model over an OpenAI-compatible API with continuous batching."""
-    flags = dict(model=model, host=host, port=port, api_key=api_key, cors_origins=cors_origins or None,
-                 decode_batch=decode_batch, queue_size=queue_size,
-                 queue_timeout=queue_timeout, max_body_bytes=max_body_bytes, max_connections=max_connections,
-                 header_timeout=header_timeout, body_timeout=body_timeout, keep_alive_timeout=keep_alive_timeout,
-                 weights=weights, prefill_step=prefill_step,
-                 max_tokens_default=max_tokens, log_input_text=log_input_text, shutdown_timeout=shutdown_timeout,
-                 log_level=log_level, max_kv_size=max_kv_size, models_dir=models_dir,
-                 memory=memory, prompt_cache_bytes=prompt_cache_bytes,
-                 prompt_cache_block=prompt_cache_block, prompt_cache_checkpoint=prompt_cache_checkpoint,
-                 draft=draft, num_draft=num_draft, kv_bits=kv_bits, kv_group_size=kv_group_size, kv_scheme=kv_scheme,
-                 kv_value_bits=kv_value_bits, kv_tail_tokens=kv_tail_tokens)
+    flags = dict(
+        model=model,
+        host=host,
+        port=port,
+        api_key=api_key,
+        cors_origins=cors_origins or None,
+        decode_batch=decode_batch,
+        queue_size=queue_size,
+        queue_timeout=queue_timeout,
+        max_body_bytes=max_body_bytes,
+        max_connections=max_connections,
+        header_timeout=header_timeout,
+        body_timeout=body_timeout,
+        keep_alive_timeout=keep_alive_timeout,
+        weights=weights,
+        prefill_step=prefill_step,
+        max_tokens_default=max_tokens,
+        log_input_text=log_input_text,
+        shutdown_timeout=shutdown_timeout,
+        log_level=log_level,
+        max_kv_size=max_kv_size,
+        models_dir=models_dir,
+        memory=memory,
+        prompt_cache_bytes=prompt_cache_bytes,
+        prompt_cache_block=prompt_cache_block,
+        prompt_cache_checkpoint=prompt_cache_checkpoint,
+        draft=draft,
+        num_draft=num_draft,
+        kv_bits=kv_bits,
+        kv_group_size=kv_group_size,
+        kv_scheme=kv_scheme,
+        kv_value_bits=kv_value_bits,
+        kv_tail_tokens=kv_tail_tokens,
+    )
     try:
         settings = resolve_settings(flags, config=config)
     except SettingsError as e:
@@ -106,8 +227,10 @@ def exposure_warning(settings: Settings) -> str | None:
     """Said at start when the server listens beyond this machine with no key to keep others out."""
     if settings.host in _LOOPBACK or settings.api_key:
         return None
-    return (f"listening on {settings.host} without an API key: anyone who can reach this address can use "
-            "the model (set --api-key or GMLX_API_KEY, or --host 127.0.0.1)")
+    return (
+        f"listening on {settings.host} without an API key: anyone who can reach this address can use "
+        "the model (set --api-key or GMLX_API_KEY, or --host 127.0.0.1)"
+    )
 
 
 def _serve(settings: Settings) -> int:
@@ -145,18 +268,35 @@ def _serve(settings: Settings) -> int:
             server.should_exit = True
             return
         m = engine.loaded
-        log.info("ready: %s (%s, %s weights, %s) loaded in %.1f s; decode batch %d, queue %d, context %d tokens",
-                 m.model_id, m.geometry.architecture, m.mode, human_bytes(m.report.resident_bytes), m.load_seconds,
-                 settings.decode_batch, settings.queue_size, m.context_length)
+        log.info(
+            "ready: %s (%s, %s weights, %s) loaded in %.1f s; decode batch %d, queue %d, context %d tokens",
+            m.model_id,
+            m.geometry.architecture,
+            m.mode,
+            human_bytes(m.report.resident_bytes),
+            m.load_seconds,
+            settings.decode_batch,
+            settings.queue_size,
+            m.context_length,
+        )
         table, measured = app.state.gmlx.table(), engine.measured
         if table is not None and measured is not None:
             predicted = kv_bytes_after_prefill(m.geometry, measured.tokens, table.kv)
-            log.info("%s (KV at warm-up: measured %s, predicted %s; prefill %.0f tok/s, decode %.1f tok/s)",
-                     table.headline(), human_bytes(measured.kv_bytes), human_bytes(predicted),
-                     measured.prefill_tok_s, measured.decode_tok_s)
+            log.info(
+                "%s (KV at warm-up: measured %s, predicted %s; prefill %.0f tok/s, decode %.1f tok/s)",
+                table.headline(),
+                human_bytes(measured.kv_bytes),
+                human_bytes(predicted),
+                measured.prefill_tok_s,
+                measured.decode_tok_s,
+            )
 
-    log.info("serving %s on http://%s:%d (loading the model; /health?ready=1 says when it is ready)",
-             path.name, settings.host, settings.port)
+    log.info(
+        "serving %s on http://%s:%d (loading the model; /health?ready=1 says when it is ready)",
+        path.name,
+        settings.host,
+        settings.port,
+    )
     engine.start()
     threading.Thread(target=report_load, name="load-report", daemon=True).start()
     server.run()

@@ -16,14 +16,21 @@ DEFAULT_URL = "http://127.0.0.1:8080"
 
 
 def top_command(
-    url: list[str] = typer.Option([DEFAULT_URL], "--url",  # noqa: B008
-                                  help="A server to watch: URL, URL#KEY, or @FILE (a list of those, or an HAProxy "
-                                  "configuration); repeat for a fleet."),
-    api_key: str = typer.Option(None, "--api-key", envvar="GMLX_API_KEY", help="The servers' API key.",
-                                show_default=False),
+    url: list[str] = typer.Option(
+        [DEFAULT_URL],
+        "--url",  # noqa: B008
+        help="A server to watch: URL, URL#KEY, or @FILE (a list of those, or an HAProxy "
+        "configuration); repeat for a fleet.",
+    ),
+    api_key: str = typer.Option(
+        None, "--api-key", envvar="GMLX_API_KEY", help="The servers' API key.", show_default=False
+    ),
     interval: float = typer.Option(1.0, "--interval", min=0.05, help="Seconds between polls."),
-    once: bool = typer.Option(False, "--once", help="Print one snapshot as plain text and exit; "
-                              "exit 1 when a server is unreachable or refuses the key."),
+    once: bool = typer.Option(
+        False,
+        "--once",
+        help="Print one snapshot as plain text and exit; exit 1 when a server is unreachable or refuses the key.",
+    ),
 ) -> None:
     """Watch servers: governor band, memory, queue, rates, capacity and every request in flight."""
     try:
@@ -39,7 +46,9 @@ def top_command(
     typer.echo(plain_text(pollers), nl=False)
     failed = [p for p in pollers if p.status is not Status.UP]
     for p in failed:
-        err_console.print(f"[bold red]error:[/] {escape(p.url)}: {escape(p.error or '')}", highlight=False, soft_wrap=True)
+        err_console.print(
+            f"[bold red]error:[/] {escape(p.url)}: {escape(p.error or '')}", highlight=False, soft_wrap=True
+        )
     if failed:
         raise typer.Exit(EXIT_FAILED)
 

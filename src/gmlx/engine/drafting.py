@@ -52,7 +52,7 @@ def _raw_strings(header: GGUFHeader, key: str) -> bytes | None:
             pos += 8 + unpack("<Q", buf, pos)[0]
     except struct.error:
         raise GGUFError(f"truncated GGUF header: {header.path}") from None
-    return bytes(buf[ref.offset:pos])
+    return bytes(buf[ref.offset : pos])
 
 
 def check_drafter_files(header: GGUFHeader, draft_header: GGUFHeader) -> None:
@@ -78,7 +78,9 @@ def check_drafter_files(header: GGUFHeader, draft_header: GGUFHeader) -> None:
     for key in _SPECIAL_KEYS:
         a, b = header.get(f"tokenizer.ggml.{key}"), draft_header.get(f"tokenizer.ggml.{key}")
         if a != b:
-            raise _fail(model, draft, f"{key.removesuffix('_token_id')} token id {b} differs from the served model's {a}")
+            raise _fail(
+                model, draft, f"{key.removesuffix('_token_id')} token id {b} differs from the served model's {a}"
+            )
 
 
 def _vocab_len(tokenizer: Any) -> int:
@@ -96,14 +98,21 @@ def _sample_ids(n: int) -> list[int]:
     return sorted({*range(min(n, 512)), *range(max(0, n - 256), n), *range(0, n, max(1, n // 1024))})
 
 
-def check_drafter(tokenizer: TokenizerWrapper, draft_tokenizer: TokenizerWrapper,
-                  geometry: ModelGeometry, draft_geometry: ModelGeometry) -> None:
+def check_drafter(
+    tokenizer: TokenizerWrapper,
+    draft_tokenizer: TokenizerWrapper,
+    geometry: ModelGeometry,
+    draft_geometry: ModelGeometry,
+) -> None:
     """Raise IncompatibleDrafter (a ValueError) unless the loaded drafter shares the served model's
     vocabulary: its size, the piece at a sample of ids, and the bos and eos tokens."""
     model, draft = geometry.name, draft_geometry.name
     if geometry.vocab_size != draft_geometry.vocab_size:
-        raise _fail(model, draft, f"vocabulary of {draft_geometry.vocab_size} tokens differs from the served "
-                                  f"model's {geometry.vocab_size}")
+        raise _fail(
+            model,
+            draft,
+            f"vocabulary of {draft_geometry.vocab_size} tokens differs from the served model's {geometry.vocab_size}",
+        )
     sizes = _vocab_len(tokenizer), _vocab_len(draft_tokenizer)
     if sizes[0] != sizes[1]:
         raise _fail(model, draft, f"tokenizer of {sizes[1]} tokens differs from the served model's {sizes[0]}")
@@ -113,8 +122,11 @@ def check_drafter(tokenizer: TokenizerWrapper, draft_tokenizer: TokenizerWrapper
         j = ids.index(i)
         raise _fail(model, draft, f"token {i} is {draft_pieces[j]!r}, the served model's is {pieces[j]!r}")
     if tokenizer.bos_token_id != draft_tokenizer.bos_token_id:
-        raise _fail(model, draft, f"bos token id {draft_tokenizer.bos_token_id} differs from the served "
-                                  f"model's {tokenizer.bos_token_id}")
+        raise _fail(
+            model,
+            draft,
+            f"bos token id {draft_tokenizer.bos_token_id} differs from the served model's {tokenizer.bos_token_id}",
+        )
     eos, draft_eos = set(tokenizer.eos_token_ids), set(draft_tokenizer.eos_token_ids)
     if eos != draft_eos:
         raise _fail(model, draft, f"eos token ids {sorted(draft_eos)} differ from the served model's {sorted(eos)}")

@@ -28,15 +28,16 @@ def pooling_for(header: GGUFHeader) -> str:
     return _GGUF_POOLING.get(header.arch_key("pooling_type"), DEFAULT_POOLING)
 
 
-def embed(loaded: LoadedModel, make_cache: Callable[[object], list], ids: list[int], pooling: str,
-          step: int) -> list[float]:
+def embed(
+    loaded: LoadedModel, make_cache: Callable[[object], list], ids: list[int], pooling: str, step: int
+) -> list[float]:
     """One input's vector: the decoder's normed hidden states over `ids`, run in `step`-token chunks
     through a cache as a prefill is (so the working set is a prefill chunk's), pooled, normalised."""
     decoder = loaded.model.model  # mlx_lm's stack up to the final norm; the output head is left out
     cache = make_cache(loaded.model)
     total = first = last = None
     for start in range(0, len(ids), step):
-        hidden = decoder(mx.array([ids[start:start + step]]), cache=cache)[0].astype(mx.float32)
+        hidden = decoder(mx.array([ids[start : start + step]]), cache=cache)[0].astype(mx.float32)
         if pooling == "mean":
             total = hidden.sum(axis=0) if total is None else total + hidden.sum(axis=0)
             mx.eval(total)

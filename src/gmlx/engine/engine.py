@@ -281,8 +281,12 @@ def memory_outside_mlx() -> int:
 CacheFactory = Callable[[object], list]  # model -> one request's per-layer caches
 
 
-def warm_up(loaded: LoadedModel, tokens: int = WARMUP_TOKENS, decode_steps: int = 4,
-            make_cache: CacheFactory = make_prompt_cache) -> Measured:
+def warm_up(
+    loaded: LoadedModel,
+    tokens: int = WARMUP_TOKENS,
+    decode_steps: int = 4,
+    make_cache: CacheFactory = make_prompt_cache,
+) -> Measured:
     """Prefill a few tokens and decode a few more on one stream: times both, and measures the
     cache's bytes. Short on purpose: MLX's quantized CPU kernels prefill at a few tok/s."""
     tokens = max(1, min(tokens, loaded.context_length - decode_steps - 1))
@@ -312,18 +316,27 @@ def warm_up(loaded: LoadedModel, tokens: int = WARMUP_TOKENS, decode_steps: int 
     del cache
     mx.clear_cache()
     trim_heap()  # what loading freed is no part of what the process keeps
-    return Measured(tokens, kv, dtype_bytes, tokens / prefill_s, decode_steps / decode_s, max(0, peak),
-                    memory_outside_mlx())
+    return Measured(
+        tokens, kv, dtype_bytes, tokens / prefill_s, decode_steps / decode_s, max(0, peak), memory_outside_mlx()
+    )
 
 
 class Engine:
     """Serves one model. `load` runs on the engine thread too, so that thread owns the
     model's arrays from the start; `ready` is set once it has returned."""
 
-    def __init__(self, load: Callable[[], LoadedModel], name: str, decode_batch: int = 8, prefill_step: int = 512,
-                 make_cache: CacheFactory = make_prompt_cache, prompt_cache: PromptCache | None = None,
-                 checkpoint_every: int = 1024, load_draft: Callable[[LoadedModel], LoadedModel] | None = None,
-                 num_draft: int = 3):
+    def __init__(
+        self,
+        load: Callable[[], LoadedModel],
+        name: str,
+        decode_batch: int = 8,
+        prefill_step: int = 512,
+        make_cache: CacheFactory = make_prompt_cache,
+        prompt_cache: PromptCache | None = None,
+        checkpoint_every: int = 1024,
+        load_draft: Callable[[LoadedModel], LoadedModel] | None = None,
+        num_draft: int = 3,
+    ):
         self._load = load
         self._make_cache = make_cache  # fresh caches for a request (quantized KV plugs in here)
         self.prompt_cache = prompt_cache if prompt_cache is not None and prompt_cache.enabled else None
@@ -379,8 +392,9 @@ class Engine:
         cache returned to the system (which include the dropped entries' buffers)."""
         self._commands.put(_ReleaseMemory(evict_bytes, done))
 
-    def embed(self, inputs: list[list[int]], pooling: str,
-              done: Callable[[list[list[float]] | None, str | None], None]) -> None:
+    def embed(
+        self, inputs: list[list[int]], pooling: str, done: Callable[[list[list[float]] | None, str | None], None]
+    ) -> None:
         """Embed each token list (engine/embeddings.py) between two steps; `done` is called on this
         thread. The batch waits meanwhile, as it waits for a prefill chunk."""
         self._commands.put(_Embed(inputs, pooling, done))
@@ -469,8 +483,15 @@ class Engine:
 
     @staticmethod
     def _cancelled(req: Request) -> Finished:
-        return Finished("cancelled", len(req.prompt_ids), req.generated, req.ttft_s, req.decode_tok_s(),
-                        req.cache.warm_tokens if req.cache else 0, req.queued_s)
+        return Finished(
+            "cancelled",
+            len(req.prompt_ids),
+            req.generated,
+            req.ttft_s,
+            req.decode_tok_s(),
+            req.cache.warm_tokens if req.cache else 0,
+            req.queued_s,
+        )
 
     def _take_commands(self, gen: BatchGenerator, block: bool) -> bool:
         """Apply waiting commands; False once asked to stop."""
@@ -505,8 +526,9 @@ class Engine:
                     for stream in list(self._active.values()):
                         self._cancel(gen, stream.req)
 
-    def _embed(self, inputs: list[list[int]], pooling: str,
-               done: Callable[[list[list[float]] | None, str | None], None]) -> None:
+    def _embed(
+        self, inputs: list[list[int]], pooling: str, done: Callable[[list[list[float]] | None, str | None], None]
+    ) -> None:
         assert self.loaded is not None
         try:
             vectors = [embed(self.loaded, self._make_cache, ids, pooling, self.prefill_step) for ids in inputs]
@@ -527,12 +549,21 @@ class Engine:
             return
         try:
             hit, cache = self.prompt_cache.fetch(req.prompt_ids) if self.prompt_cache is not None else (MISS, None)
-            stream = _Stream(req, self._guarded_sampler(req), continuation_detokenizer(self.loaded.tokenizer,
-                             req.prompt_ids), StopMatcher(req.stop), self._checkpoint_plan(req, hit.warm_tokens))
+            stream = _Stream(
+                req,
+                self._guarded_sampler(req),
+                continuation_detokenizer(self.loaded.tokenizer, req.prompt_ids),
+                StopMatcher(req.stop),
+                self._checkpoint_plan(req, hit.warm_tokens),
+            )
             [uid] = gen.insert_segments(
-                [_split(req.prompt_ids, hit.warm_tokens, sorted(stream.checkpoints))], [req.max_tokens],
-                caches=[cache or self._make_cache(self.loaded.model)], all_tokens=[req.prompt_ids[:hit.warm_tokens]],
-                samplers=[stream.sampler], logits_processors=[self._processors(req)])
+                [_split(req.prompt_ids, hit.warm_tokens, sorted(stream.checkpoints))],
+                [req.max_tokens],
+                caches=[cache or self._make_cache(self.loaded.model)],
+                all_tokens=[req.prompt_ids[: hit.warm_tokens]],
+                samplers=[stream.sampler],
+                logits_processors=[self._processors(req)],
+            )
         except Exception as e:  # not yet active, so the loop's handler would not end it: it would hang
             log.exception("request %s: starting it failed", req.id)
             self._finish(req, Failed(f"generation failed: {e}"))
@@ -622,17 +653,28 @@ class Engine:
         # Leaving the batch costs a step: not for a request about to end, or about to reach a
         # sliding window (past it, rejected drafts could not be trimmed back).
         length = len(req.prompt_ids) + req.generated
-        return (req.state == Phase.DECODE and req.generated >= 1 and req.max_tokens - req.generated > self.num_draft
-                and length + self.num_draft < self._trim_limit)
+        return (
+            req.state == Phase.DECODE
+            and req.generated >= 1
+            and req.max_tokens - req.generated > self.num_draft
+            and length + self.num_draft < self._trim_limit
+        )
 
     def _enter_lane(self, gen: BatchGenerator) -> None:
         assert self.loaded is not None and self.draft is not None
         [stream] = self._active.values()
         req = stream.req
         [(cache, tokens)] = gen.remove([req.uid], return_prompt_caches=True).values()
-        lane = SpeculativeStream.from_batch(self.loaded.model, self.draft.model, cache, tokens,
-                                            sampler=stream.sampler, num_draft=self.num_draft,
-                                            prefill_step=self.prefill_step, draft_state=stream.draft_state)
+        lane = SpeculativeStream.from_batch(
+            self.loaded.model,
+            self.draft.model,
+            cache,
+            tokens,
+            sampler=stream.sampler,
+            num_draft=self.num_draft,
+            prefill_step=self.prefill_step,
+            draft_state=stream.draft_state,
+        )
         stream.draft_state = None
         assert req.speculative is not None
         lane.counters = req.speculative  # the row shows the request's figures live
@@ -673,12 +715,14 @@ class Engine:
         if lane.draft_state is not None:  # a later lane catches the drafter up instead of prefilling it
             stream.draft_state = lane.draft_state
 
-    def _rejoin(self, gen: BatchGenerator, stream: _Stream, cache: list, history: list[int],
-                pending: list[int]) -> None:
+    def _rejoin(
+        self, gen: BatchGenerator, stream: _Stream, cache: list, history: list[int], pending: list[int]
+    ) -> None:
         """Put a decoding stream back in the batch under a new uid; the batch decodes on from `pending`."""
         req = stream.req
-        [uid] = gen.insert([pending], [req.max_tokens - req.generated], caches=[cache], all_tokens=[history],
-                           samplers=[stream.sampler])
+        [uid] = gen.insert(
+            [pending], [req.max_tokens - req.generated], caches=[cache], all_tokens=[history], samplers=[stream.sampler]
+        )
         del self._active[req.uid]
         req.uid = uid
         self._active[uid] = stream
@@ -717,18 +761,34 @@ class Engine:
                     self._take_checkpoint(gen, stream, req.prefilled)
                 if p.end_of_prompt:
                     req.state = Phase.DECODE
-        scoring = [(r, stream.req) for r in generation_responses
-                   if (stream := self._active.get(r.uid)) is not None and stream.req.logprobs is not None]
-        scored = dict(zip((r.uid for r, _ in scoring), score_logprobs(
-            [r.logprobs for r, _ in scoring], [r.token for r, _ in scoring], [q.logprobs for _, q in scoring])))
+        scoring = [
+            (r, stream.req)
+            for r in generation_responses
+            if (stream := self._active.get(r.uid)) is not None and stream.req.logprobs is not None
+        ]
+        scored = dict(
+            zip(
+                (r.uid for r, _ in scoring),
+                score_logprobs(
+                    [r.logprobs for r, _ in scoring], [r.token for r, _ in scoring], [q.logprobs for _, q in scoring]
+                ),
+            )
+        )
         for r in generation_responses:
             if (stream := self._active.get(r.uid)) is not None:
                 if r.finish_reason is not None:
                     self._keep_final(r.prompt_cache, r.all_tokens)
                 self._on_token(gen, stream, r.token, r.finish_reason, now, scored.get(r.uid))
 
-    def _on_token(self, gen: BatchGenerator, stream: _Stream, token: int, finish_reason: str | None, now: float,
-                  logprob: TokenLogprob | None = None) -> None:
+    def _on_token(
+        self,
+        gen: BatchGenerator,
+        stream: _Stream,
+        token: int,
+        finish_reason: str | None,
+        now: float,
+        logprob: TokenLogprob | None = None,
+    ) -> None:
         req = stream.req
         if req.first_token_at is None:
             req.first_token_at, req.state = now, Phase.DECODE
@@ -754,8 +814,18 @@ class Engine:
                 self._keep_final(cache, tokens)
         if hit or finish_reason is not None:
             reason = "stop" if hit else finish_reason
-            self._finish(req, Finished(reason, len(req.prompt_ids), req.generated, req.ttft_s, req.decode_tok_s(now),
-                                       req.cache.warm_tokens if req.cache else 0, req.queued_s))
+            self._finish(
+                req,
+                Finished(
+                    reason,
+                    len(req.prompt_ids),
+                    req.generated,
+                    req.ttft_s,
+                    req.decode_tok_s(now),
+                    req.cache.warm_tokens if req.cache else 0,
+                    req.queued_s,
+                ),
+            )
 
     def _finish(self, req: Request, event: Event) -> None:
         if isinstance(event, Finished):

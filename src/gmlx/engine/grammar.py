@@ -102,9 +102,11 @@ class Vocabulary:
 
     def __init__(self, loaded: LoadedModel):
         # About 1 s for a 262k vocabulary, the GIL held: built once per model, on first use.
-        self.tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_GGUFTokens(loaded)),
-                                                n_vocab=loaded.geometry.vocab_size,
-                                                eos_token=sorted(loaded.tokenizer.eos_token_ids))
+        self.tokenizer = llguidance.LLTokenizer(
+            llguidance.TokenizerWrapper(_GGUFTokens(loaded)),
+            n_vocab=loaded.geometry.vocab_size,
+            eos_token=sorted(loaded.tokenizer.eos_token_ids),
+        )
         self.vocab_size = loaded.geometry.vocab_size
         self._compiled: OrderedDict[str, Constraint] = OrderedDict()
         self._lock = threading.Lock()
@@ -169,7 +171,7 @@ class GrammarProcessor:
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         if tokens.shape[0] > self._seen:
-            new = tokens[self._seen:].tolist()
+            new = tokens[self._seen :].tolist()
             self._seen = tokens.shape[0]
             # Stopped, the last token is the EOS that ends the row: mlx_lm runs one step past it.
             if not self._matcher.is_stopped() and not self._matcher.consume_tokens(new):
@@ -177,4 +179,3 @@ class GrammarProcessor:
         mx.async_eval(logits)  # the step's forward pass runs while the mask is computed
         llguidance.numpy.fill_next_token_bitmask(self._matcher, self._bitmask)
         return logits + mx.array(additive_mask(self._bitmask, logits.shape[-1])).astype(logits.dtype)
-

@@ -56,7 +56,7 @@ def _overlay(full: mx.array, tail: mx.array, valid: mx.array | None) -> mx.array
     n, length = tail.shape[2], full.shape[2]
     if n == 0:
         return full
-    recent = tail if valid is None else mx.where(valid, tail, full[..., length - n:, :])
+    recent = tail if valid is None else mx.where(valid, tail, full[..., length - n :, :])
     return recent if n == length else mx.concatenate([full[..., : length - n, :], recent], axis=2)
 
 
@@ -68,7 +68,12 @@ class _PackedLayerCache:
     tail: object | None
 
     def _setup(self, key_bits: int, value_bits: int, group_size: int, tail_tokens: int) -> None:
-        self.key_bits, self.value_bits, self.group_size, self.tail_tokens = key_bits, value_bits, group_size, tail_tokens
+        self.key_bits, self.value_bits, self.group_size, self.tail_tokens = (
+            key_bits,
+            value_bits,
+            group_size,
+            tail_tokens,
+        )
 
     # --- what attention calls -------------------------------------------------------------
 
@@ -108,7 +113,7 @@ class _PackedLayerCache:
         row which of them hold a float copy (None: all do)."""
         n = tk.shape[2]
         m = min(n, self.tail_tokens)
-        return tk[..., n - m:, :], tv[..., n - m:, :], None
+        return tk[..., n - m :, :], tv[..., n - m :, :], None
 
     def _cut_tail(self) -> None:
         raise NotImplementedError
@@ -170,8 +175,8 @@ class PackedKVCache(_PackedLayerCache):
         t = self.tail
         if t.offset >= self.tail_tokens + TAIL_STEP:
             keep = self.tail_tokens
-            t.keys = mx.contiguous(t.keys[..., t.offset - keep: t.offset, :])
-            t.values = mx.contiguous(t.values[..., t.offset - keep: t.offset, :])
+            t.keys = mx.contiguous(t.keys[..., t.offset - keep : t.offset, :])
+            t.values = mx.contiguous(t.values[..., t.offset - keep : t.offset, :])
             t.offset = keep
 
     @classmethod
@@ -187,8 +192,14 @@ class PackedKVCache(_PackedLayerCache):
 class BatchPackedKVCache(_PackedLayerCache):
     """The batch form: left-padded rows, as mlx_lm's BatchKVCache."""
 
-    def __init__(self, left_padding: list[int], key_bits: int = 4, value_bits: int = 4, group_size: int = 64,
-                 tail_tokens: int = 0):
+    def __init__(
+        self,
+        left_padding: list[int],
+        key_bits: int = 4,
+        value_bits: int = 4,
+        group_size: int = 64,
+        tail_tokens: int = 0,
+    ):
         self._setup(key_bits, value_bits, group_size, tail_tokens)
         self.parts = [BatchKVCache(left_padding) for _ in range(3)]
         self.tail = BatchKVCache(left_padding) if tail_tokens > 0 else None

@@ -65,8 +65,13 @@ class Decoding:
     @property
     def plain(self) -> bool:
         """Nothing to apply: the row decodes as sampled (and may take the speculative lane)."""
-        return (self.constraint is None and not self.logit_bias and not self.frequency_penalty
-                and not self.presence_penalty and (self.repetition_penalty == 1.0 or self.repeat_last_n == 0))
+        return (
+            self.constraint is None
+            and not self.logit_bias
+            and not self.frequency_penalty
+            and not self.presence_penalty
+            and (self.repetition_penalty == 1.0 or self.repeat_last_n == 0)
+        )
 
     def processors(self, prompt_tokens: int) -> list[LogitsProcessor]:
         """Fresh processors for one row whose prompt is `prompt_tokens` long."""

@@ -90,8 +90,15 @@ class PromptCache:
         for key in (found.exact, found.shorter):
             if key is not None:
                 entry = self._lru[tuple(key)]
-                tier = "exact" if len(key) == limit else "anchor" if entry.kind == "anchor" else \
-                    "block" if entry.trimmable else "ckpt"
+                tier = (
+                    "exact"
+                    if len(key) == limit
+                    else "anchor"
+                    if entry.kind == "anchor"
+                    else "block"
+                    if entry.trimmable
+                    else "ckpt"
+                )
                 candidates.append((Hit(tier, len(key)), tuple(key)))
         if found.longer is not None and self._lru[tuple(found.longer)].trimmable:
             shared = min(found.common_prefix, limit)
@@ -147,8 +154,9 @@ class PromptCache:
             if entry.trimmable and kind == "final":
                 # Any shorter entry it starts with can be had by trimming this one (anchors stay:
                 # they name their tier and cost little).
-                for other in [k for k, e in self._lru.items() if e.kind != "anchor" and len(k) < len(key)
-                              and key[:len(k)] == k]:
+                for other in [
+                    k for k, e in self._lru.items() if e.kind != "anchor" and len(k) < len(key) and key[: len(k)] == k
+                ]:
                     self._drop(other, evicted=False)
             while self.bytes > self.max_bytes:
                 self._drop(next(iter(self._lru)), evicted=True)
@@ -178,11 +186,17 @@ class PromptCache:
             hits = sum(st.hits.values())
             lookups = hits + st.misses
             return {
-                "enabled": self.enabled, "max_bytes": self.max_bytes, "bytes": self.bytes,
-                "entries": len(self._lru), "block_tokens": self.block_tokens,
+                "enabled": self.enabled,
+                "max_bytes": self.max_bytes,
+                "bytes": self.bytes,
+                "entries": len(self._lru),
+                "block_tokens": self.block_tokens,
                 "entries_by_kind": dict(Counter(e.kind for e in self._lru.values())),
-                "hits": sum(st.hits.values()), "hits_by_tier": {t: st.hits.get(t, 0) for t in TIERS[:-1]},
-                "misses": st.misses, "hit_rate": round(hits / lookups, 4) if lookups else None,
-                "reused_tokens": st.reused_tokens, "stored_bytes": st.stored_bytes,
+                "hits": sum(st.hits.values()),
+                "hits_by_tier": {t: st.hits.get(t, 0) for t in TIERS[:-1]},
+                "misses": st.misses,
+                "hit_rate": round(hits / lookups, 4) if lookups else None,
+                "reused_tokens": st.reused_tokens,
+                "stored_bytes": st.stored_bytes,
                 "evicted_bytes": st.evicted_bytes,
             }

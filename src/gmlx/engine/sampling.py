@@ -54,8 +54,9 @@ def make_sampler(p: SamplingParams) -> Sampler:
         key, step_key = mx.random.split(key)
         if fused:
             u = mx.random.uniform(shape=logprobs.shape[:-1], key=step_key)
-            return kernels.extension().sample(logprobs, u, temperature=p.temperature, top_p=p.top_p, min_p=p.min_p,
-                                              top_k=p.top_k, stream=mx.cpu)
+            return kernels.extension().sample(
+                logprobs, u, temperature=p.temperature, top_p=p.top_p, min_p=p.min_p, top_k=p.top_k, stream=mx.cpu
+            )
         if 0 < p.top_p < 1:
             logprobs = apply_top_p(logprobs, p.top_p)
         if p.min_p > 0:

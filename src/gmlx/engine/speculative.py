@@ -64,9 +64,14 @@ class SpeculativeCounters:
 
     def to_json(self) -> dict[str, Any]:
         rate = self.accept_rate
-        return {"rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted,
-                "emitted": self.emitted, "accept_rate": None if rate is None else round(rate, 4),
-                "batched": self.batched}
+        return {
+            "rounds": self.rounds,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "emitted": self.emitted,
+            "accept_rate": None if rate is None else round(rate, 4),
+            "batched": self.batched,
+        }
 
 
 def _window(cache: Sequence[Any]) -> int | None:
@@ -112,10 +117,19 @@ class SpeculativeStream:
     pending) in the same sense, for mlx_lm's `BatchGenerator.insert`.
     """
 
-    def __init__(self, model: nn.Module, draft_model: nn.Module, cache: list[Any], history: Sequence[int],
-                 pending: Sequence[int], sampler: Sampler | None = None, num_draft: int = DEFAULT_NUM_DRAFT,
-                 draft_sampler: Sampler | None = None, prefill_step: int = 512,
-                 draft_state: tuple[list[Any], int] | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        draft_model: nn.Module,
+        cache: list[Any],
+        history: Sequence[int],
+        pending: Sequence[int],
+        sampler: Sampler | None = None,
+        num_draft: int = DEFAULT_NUM_DRAFT,
+        draft_sampler: Sampler | None = None,
+        prefill_step: int = 512,
+        draft_state: tuple[list[Any], int] | None = None,
+    ):
         if not pending:
             raise ValueError("a speculative stream needs at least one pending token")
         if num_draft < 1:
@@ -142,8 +156,9 @@ class SpeculativeStream:
         self._released = False
 
     @classmethod
-    def from_batch(cls, model: nn.Module, draft_model: nn.Module, cache: list[Any], tokens: Sequence[int],
-                   **kw: Any) -> SpeculativeStream:
+    def from_batch(
+        cls, model: nn.Module, draft_model: nn.Module, cache: list[Any], tokens: Sequence[int], **kw: Any
+    ) -> SpeculativeStream:
         """A stream from what `BatchGenerator.remove(..., return_prompt_caches=True)` returns for a
         decoding request: its cache holds `tokens`, the last of them the newest token emitted (the
         batch's next token, sampled ahead, is dropped). That last token is trimmed back out of the
@@ -199,9 +214,9 @@ class SpeculativeStream:
         """Feed tokens through a model in prefill-sized chunks; the last position's logits."""
         tokens = list(tokens)
         while len(tokens) > self.prefill_step:
-            model(mx.array(tokens[:self.prefill_step])[None], cache=cache)
+            model(mx.array(tokens[: self.prefill_step])[None], cache=cache)
             mx.eval([c.state for c in cache])
-            tokens = tokens[self.prefill_step:]
+            tokens = tokens[self.prefill_step :]
         return model(mx.array(tokens)[None], cache=cache)[:, -1, :]
 
     def _draft(self, k: int) -> mx.array:
@@ -214,7 +229,7 @@ class SpeculativeStream:
         if self._draft_len >= len(seq):  # never by construction; keep one token to feed
             trim_prompt_cache(self._draft_cache, self._draft_len - len(seq) + 1)
             self._draft_len = len(seq) - 1
-        logits = self._run(self.draft_model, self._draft_cache, seq[self._draft_len:])
+        logits = self._run(self.draft_model, self._draft_cache, seq[self._draft_len :])
         drafts = []
         for i in range(k):
             y = self.draft_sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
@@ -247,8 +262,8 @@ class SpeculativeStream:
             inputs = mx.array(pending, dtype=mx.uint32)
         if len(pending) > self.prefill_step:  # a long pending run: prefill all but the last chunk
             self._run(self.model, self.cache, pending[:-1])
-            inputs = inputs[len(pending) - 1:]
-        logits = self.model(inputs[None], cache=self.cache)[0, -(k + 1):, :]
+            inputs = inputs[len(pending) - 1 :]
+        logits = self.model(inputs[None], cache=self.cache)[0, -(k + 1) :, :]
         tokens = self.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
         if drafts is not None:
             mx.eval(tokens, drafts)
@@ -260,10 +275,10 @@ class SpeculativeStream:
         n = 0
         while n < k and chosen[n] == proposed[n]:
             n += 1
-        out = chosen[:n + 1]
+        out = chosen[: n + 1]
         for i, t in enumerate(out):
             if t in stop_tokens:
-                out = out[:i + 1]
+                out = out[: i + 1]
                 break
 
         # The served cache holds pending + all k drafts; keep pending + out[:-1].

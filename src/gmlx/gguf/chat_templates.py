@@ -46,8 +46,16 @@ CHATML = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-_BY_ARCHITECTURE = {"gemma": GEMMA, "gemma2": GEMMA, "gemma3": GEMMA, "gemma3_text": GEMMA,
-                    "qwen2": CHATML, "qwen3": CHATML, "qwen2moe": CHATML, "qwen3moe": CHATML}
+_BY_ARCHITECTURE = {
+    "gemma": GEMMA,
+    "gemma2": GEMMA,
+    "gemma3": GEMMA,
+    "gemma3_text": GEMMA,
+    "qwen2": CHATML,
+    "qwen3": CHATML,
+    "qwen2moe": CHATML,
+    "qwen3moe": CHATML,
+}
 
 
 def chat_template_for(header: GGUFHeader, special_tokens: Collection[str] | None = None) -> str:

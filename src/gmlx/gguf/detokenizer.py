@@ -34,8 +34,10 @@ class BPEDetokenizer(StreamingDetokenizer):
         added = set(tokenizer.added_tokens_decoder)
         # The backend's vocabulary, inverted: a second faster than convert_ids_to_tokens for 256k tokens.
         pieces = {i: t for t, i in tokenizer.backend_tokenizer.get_vocab(with_added_tokens=True).items()}
-        self.tokenmap = [b"" if (piece := pieces.get(i)) is None else piece.encode() if i in added else _bytes(piece)
-                         for i in range(len(tokenizer))]
+        self.tokenmap = [
+            b"" if (piece := pieces.get(i)) is None else piece.encode() if i in added else _bytes(piece)
+            for i in range(len(tokenizer))
+        ]
         self.reset()
 
     def reset(self) -> None:

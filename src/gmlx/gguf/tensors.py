@@ -15,9 +15,10 @@ at all: it stays the file's block bytes, one uint8 array of shape (rows, row_byt
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable, Iterable, Literal
+from typing import Literal
 
 import mlx.core as mx
 import numpy as np
@@ -121,8 +122,13 @@ def _requant(qtype: T, bits: int, b: np.ndarray) -> Unpacked:
 
 # Types that map exactly onto MLX affine g32: unpacker and bit width.
 _EXACT: dict[int, tuple[Callable[[np.ndarray], Unpacked], int]] = {
-    T.Q8_0: (_q8_0, 8), T.Q4_0: (_q4_0, 4), T.Q4_1: (_q4_1, 4), T.Q5_0: (_q5_0, 5),
-    T.Q5_1: (_q5_1, 5), T.Q4_K: (_q4_k, 4), T.Q5_K: (_q5_k, 5),
+    T.Q8_0: (_q8_0, 8),
+    T.Q4_0: (_q4_0, 4),
+    T.Q4_1: (_q4_1, 4),
+    T.Q5_0: (_q5_0, 5),
+    T.Q5_1: (_q5_1, 5),
+    T.Q4_K: (_q4_k, 4),
+    T.Q5_K: (_q5_k, 5),
 }
 # 16-wide groups: re-quantized one width up so the coarser g32 grid loses little.
 _REQUANT: dict[int, int] = {T.Q6_K: 8, T.Q3_K: 4, T.Q2_K: 3}
@@ -221,8 +227,9 @@ _MX_OF_NP = {np.float32: mx.float32, np.float16: mx.float16, np.uint32: mx.uint3
 def _float(buf, info: TensorInfo, dtype: mx.Dtype) -> mx.array:
     """F32/F16/BF16 data in MLX shape, as dtype (BF16 is widened in numpy, which lacks bfloat16)."""
     shape, t, n = info.shape[::-1], info.ggml_type, info.n_elements
-    src = np.frombuffer(buf, {T.F32: np.float32, T.F16: np.float16, T.BF16: np.uint16}[t],
-                        count=n, offset=info.offset).reshape(shape)
+    src = np.frombuffer(
+        buf, {T.F32: np.float32, T.F16: np.float16, T.BF16: np.uint16}[t], count=n, offset=info.offset
+    ).reshape(shape)
     if t == T.F32 or (t == T.F16 and dtype == mx.float16):
         a = mx.array(src)
     else:
@@ -305,8 +312,9 @@ def load_tensors(
         if info is None:
             raise GGUFError(f"tensor {name}: not in {header.path.name}")
         if info.ggml_type not in _EXACT and info.ggml_type not in _REQUANT and info.ggml_type not in _FLOATS:
-            raise GGUFError(f"tensor {name}: GGML type {info.type_name} is not supported "
-                            f"(supported: {', '.join(SUPPORTED)})")
+            raise GGUFError(
+                f"tensor {name}: GGML type {info.type_name} is not supported (supported: {', '.join(SUPPORTED)})"
+            )
         infos.append(info)
 
     buf = header._buffer()
@@ -324,8 +332,12 @@ def load_tensors(
             dtype = native_dtype if mode == "native" else float_dtype
             out = {name: _float(buf, info, dtype)}
             action = _DTYPE_NAMES.get(dtype, str(dtype))
-        elif mode == "gguf" and t in GGUF_KERNEL_TYPES and name.endswith(".weight") and (
-                len(info.shape) == 2 or name.endswith(EXPERTS)):
+        elif (
+            mode == "gguf"
+            and t in GGUF_KERNEL_TYPES
+            and name.endswith(".weight")
+            and (len(info.shape) == 2 or name.endswith(EXPERTS))
+        ):
             # (out features, row bytes), or (experts, out features, row bytes) for merged experts: a view of the mmap
             rows = _blocks(buf, info).reshape(*info.shape[:0:-1], -1)
             out = {name: mx.array(rows)}  # one copy into MLX: resident bytes == tensor bytes

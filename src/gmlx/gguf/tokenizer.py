@@ -54,8 +54,12 @@ _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4
 # Tokens that close a chat turn in some family's template; generation must stop on them.
 END_OF_TURN_TOKENS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>")
 
-_SPECIAL_IDS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id",
-                "unk_token": "unknown_token_id", "pad_token": "padding_token_id"}
+_SPECIAL_IDS = {
+    "bos_token": "bos_token_id",
+    "eos_token": "eos_token_id",
+    "unk_token": "unknown_token_id",
+    "pad_token": "padding_token_id",
+}
 
 
 def load_tokenizer(header: GGUFHeader, cache_dir: Path | None = None) -> TokenizerWrapper:
@@ -84,8 +88,11 @@ def load_tokenizer(header: GGUFHeader, cache_dir: Path | None = None) -> Tokeniz
     specials = {str(t.content) for t in backend.get_added_tokens_decoder().values()}
     hf.add_special_tokens({name: t for name, key in _SPECIAL_IDS.items() if (t := token(key)) is not None})
     hf.chat_template = chat_template_for(header, specials)
-    eos_ids = [int(i) for k in ("eos_token_id", "eot_token_id", "eom_token_id")
-               if (i := header.get(f"tokenizer.ggml.{k}")) is not None]
+    eos_ids = [
+        int(i)
+        for k in ("eos_token_id", "eot_token_id", "eom_token_id")
+        if (i := header.get(f"tokenizer.ggml.{k}")) is not None
+    ]
     eos_ids += [i for t in END_OF_TURN_TOKENS if (i := backend.token_to_id(t)) is not None]
     if kind == "gpt2" and not _spm_style(header):
         detokenizer = BPEDetokenizer
@@ -113,15 +120,30 @@ def build_backend(header: GGUFHeader) -> Tokenizer:
         tok = _bpe(tokens, merges, split, _spm_style(header))
     else:
         scores = header.get("tokenizer.ggml.scores")
-        tok = _sentencepiece(tokens, types, [float(s) for s in scores] if scores is not None else [0.0] * n,
-                             header.get("tokenizer.ggml.unknown_token_id"), _add_space_prefix(header))
+        tok = _sentencepiece(
+            tokens,
+            types,
+            [float(s) for s in scores] if scores is not None else [0.0] * n,
+            header.get("tokenizer.ggml.unknown_token_id"),
+            _add_space_prefix(header),
+        )
 
     # llama.cpp matches these whole before running the model over the text between them.
     rstrip = _rstripped(header, tokens, types)
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False, rstrip=t in rstrip)
-                            for t, ty in zip(tokens, types) if ty in (_CONTROL, _UNKNOWN)])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False, rstrip=t in rstrip)
-                    for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
+    tok.add_special_tokens(
+        [
+            AddedToken(t, special=True, normalized=False, rstrip=t in rstrip)
+            for t, ty in zip(tokens, types)
+            if ty in (_CONTROL, _UNKNOWN)
+        ]
+    )
+    tok.add_tokens(
+        [
+            AddedToken(t, special=False, normalized=False, rstrip=t in rstrip)
+            for t, ty in zip(tokens, types)
+            if ty == _USER_DEFINED
+        ]
+    )
 
     bos, eos = header.get("tokenizer.ggml.bos_token_id"), header.get("tokenizer.ggml.eos_token_id")
     # llama.cpp adds BOS to SentencePiece vocabularies that do not say otherwise.
@@ -135,8 +157,9 @@ def build_backend(header: GGUFHeader) -> Tokenizer:
     return tok
 
 
-def _sentencepiece(tokens: list[str], types: list[int], scores: list[float], unk_id: int | None,
-                   space_prefix: bool) -> Tokenizer:
+def _sentencepiece(
+    tokens: list[str], types: list[int], scores: list[float], unk_id: int | None, space_prefix: bool
+) -> Tokenizer:
     vocab = {t: i for i, t in enumerate(tokens)}
     # Only normal pieces take part in merging: control and user-defined tokens are cut out
     # of the text first, and byte tokens are reached by fallback, never by merging.
@@ -176,8 +199,9 @@ def _bpe(tokens: list[str], merges: list[tuple[str, ...]], split: Split, spm_sty
         tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
         tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
     else:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([*steps, pre_tokenizers.ByteLevel(add_prefix_space=False,
-                                                                                       use_regex=False)])
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [*steps, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        )
         tok.decoder = decoders.ByteLevel()
     return tok
 
@@ -197,24 +221,33 @@ def _kind_and_split(header: GGUFHeader) -> tuple[str, Split | None]:
     tokenize as llama.cpp does."""
     kind = header.get("tokenizer.ggml.model")
     if kind not in ("llama", "gpt2", "gemma4"):
-        raise GGUFError(f"unsupported tokenizer model tokenizer.ggml.model={kind!r} "
-                        f"(gmlx reads 'llama', 'gpt2' and 'gemma4'): {header.path}")
+        raise GGUFError(
+            f"unsupported tokenizer model tokenizer.ggml.model={kind!r} "
+            f"(gmlx reads 'llama', 'gpt2' and 'gemma4'): {header.path}"
+        )
     if kind == "llama":
         return kind, None  # llama.cpp ignores tokenizer.ggml.pre for SentencePiece
     pre = _pre_name(header)
     if pre in CUSTOM_SPLIT:
-        raise GGUFError(f"unsupported pre-tokenizer tokenizer.ggml.pre={pre!r}: llama.cpp splits its text with "
-                        f"code of its own, which gmlx does not reproduce: {header.path}")
+        raise GGUFError(
+            f"unsupported pre-tokenizer tokenizer.ggml.pre={pre!r}: llama.cpp splits its text with "
+            f"code of its own, which gmlx does not reproduce: {header.path}"
+        )
     if pre not in SPLITS:
-        raise GGUFError(f"unknown pre-tokenizer tokenizer.ggml.pre={pre!r} (gmlx splits text as llama.cpp does "
-                        f"for {len(SPLITS)} known names, and does not guess): {header.path}")
+        raise GGUFError(
+            f"unknown pre-tokenizer tokenizer.ggml.pre={pre!r} (gmlx splits text as llama.cpp does "
+            f"for {len(SPLITS)} known names, and does not guess): {header.path}"
+        )
     return kind, SPLITS[pre]
 
 
 def _pre_name(header: GGUFHeader) -> str:
     # Gemma 4's model name implies its split; files without the key get llama.cpp's default.
-    return "gemma4" if header.get("tokenizer.ggml.model") == "gemma4" else str(header.get("tokenizer.ggml.pre")
-                                                                              or "default")
+    return (
+        "gemma4"
+        if header.get("tokenizer.ggml.model") == "gemma4"
+        else str(header.get("tokenizer.ggml.pre") or "default")
+    )
 
 
 def _spm_style(header: GGUFHeader) -> bool:

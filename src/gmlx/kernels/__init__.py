@@ -15,7 +15,8 @@ with a vectorized activation where MLX's CPU backend calls a scalar tanh). gmlx.
 does the same for MLX's norms, RoPE and attention.
 
 Paths (a header each in csrc/kernels/; csrc/kernels_impl.cpp picks them): for fewer than 64
-activation rows (decode, short prompts, speculative verification), each activation is coded as a 16-bit integer with one scale per
+activation rows (decode, short prompts, speculative verification), each activation is coded as a
+16-bit integer with one scale per
 32-block (error about 1/65000 of the block's max) and each weight block, unpacked once to
 int16, meets 8 rows at a time in integer dot products (AVX2/AVX-512 madd); more rows (prefill)
 go through OpenBLAS's sgemm on dequantized panels, or without it dequantize 16 weight rows at a
@@ -38,9 +39,9 @@ from types import ModuleType
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_unflatten
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as T
+from mlx.utils import tree_unflatten
 
 # GGML types the kernels read directly.
 TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
@@ -67,8 +68,9 @@ def _load() -> ModuleType | None:
         _reason = f"extension not built or not loadable ({e})"
         return None
     if ext.mlx_version != mx.__version__.split(".dev")[0]:
-        _reason = (f"extension built against MLX {ext.mlx_version}, running MLX {mx.__version__}; "
-                   "reinstall gmlx to rebuild it")
+        _reason = (
+            f"extension built against MLX {ext.mlx_version}, running MLX {mx.__version__}; reinstall gmlx to rebuild it"
+        )
         return None
     try:  # the extension must share nanobind's type domain with mlx.core
         ext.gguf_dequant_rows(mx.zeros((1, 34), mx.uint8), int(T.Q8_0), 32, stream=mx.cpu)
@@ -159,8 +161,14 @@ class LinearGroup:
                 self._x = None
             return y
         ms = self.members
-        ys = _load().gguf_matmul_group(x, [m.weight for m in ms], [m.ggml_type for m in ms],
-                                       [m.out_features for m in ms], member.in_features, stream=mx.cpu)
+        ys = _load().gguf_matmul_group(
+            x,
+            [m.weight for m in ms],
+            [m.ggml_type for m in ms],
+            [m.out_features for m in ms],
+            member.in_features,
+            stream=mx.cpu,
+        )
         self._pending = {id(m): y for m, y in zip(ms, ys)}
         self._x = x
         return self._pending.pop(id(member))
@@ -199,8 +207,17 @@ class GatedMLP(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         g, u, d = self.gate_proj, self.up_proj, self.down_proj
-        return _load().gguf_gated_mlp(x, g.weight, u.weight, d.weight, [g.ggml_type, u.ggml_type, d.ggml_type],
-                                      g.out_features, g.in_features, ACTIVATIONS[self.act], stream=mx.cpu)
+        return _load().gguf_gated_mlp(
+            x,
+            g.weight,
+            u.weight,
+            d.weight,
+            [g.ggml_type, u.ggml_type, d.ggml_type],
+            g.out_features,
+            g.in_features,
+            ACTIVATIONS[self.act],
+            stream=mx.cpu,
+        )
 
 
 def fuse_mlps(model: nn.Module) -> int:

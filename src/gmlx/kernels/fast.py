@@ -67,36 +67,72 @@ def rms_norm(x: mx.array, weight: mx.array | None, eps: float, *, stream: Any = 
     return ORIGINAL["rms_norm"](x, weight, eps, stream=stream)
 
 
-def rope(a: mx.array, dims: int, *, traditional: bool, base: float | None, scale: float,
-         offset: int | mx.array, freqs: mx.array | None = None, stream: Any = None) -> mx.array:
-    ours = (_cpu(stream) and _f32(a, freqs) and a.ndim >= 3 and dims % 2 == 0 and 0 < dims <= a.shape[-1]
-            and (base is None) != (freqs is None)
-            and (isinstance(offset, int) or offset.size == 1 or offset.shape == (a.shape[0],)))
+def rope(
+    a: mx.array,
+    dims: int,
+    *,
+    traditional: bool,
+    base: float | None,
+    scale: float,
+    offset: int | mx.array,
+    freqs: mx.array | None = None,
+    stream: Any = None,
+) -> mx.array:
+    ours = (
+        _cpu(stream)
+        and _f32(a, freqs)
+        and a.ndim >= 3
+        and dims % 2 == 0
+        and 0 < dims <= a.shape[-1]
+        and (base is None) != (freqs is None)
+        and (isinstance(offset, int) or offset.size == 1 or offset.shape == (a.shape[0],))
+    )
     if ours:
-        return kernels.extension().rope(a, dims, traditional=traditional, base=base, scale=scale, offset=offset,
-                                        freqs=freqs, stream=mx.cpu)
-    return ORIGINAL["rope"](a, dims, traditional=traditional, base=base, scale=scale, offset=offset, freqs=freqs,
-                            stream=stream)
+        return kernels.extension().rope(
+            a, dims, traditional=traditional, base=base, scale=scale, offset=offset, freqs=freqs, stream=mx.cpu
+        )
+    return ORIGINAL["rope"](
+        a, dims, traditional=traditional, base=base, scale=scale, offset=offset, freqs=freqs, stream=stream
+    )
 
 
-def scaled_dot_product_attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float,
-                                 mask: mx.array | str | None = None, sinks: mx.array | None = None,
-                                 stream: Any = None) -> mx.array:
+def scaled_dot_product_attention(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    *,
+    scale: float,
+    mask: mx.array | str | None = None,
+    sinks: mx.array | None = None,
+    stream: Any = None,
+) -> mx.array:
     causal = isinstance(mask, str) and mask == "causal"
     array_mask = mask if isinstance(mask, mx.array) else None
-    ours = (_cpu(stream) and sinks is None and _f32(q, k, v) and q.ndim == 4 and k.ndim == 4
-            and k.shape == v.shape and q.shape[0] == k.shape[0]
-            and q.shape[-1] == k.shape[-1] and q.shape[1] % k.shape[1] == 0
-            and (mask is None or causal or (array_mask is not None and array_mask.ndim <= 4
-                                            and array_mask.dtype in (mx.bool_, mx.float32)))
-            and (not causal or q.shape[2] <= k.shape[2]))
+    ours = (
+        _cpu(stream)
+        and sinks is None
+        and _f32(q, k, v)
+        and q.ndim == 4
+        and k.ndim == 4
+        and k.shape == v.shape
+        and q.shape[0] == k.shape[0]
+        and q.shape[-1] == k.shape[-1]
+        and q.shape[1] % k.shape[1] == 0
+        and (
+            mask is None
+            or causal
+            or (array_mask is not None and array_mask.ndim <= 4 and array_mask.dtype in (mx.bool_, mx.float32))
+        )
+        and (not causal or q.shape[2] <= k.shape[2])
+    )
     if ours:
         return kernels.extension().attention(q, k, v, scale=scale, mask=array_mask, causal=causal, stream=mx.cpu)
     return ORIGINAL["scaled_dot_product_attention"](q, k, v, scale=scale, mask=mask, sinks=sinks, stream=stream)
 
 
-def logsumexp(a: mx.array, /, axis: int | list[int] | None = None, keepdims: bool = False, *,
-              stream: Any = None) -> mx.array:
+def logsumexp(
+    a: mx.array, /, axis: int | list[int] | None = None, keepdims: bool = False, *, stream: Any = None
+) -> mx.array:
     axes = [axis] if isinstance(axis, int) else axis
     last = a.ndim >= 1 and axes is not None and len(axes) == 1 and axes[0] in (-1, a.ndim - 1)
     if _cpu(stream) and _f32(a) and last and a.shape[-1] > 0:

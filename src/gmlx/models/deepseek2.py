@@ -18,7 +18,6 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-
 from mlx_lm.models.mla import MultiLinear
 
 from gmlx.gguf.header import GGUFError, GGUFHeader
@@ -58,8 +57,18 @@ _NAMES = {
 class Router(nn.Module):
     """llama.cpp's expert choice (build_moe_ffn) for DeepseekV3MoE: returns (expert ids, their weights)."""
 
-    def __init__(self, n_expert: int, dims: int, top_k: int, gating: str, biased: bool, groups: int,
-                 groups_used: int, normalize: bool, scale: float):
+    def __init__(
+        self,
+        n_expert: int,
+        dims: int,
+        top_k: int,
+        gating: str,
+        biased: bool,
+        groups: int,
+        groups_used: int,
+        normalize: bool,
+        scale: float,
+    ):
         super().__init__()
         self.weight = mx.zeros((n_expert, dims))
         if biased:
@@ -124,8 +133,10 @@ class DeepSeek2(Architecture):
     def prepare(self, model: nn.Module, h: GGUFHeader) -> None:
         gating = _GATING.get(int(h.arch_key("expert_gating_func", 1)))
         if gating is None:
-            raise GGUFError(f"{h.architecture}: expert_gating_func {h.arch_key('expert_gating_func')} is not supported "
-                            f"(supported: {', '.join(f'{k} ({v})' for k, v in _GATING.items())})")
+            raise GGUFError(
+                f"{h.architecture}: expert_gating_func {h.arch_key('expert_gating_func')} is not supported "
+                f"(supported: {', '.join(f'{k} ({v})' for k, v in _GATING.items())})"
+            )
         args = model.args
         for i, layer in enumerate(model.model.layers):
             attn = layer.self_attn
@@ -133,19 +144,23 @@ class DeepSeek2(Architecture):
                 if norm in attn:
                     attn[norm].eps = h.geometry.norm_eps
             if _legacy(h):  # kv_b until finish() splits it
-                attn.kv_b = nn.Linear(args.kv_lora_rank, args.num_attention_heads * (args.qk_nope_head_dim
-                                                                                     + args.v_head_dim), bias=False)
+                attn.kv_b = nn.Linear(
+                    args.kv_lora_rank, args.num_attention_heads * (args.qk_nope_head_dim + args.v_head_dim), bias=False
+                )
                 del attn["embed_q"], attn["unembed_out"]
             if "switch_mlp" not in layer.mlp:
                 continue
             layer.mlp.gate = Router(
-                args.n_routed_experts, args.hidden_size, args.num_experts_per_tok, gating,
+                args.n_routed_experts,
+                args.hidden_size,
+                args.num_experts_per_tok,
+                gating,
                 biased=f"blk.{i}.exp_probs_b.bias" in h.tensors,
                 groups=int(h.arch_key("expert_group_count", 1) or 1),
                 groups_used=int(h.arch_key("expert_group_used_count", 1) or 1),
                 normalize=bool(h.arch_key("expert_weights_norm", False)),
-                scale=float(h.arch_key("expert_weights_scale", 0.0)) or 1.0)
-
+                scale=float(h.arch_key("expert_weights_scale", 0.0)) or 1.0,
+            )
 
     def finish(self, model: nn.Module, h: GGUFHeader, arrays: dict[str, mx.array]) -> None:
         if not _legacy(h):
@@ -189,8 +204,12 @@ def yarn_scaling(h: GGUFHeader) -> dict[str, Any] | None:
     if kind != "yarn":
         raise GGUFError(f"{h.architecture}: rope scaling {kind!r} is not supported (only yarn)")
     mscale = float(h.arch_key("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1
-    return {"type": "yarn", "factor": float(h.arch_key("rope.scaling.factor")),
-            "original_max_position_embeddings": int(h.arch_key("rope.scaling.original_context_length")),
-            "beta_fast": float(h.arch_key("rope.scaling.yarn_beta_fast", 32.0)),
-            "beta_slow": float(h.arch_key("rope.scaling.yarn_beta_slow", 1.0)),
-            "mscale": mscale, "mscale_all_dim": mscale}
+    return {
+        "type": "yarn",
+        "factor": float(h.arch_key("rope.scaling.factor")),
+        "original_max_position_embeddings": int(h.arch_key("rope.scaling.original_context_length")),
+        "beta_fast": float(h.arch_key("rope.scaling.yarn_beta_fast", 32.0)),
+        "beta_slow": float(h.arch_key("rope.scaling.yarn_beta_slow", 1.0)),
+        "mscale": mscale,
+        "mscale_all_dim": mscale,
+    }

@@ -50,8 +50,9 @@ class GGUFSwitchGLU(nn.Module):
         projections = (gate_proj, up_proj, down_proj)
         self._fused = all(isinstance(p, GGUFSwitchLinear) for p in projections)
         self._types = [getattr(p, "ggml_type", -1) for p in projections]
-        self._experts = list(zip(*(p.experts() if isinstance(p, GGUFSwitchLinear) else [None] * p.num_experts
-                                   for p in projections)))
+        self._experts = list(
+            zip(*(p.experts() if isinstance(p, GGUFSwitchLinear) else [None] * p.num_experts for p in projections))
+        )
 
     def _expert(self, e: int, x: mx.array) -> mx.array:
         ext = extension()
@@ -76,8 +77,10 @@ class GGUFSwitchGLU(nn.Module):
         order = np.argsort(chosen, kind="stable")
         experts, starts = np.unique(chosen[order], return_index=True)
         bounds = [*starts[1:], len(order)]
-        outs = [self._expert(e, rows[mx.array(order[lo:hi] // k)])
-                for e, lo, hi in zip(experts.tolist(), starts.tolist(), bounds)]
+        outs = [
+            self._expert(e, rows[mx.array(order[lo:hi] // k)])
+            for e, lo, hi in zip(experts.tolist(), starts.tolist(), bounds)
+        ]
         y = mx.concatenate(outs) if len(outs) > 1 else outs[0]
         y = y[mx.array(np.argsort(order))]  # back to (token, slot) order
         return y.reshape(*lead, k, dims)
@@ -100,8 +103,9 @@ def use_gguf_experts(model: nn.Module, blocks: dict[str, tuple[mx.array, int]]) 
             w, ggml_type = left.pop(name)
             n_expert, rows, k = float_layer.weight.shape  # the float layer mlx_lm built: (expert, out, in)
             if w.shape[:2] != (n_expert, rows):
-                raise GGUFError(f"{name}: {tuple(w.shape[:2])} experts x rows in the file, the model expects "
-                                f"{(n_expert, rows)}")
+                raise GGUFError(
+                    f"{name}: {tuple(w.shape[:2])} experts x rows in the file, the model expects {(n_expert, rows)}"
+                )
             layers.append(GGUFSwitchLinear(w, ggml_type, k))
         swaps.append((path, GGUFSwitchGLU(*layers)))
     model.update_modules(tree_unflatten(swaps))

@@ -31,8 +31,9 @@ class ExportReport:
     quantized_layers: int
 
 
-def export(path: str | Path, out_dir: str | Path, weights: WeightsOption = "float",
-           progress: Progress | None = None) -> ExportReport:
+def export(
+    path: str | Path, out_dir: str | Path, weights: WeightsOption = "float", progress: Progress | None = None
+) -> ExportReport:
     """Write `out_dir` so that `mlx_lm.load(out_dir)` gives the model `gmlx.models.loader.load` gives."""
     loaded = load(path, weights, progress)
     h = loaded.header
@@ -43,9 +44,11 @@ def export(path: str | Path, out_dir: str | Path, weights: WeightsOption = "floa
 
     config = architecture_for(h).model_args(h)
     config["eos_token_id"] = sorted(loaded.tokenizer.eos_token_ids)
-    quantized = {name: {"group_size": m.group_size, "bits": m.bits}
-                 for name, m in loaded.model.named_modules()
-                 if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))}
+    quantized = {
+        name: {"group_size": m.group_size, "bits": m.bits}
+        for name, m in loaded.model.named_modules()
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+    }
     if quantized:
         bits = max(q["bits"] for q in quantized.values())
         config["quantization"] = {"group_size": GROUP_SIZE, "bits": bits, **quantized}

@@ -32,8 +32,9 @@ class SlidingGemmaModel(gemma2.GemmaModel):
         masks = {}
         for kind in set(sliding):  # one mask per kind, from a cache of that kind
             c = cache[sliding.index(kind)]
-            masks[kind] = create_attention_mask(h, c, window_size=self.args.sliding_window if kind else None,
-                                                return_array=True)
+            masks[kind] = create_attention_mask(
+                h, c, window_size=self.args.sliding_window if kind else None, return_array=True
+            )
         for layer, c, kind in zip(self.layers, cache, sliding, strict=True):
             h = layer(h, masks[kind], c)
         return self.norm(h)
@@ -45,8 +46,9 @@ class Model(gemma2.Model):
         self.model = SlidingGemmaModel(args)
 
     def make_cache(self) -> list:
-        return [RotatingKVCache(max_size=self.args.sliding_window) if s else KVCache()
-                for s in self.args.sliding_layers]
+        return [
+            RotatingKVCache(max_size=self.args.sliding_window) if s else KVCache() for s in self.args.sliding_layers
+        ]
 
 
 class Gemma2(Gemma3):

@@ -40,8 +40,11 @@ class Gemma3(Architecture):
     def finish(self, model: nn.Module, h: GGUFHeader, arrays: dict[str, mx.array]) -> None:
         # mlx_lm's Gemma RMSNorm adds the 1 back at every call: two graph nodes per norm, six
         # norms a layer. Fold it once; the parameter keeps mlx_lm's convention (export relies on it).
-        swaps = [(path, FoldedRMSNorm(m.weight, m.eps)) for path, m in model.named_modules()
-                 if type(m).__name__ == "RMSNorm" and type(m).__module__ == f"mlx_lm.models.{self.model_type}"]
+        swaps = [
+            (path, FoldedRMSNorm(m.weight, m.eps))
+            for path, m in model.named_modules()
+            if type(m).__name__ == "RMSNorm" and type(m).__module__ == f"mlx_lm.models.{self.model_type}"
+        ]
         model.update_modules(tree_unflatten(swaps))
 
     def adjust(self, name: str, array: mx.array) -> mx.array:

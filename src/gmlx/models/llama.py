@@ -63,8 +63,12 @@ class Granite(Llama):
     gguf_name = "granite"
     model_type = "granite"
     # GGUF key -> mlx_lm argument, and llama.cpp's value when the key is absent (1: no scaling; 0: 1/sqrt(head_dim))
-    _SCALES = {"embedding_scale": ("embedding_multiplier", 1.0), "residual_scale": ("residual_multiplier", 1.0),
-               "logit_scale": ("logits_scaling", 1.0), "attention.scale": ("attention_multiplier", 0.0)}
+    _SCALES = {
+        "embedding_scale": ("embedding_multiplier", 1.0),
+        "residual_scale": ("residual_multiplier", 1.0),
+        "logit_scale": ("logits_scaling", 1.0),
+        "attention.scale": ("attention_multiplier", 0.0),
+    }
 
     def model_args(self, h: GGUFHeader) -> dict[str, Any]:
         args = super().model_args(h)
@@ -80,8 +84,9 @@ class Granite(Llama):
         args = model.args
         for layer in model.model.layers:
             attn = layer.self_attn
-            attn.rope = initialize_rope(attn.head_dim, args.rope_theta, True, args.rope_scaling,
-                                        args.max_position_embeddings)
+            attn.rope = initialize_rope(
+                attn.head_dim, args.rope_theta, True, args.rope_scaling, args.max_position_embeddings
+            )
         super().finish(model, h, arrays)
 
     def export_blocker(self, h: GGUFHeader) -> str | None:

@@ -29,9 +29,23 @@ from gmlx.models.phi3 import Phi3
 from gmlx.models.qwen import Qwen2, Qwen3
 from gmlx.models.weights_mode import WeightsOption, choose_mode, gguf_kernels_reason
 
-ARCHITECTURES: dict[str, Architecture] = {a.gguf_name: a for a in (
-    Llama(), Qwen2(), Qwen3(), Gemma2(), Gemma3(), Phi3(), Granite(), Olmo2(), SmolLM3(),
-    Qwen2Moe(), Qwen3Moe(), DeepSeek2())}
+ARCHITECTURES: dict[str, Architecture] = {
+    a.gguf_name: a
+    for a in (
+        Llama(),
+        Qwen2(),
+        Qwen3(),
+        Gemma2(),
+        Gemma3(),
+        Phi3(),
+        Granite(),
+        Olmo2(),
+        SmolLM3(),
+        Qwen2Moe(),
+        Qwen3Moe(),
+        DeepSeek2(),
+    )
+}
 _SUFFIXES = ("weight", "bias", "scales", "biases")
 _NAMES_SHOWN = 3  # parameter names an error lists before "and N more"
 
@@ -68,8 +82,9 @@ def architecture_for(h: GGUFHeader) -> Architecture:
     return ARCHITECTURES[h.architecture]
 
 
-def load(path: str | Path, weights: WeightsOption = "auto", progress: Progress | None = None,
-         max_kv_size: int | None = None) -> LoadedModel:
+def load(
+    path: str | Path, weights: WeightsOption = "auto", progress: Progress | None = None, max_kv_size: int | None = None
+) -> LoadedModel:
     """Load a GGUF model; raises GGUFError with a one-line reason for a file gmlx cannot use.
     `max_kv_size` caps the context window the model serves (LoadedModel.context_length)."""
     step = progress or (lambda _: None)
@@ -142,8 +157,10 @@ def _check_names(h: GGUFHeader, expected: set[str], found: set[str]) -> None:
         if names:
             shown = ", ".join(sorted(names)[:_NAMES_SHOWN])
             more = f" and {len(names) - _NAMES_SHOWN} more" if len(names) > _NAMES_SHOWN else ""
-            raise GGUFError(f"{h.architecture}: tensors do not match the model: {len(names)} {what} "
-                            f"parameter(s): {shown}{more}: {h.path}")
+            raise GGUFError(
+                f"{h.architecture}: tensors do not match the model: {len(names)} {what} "
+                f"parameter(s): {shown}{more}: {h.path}"
+            )
 
 
 def _use_gguf_blocks(model: nn.Module, blocks: dict[str, tuple[mx.array, int]]) -> None:

@@ -74,8 +74,10 @@ class Qwen2Moe(Architecture):
         if "output.weight" not in h.tensors:
             raise GGUFError(f"{h.architecture}: no output.weight (llama.cpp and mlx_lm both need an untied head)")
         if g.key_length * g.n_heads != g.n_embd:
-            raise GGUFError(f"{h.architecture}: head size {g.key_length} x {g.n_heads} heads != {g.n_embd} "
-                            "(mlx_lm's qwen2_moe derives the head size from the width)")
+            raise GGUFError(
+                f"{h.architecture}: head size {g.key_length} x {g.n_heads} heads != {g.n_embd} "
+                "(mlx_lm's qwen2_moe derives the head size from the width)"
+            )
         args = {**super().model_args(h), **expert_args(h)}
         # llama.cpp: the shared expert's width defaults to the dense width; softmax top-k weights, not renormalized.
         args["shared_expert_intermediate_size"] = uniform(h, "expert_shared_feed_forward_length", g.n_ff or None)

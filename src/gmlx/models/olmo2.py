@@ -12,8 +12,11 @@ from gmlx.models.names import BLOCK_NAMES
 class Olmo2(Architecture):
     gguf_name = "olmo2"
     model_type = "olmo2"
-    block_names = {**BLOCK_NAMES, "post_attention_norm": "post_attention_layernorm",
-                   "post_ffw_norm": "post_feedforward_layernorm"}
+    block_names = {
+        **BLOCK_NAMES,
+        "post_attention_norm": "post_attention_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    }
 
     def model_args(self, h: GGUFHeader) -> dict[str, Any]:
         # llama.cpp's converter writes Olmo 3 as olmo2 plus a sliding window, which mlx_lm's olmo2 lacks.

@@ -10,13 +10,32 @@ from gmlx.gguf.header import GGUFHeader
 WeightsOption = Literal["auto", "native", "float", "gguf"]
 
 # GGML type -> MLX affine bits in `native` mode. 16-wide-group K-quants go one width up.
-NATIVE_BITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q4_K": 4, "Q5_K": 5, "Q6_K": 8, "Q3_K": 4, "Q2_K": 3}
+NATIVE_BITS = {
+    "Q8_0": 8,
+    "Q4_0": 4,
+    "Q4_1": 4,
+    "Q5_0": 5,
+    "Q5_1": 5,
+    "Q4_K": 4,
+    "Q5_K": 5,
+    "Q6_K": 8,
+    "Q3_K": 4,
+    "Q2_K": 3,
+}
 FLOAT_BYTES = {"F32": 4, "F16": 2, "BF16": 4}  # BF16 widens: MLX's CPU bf16 matmul gains nothing
 GROUP_SIZE = 32
 _SCALE_BIAS_BYTES = 8  # a float32 scale and bias per group
 # `gguf` mode: weights of these types stay in the file's blocks (gmlx.kernels); bytes per 32 weights.
-GGUF_BLOCK_BYTES_PER_32 = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34,
-                           "Q4_K": 18, "Q5_K": 22, "Q6_K": 26.25}
+GGUF_BLOCK_BYTES_PER_32 = {
+    "Q4_0": 18,
+    "Q4_1": 20,
+    "Q5_0": 22,
+    "Q5_1": 24,
+    "Q8_0": 34,
+    "Q4_K": 18,
+    "Q5_K": 22,
+    "Q6_K": 26.25,
+}
 # `auto` keeps float weights only when they leave most of the memory to KV caches.
 _FLOAT_SHARE_OF_MEMORY = 0.4
 
@@ -24,8 +43,10 @@ _FLOAT_SHARE_OF_MEMORY = 0.4
 def resident_bytes(h: GGUFHeader, mode: str) -> int:
     """Bytes the loaded weights take in MLX in this mode."""
     # gguf mode keeps llama.cpp's merged 3-D experts (gmlx.gguf.tensors.EXPERTS) in blocks too, as matrices
-    return sum(_tensor_bytes(t.type_name, t.n_elements, mode, 2 if t.name.endswith("_exps.weight") else len(t.shape))
-               for t in h.tensors.values())
+    return sum(
+        _tensor_bytes(t.type_name, t.n_elements, mode, 2 if t.name.endswith("_exps.weight") else len(t.shape))
+        for t in h.tensors.values()
+    )
 
 
 def _tensor_bytes(type_name: str, n: int, mode: str, ndim: int = 2) -> int:

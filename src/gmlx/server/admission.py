@@ -22,8 +22,13 @@ RETRY_AFTER_MAX_S = 60
 
 
 class AdmissionGate:
-    def __init__(self, width: int, cap: int, timeout_s: float,
-                 drain: Callable[[], tuple[float | None, float | None]] = lambda: (None, None)):
+    def __init__(
+        self,
+        width: int,
+        cap: int,
+        timeout_s: float,
+        drain: Callable[[], tuple[float | None, float | None]] = lambda: (None, None),
+    ):
         """`drain` returns (mean generated tokens per request, aggregate decode tok/s), or Nones."""
         self.width, self.cap, self.timeout_s = width, cap, timeout_s
         self._drain = drain
@@ -64,7 +69,7 @@ class AdmissionGate:
         self._waiters.append(place)
         try:
             await asyncio.wait_for(asyncio.shield(slot), self.timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             if _granted(slot):  # handed its slots just as the time ran out: keep them
                 return
             self._waiters.remove(place)

@@ -24,8 +24,8 @@ from gmlx.server.cors import CORS
 from gmlx.server.embeddings import embeddings
 from gmlx.server.errors import APIError
 from gmlx.server.generation import generate
-from gmlx.server.memory_governor import Governor
 from gmlx.server.http import ClientGone
+from gmlx.server.memory_governor import Governor
 from gmlx.server.messages import messages
 from gmlx.server.metrics import snapshot
 from gmlx.server.openapi import openapi_route
@@ -82,7 +82,12 @@ async def model_retrieve(request: Request) -> Response:
 
 
 def _model_entry(state: ServerState) -> dict[str, Any]:
-    entry: dict[str, Any] = {"id": state.model_id, "object": "model", "created": int(state.started_at), "owned_by": "gmlx"}
+    entry: dict[str, Any] = {
+        "id": state.model_id,
+        "object": "model",
+        "created": int(state.started_at),
+        "owned_by": "gmlx",
+    }
     if (loaded := state.engine.loaded) is not None:
         entry["context_length"] = loaded.context_length
     table = state.table()
@@ -111,7 +116,9 @@ async def health(request: Request) -> Response:
         reason, retry = "busy", gate.retry_after(waiting=1)
     if reason is None:
         return JSONResponse({**body, "ready": True})
-    return JSONResponse({**body, "ready": False, "reason": reason}, status_code=503, headers={"Retry-After": str(retry)})
+    return JSONResponse(
+        {**body, "ready": False, "reason": reason}, status_code=503, headers={"Retry-After": str(retry)}
+    )
 
 
 async def metrics_route(request: Request) -> Response:
@@ -154,8 +161,12 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 async def _not_found(request: Request, exc: Exception) -> Response:
     status = getattr(exc, "status_code", 404)
     code = "not_found" if status == 404 else "method_not_allowed"
-    response = APIError(status, f"{request.method} {request.url.path}: {code.replace('_', ' ')}", code,
-                        type_="invalid_request_error" if status == 405 else None).response()
+    response = APIError(
+        status,
+        f"{request.method} {request.url.path}: {code.replace('_', ' ')}",
+        code,
+        type_="invalid_request_error" if status == 405 else None,
+    ).response()
     response.headers.update(getattr(exc, "headers", None) or {})  # a 405 says what is allowed (Allow)
     return response
 
@@ -195,9 +206,17 @@ def create_app(settings: Settings, engine: Engine, model_id: str) -> Starlette:
         Route("/system", system_route, methods=["GET"]),
         Route("/openapi.json", openapi_route, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan,
-                    exception_handlers={APIError: _api_error, ClientGone: _client_gone, 404: _not_found,
-                                        405: _not_found, Exception: _internal_error})
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={
+            APIError: _api_error,
+            ClientGone: _client_gone,
+            404: _not_found,
+            405: _not_found,
+            Exception: _internal_error,
+        },
+    )
     app.state.gmlx = state
     app.state.responses = ResponseStore()  # what previous_response_id can name (server/responses.py)
     app.add_middleware(APIKeyMiddleware, key=settings.api_key)

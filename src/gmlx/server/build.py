@@ -22,16 +22,28 @@ def build_engine(settings: Settings, path: Path) -> Engine:
     # KV quantization (gmlx.capacity.kv_quant), planned from the header alone; None when off.
     kv_plan = None
     if settings.kv_quant().enabled:
-        kv_plan = server_plan(settings.kv_quant(), read_header(path).geometry, memory=memory,
-                              weight_bytes=path.stat().st_size, reserve_fraction=settings.reserve_fraction,
-                              reserve_floor=settings.reserve_floor,
-                              prompt_cache_bytes=settings.prompt_cache_limit(memory),
-                              streams=settings.decode_batch, context_length=settings.max_kv_size)
-    engine = Engine(lambda: load(path, settings.weights, max_kv_size=settings.max_kv_size), path.stem, settings.decode_batch, settings.prefill_step,
-                    make_cache=make_cache_factory(kv_plan), prompt_cache=prompt_cache,
-                    checkpoint_every=settings.prompt_cache_checkpoint,
-                    load_draft=_drafter(Path(settings.draft), settings) if settings.draft else None,
-                    num_draft=settings.num_draft)
+        kv_plan = server_plan(
+            settings.kv_quant(),
+            read_header(path).geometry,
+            memory=memory,
+            weight_bytes=path.stat().st_size,
+            reserve_fraction=settings.reserve_fraction,
+            reserve_floor=settings.reserve_floor,
+            prompt_cache_bytes=settings.prompt_cache_limit(memory),
+            streams=settings.decode_batch,
+            context_length=settings.max_kv_size,
+        )
+    engine = Engine(
+        lambda: load(path, settings.weights, max_kv_size=settings.max_kv_size),
+        path.stem,
+        settings.decode_batch,
+        settings.prefill_step,
+        make_cache=make_cache_factory(kv_plan),
+        prompt_cache=prompt_cache,
+        checkpoint_every=settings.prompt_cache_checkpoint,
+        load_draft=_drafter(Path(settings.draft), settings) if settings.draft else None,
+        num_draft=settings.num_draft,
+    )
     engine.kv_quant = kv_plan  # read by GET /v1/models and the capacity table (server.state)
     return engine
 

@@ -51,15 +51,17 @@ def _positive_int(request: Request, name: str) -> int:
 
 def live_state(state: ServerState) -> LiveState:
     not_ready = "model loading" if not state.ready else "shutting down" if state.gate.closed else None
-    return LiveState(state.settings.decode_batch, state.gate.running, state.gate.waiting, band=state.band,
-                     not_ready=not_ready)
+    return LiveState(
+        state.settings.decode_batch, state.gate.running, state.gate.waiting, band=state.band, not_ready=not_ready
+    )
 
 
 async def capacity_plan(request: Request) -> Response:
     state: ServerState = request.app.state.gmlx
     width, depth = _positive_int(request, "width"), _positive_int(request, "depth")
-    return JSONResponse(plan(state.table(), width, depth, live_state(state), state.model_id,
-                             overcommit=state.settings.overcommit))
+    return JSONResponse(
+        plan(state.table(), width, depth, live_state(state), state.model_id, overcommit=state.settings.overcommit)
+    )
 
 
 def _messages(body: Any) -> list:
@@ -103,16 +105,22 @@ async def estimate_body(state: ServerState, body: Any) -> dict:
             state.check_model(p.model)  # neither served nor in the models directory: model_not_found
         assert path is not None
         out = await asyncio.to_thread(_not_loaded_estimate, state, path, p)
-        notes.append(f"{p.model!r} is not loaded (this server serves {state.model_id!r} and does not switch "
-                     "models): need_bytes and fits_drained assume it served alone on this machine with this "
-                     "server's settings; fits_now and est_ttft_s are null: it holds no memory now and has no "
-                     "measured prefill rate")
+        notes.append(
+            f"{p.model!r} is not loaded (this server serves {state.model_id!r} and does not switch "
+            "models): need_bytes and fits_drained assume it served alone on this machine with this "
+            "server's settings; fits_now and est_ttft_s are null: it holds no memory now and has no "
+            "measured prefill rate"
+        )
     if media:
         # Rendered (prompt_tokens counts the text) but not estimated: this engine is text-only.
-        out.update(need_bytes=None, need_now_bytes=None, fits_now=None, fits_drained=None, est_ttft_s=None,
-                   estimated=False)
-        notes.insert(0, f"not estimated: the body has {', '.join(sorted(set(media)))} content, "
-                        "which this text-only model does not take")
+        out.update(
+            need_bytes=None, need_now_bytes=None, fits_now=None, fits_drained=None, est_ttft_s=None, estimated=False
+        )
+        notes.insert(
+            0,
+            f"not estimated: the body has {', '.join(sorted(set(media)))} content, "
+            "which this text-only model does not take",
+        )
     else:
         out["estimated"] = True
     return out | ({"note": "; ".join(notes)} if notes else {})
@@ -127,12 +135,23 @@ async def _served_estimate(state: ServerState, p: openai_api.GenerationParams) -
     prefill_rate = stats.prefill_tok_s() or (measured.prefill_tok_s if measured else None)
     cache = state.engine.prompt_cache
     free_now = budget.free_now_bytes(mx.get_active_memory(), cache.bytes if cache is not None else 0)
-    out = estimate(loaded.geometry, prompt_tokens=len(prompt_ids), max_tokens=p.max_tokens,
-                   context_limit=loaded.context_length, prefill_bytes=budget.prefill_bytes,
-                   free_now_bytes=free_now, free_drained_bytes=budget.drained_bytes, prefill_tok_s=prefill_rate,
-                   prefill_fit=fit_prefill(list(stats.recent_prefills)), prefill_step=state.engine.prefill_step,
-                   queue_wait_s=queue_wait_s(state), first_step_s=1 / measured.decode_tok_s if measured else 0.0,
-                   kv=table.kv, **_batch(state), **_prompt_cache_hit(state, prompt_ids))
+    out = estimate(
+        loaded.geometry,
+        prompt_tokens=len(prompt_ids),
+        max_tokens=p.max_tokens,
+        context_limit=loaded.context_length,
+        prefill_bytes=budget.prefill_bytes,
+        free_now_bytes=free_now,
+        free_drained_bytes=budget.drained_bytes,
+        prefill_tok_s=prefill_rate,
+        prefill_fit=fit_prefill(list(stats.recent_prefills)),
+        prefill_step=state.engine.prefill_step,
+        queue_wait_s=queue_wait_s(state),
+        first_step_s=1 / measured.decode_tok_s if measured else 0.0,
+        kv=table.kv,
+        **_batch(state),
+        **_prompt_cache_hit(state, prompt_ids),
+    )
     return {**out, "model": state.model_id}
 
 
@@ -160,10 +179,18 @@ def _not_loaded_estimate(state: ServerState, path: Path, p: openai_api.Generatio
         log.warning("cannot estimate for %s: %s", path, e)
         raise APIError(404, f"model {p.model!r} in the models directory cannot be read", "model_not_found") from None
     s = state.settings
-    table, _ = header_table(h, s, mode=choose_mode(s.weights, h), memory=s.memory or platform.total_memory_bytes(),
-                            fast_kernels=kernels_fast.installed(), host_memory=platform.backend() != "cuda")
-    return {**estimate_not_loaded(table, prompt_tokens=len(ids), max_tokens=p.max_tokens, free_now_bytes=None),
-            "model": p.model}
+    table, _ = header_table(
+        h,
+        s,
+        mode=choose_mode(s.weights, h),
+        memory=s.memory or platform.total_memory_bytes(),
+        fast_kernels=kernels_fast.installed(),
+        host_memory=platform.backend() != "cuda",
+    )
+    return {
+        **estimate_not_loaded(table, prompt_tokens=len(ids), max_tokens=p.max_tokens, free_now_bytes=None),
+        "model": p.model,
+    }
 
 
 def _batch(state: ServerState) -> dict:

@@ -46,8 +46,14 @@ class ConnectionStats:
     body_timeouts: int = 0
 
     def to_json(self) -> dict[str, int]:
-        return {"open": self.open, "cap": self.cap, "refused": self.refused, "evicted": self.evicted,
-                "header_timeouts": self.header_timeouts, "body_timeouts": self.body_timeouts}
+        return {
+            "open": self.open,
+            "cap": self.cap,
+            "refused": self.refused,
+            "evicted": self.evicted,
+            "header_timeouts": self.header_timeouts,
+            "body_timeouts": self.body_timeouts,
+        }
 
 
 def raise_fd_limit() -> int:
@@ -72,10 +78,22 @@ def connection_cap(setting: int, fd_limit: int) -> int:
 def error_bytes(status: int, reason: str, message: str, code: str, retry_after: int | None = None) -> bytes:
     """A complete HTTP/1.1 response that closes the connection, its body in the OpenAI error shape,
     for refusals made before (or instead of) the app."""
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error" if status < 500 else
-                                 "service_unavailable", "code": code, "param": None}}).encode()
-    head = [f"HTTP/1.1 {status} {reason}", "content-type: application/json", f"content-length: {len(body)}",
-            "connection: close"]
+    body = json.dumps(
+        {
+            "error": {
+                "message": message,
+                "type": "invalid_request_error" if status < 500 else "service_unavailable",
+                "code": code,
+                "param": None,
+            }
+        }
+    ).encode()
+    head = [
+        f"HTTP/1.1 {status} {reason}",
+        "content-type: application/json",
+        f"content-length: {len(body)}",
+        "connection: close",
+    ]
     if retry_after is not None:
         head.append(f"retry-after: {retry_after}")
     return ("\r\n".join(head) + "\r\n\r\n").encode() + body
@@ -133,9 +151,16 @@ def guarded_protocol(stats: ConnectionStats, header_timeout_s: float) -> type:
                 give_way()
             if stats.open >= stats.cap:
                 stats.refused += 1
-                answer_and_close(transport, error_bytes(503, "Service Unavailable", "too many open connections; "
-                                                        "retry shortly", "too_many_connections",
-                                                        RETRY_AFTER_CONNECTIONS_S))
+                answer_and_close(
+                    transport,
+                    error_bytes(
+                        503,
+                        "Service Unavailable",
+                        "too many open connections; retry shortly",
+                        "too_many_connections",
+                        RETRY_AFTER_CONNECTIONS_S,
+                    ),
+                )
                 return
             self._admitted = True
             stats.open += 1
@@ -171,8 +196,9 @@ def guarded_protocol(stats: ConnectionStats, header_timeout_s: float) -> type:
         def send_400_response(self, msg: str) -> None:
             self._answered = True
             self._leave_idle()
-            answer_and_close(self.transport, error_bytes(400, "Bad Request", f"invalid HTTP request: {msg}",
-                                                         "invalid_http"))
+            answer_and_close(
+                self.transport, error_bytes(400, "Bad Request", f"invalid HTTP request: {msg}", "invalid_http")
+            )
 
         def _leave_idle(self) -> None:
             fresh.pop(self, None)
@@ -198,9 +224,15 @@ def guarded_protocol(stats: ConnectionStats, header_timeout_s: float) -> type:
             if why == "header_timeout":
                 stats.header_timeouts += 1
                 self._answered = True
-                answer_and_close(self.transport, error_bytes(408, "Request Timeout", "the request's headers did "
-                                                             f"not arrive within {header_timeout_s:g} s",
-                                                             "header_timeout"))
+                answer_and_close(
+                    self.transport,
+                    error_bytes(
+                        408,
+                        "Request Timeout",
+                        f"the request's headers did not arrive within {header_timeout_s:g} s",
+                        "header_timeout",
+                    ),
+                )
             else:
                 stats.evicted += 1
                 self._uncount()

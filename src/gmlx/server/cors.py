@@ -23,12 +23,17 @@ class CORS(CORSMiddleware):
     def __init__(self, app: ASGIApp, origins: Sequence[str]):
         # Any request header may be asked for (the key, the openai SDK's x-stainless-*); no cookies:
         # the key is a header the page sets, not a credential the browser adds on its own.
-        super().__init__(app, allow_origins=tuple(origins), allow_methods=("GET", "POST"), allow_headers=("*",),
-                         expose_headers=EXPOSED, allow_private_network=True)
+        super().__init__(
+            app,
+            allow_origins=tuple(origins),
+            allow_methods=("GET", "POST"),
+            allow_headers=("*",),
+            expose_headers=EXPOSED,
+            allow_private_network=True,
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         origin = Headers(scope=scope).get("origin") if scope["type"] == "http" else None
         if origin is None or not self.is_allowed_origin(origin):
             return await self.app(scope, receive, send)
         await super().__call__(scope, receive, send)
-

@@ -75,8 +75,11 @@ def _tokenize(state: ServerState, inputs: list[str | list[int]]) -> list[list[in
         if not ids:
             raise bad_request(f"input {i} is empty", "input")
         if len(ids) > context:
-            raise bad_request(f"input {i} has {len(ids)} tokens; the context window holds {context}", "input",
-                              code="context_length_exceeded")
+            raise bad_request(
+                f"input {i} has {len(ids)} tokens; the context window holds {context}",
+                "input",
+                code="context_length_exceeded",
+            )
         out.append(ids)
     return out
 
@@ -127,8 +130,11 @@ async def embeddings(request: Request) -> Response:
     tokens = sum(len(x) for x in ids)
     log.info("embeddings inputs=%d tokens=%d pooling=%s", len(ids), tokens, pooling)
     fmt = body.get("encoding_format")
-    return JSONResponse({
-        "object": "list", "model": state.model_id,
-        "data": [{"object": "embedding", "index": i, "embedding": _encoded(v, fmt)} for i, v in enumerate(vectors)],
-        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-    })
+    return JSONResponse(
+        {
+            "object": "list",
+            "model": state.model_id,
+            "data": [{"object": "embedding", "index": i, "embedding": _encoded(v, fmt)} for i, v in enumerate(vectors)],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
+    )

@@ -6,8 +6,16 @@ from starlette.responses import JSONResponse
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, code: str, type_: str | None = None,
-                 retry_after: int | None = None, param: str | None = None, close: bool = False):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        code: str,
+        type_: str | None = None,
+        retry_after: int | None = None,
+        param: str | None = None,
+        close: bool = False,
+    ):
         """`close`: end the connection after the answer (a body left unread cannot be skipped)."""
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param

@@ -15,11 +15,35 @@ from typing import Any
 from gmlx.server.errors import bad_request
 
 # What parse() reads and acts on.
-HONOURED_BOTH = ("model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
-                 "stream_options", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                 "logit_bias", "repeat_last_n", "n")
-HONOURED_CHAT = ("messages", "top_logprobs", "response_format", "tools", "tool_choice",
-                 "parallel_tool_calls", "dry_run")
+HONOURED_BOTH = (
+    "model",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "repeat_last_n",
+    "n",
+)
+HONOURED_CHAT = (
+    "messages",
+    "top_logprobs",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "dry_run",
+)
 HONOURED_COMPLETION = ("prompt",)
 
 # Accepted and ignored: they label or route a request and change none of its tokens.
@@ -27,11 +51,16 @@ NO_EFFECT = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "s
 
 # Not done; each with the values that ask for nothing and so are accepted.
 UNSUPPORTED_CHAT: dict[str, tuple[Any, ...]] = {
-    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,),
-    "functions": (None,), "function_call": (None, "none"), "reasoning_effort": (None,), "verbosity": (None,),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "web_search_options": (None,),
+    "functions": (None,),
+    "function_call": (None, "none"),
+    "reasoning_effort": (None,),
+    "verbosity": (None,),
 }
-UNSUPPORTED_COMPLETION: dict[str, tuple[Any, ...]] = {"best_of": (None, 1), "echo": (None, False),
-                                                      "suffix": (None, "")}
+UNSUPPORTED_COMPLETION: dict[str, tuple[Any, ...]] = {"best_of": (None, 1), "echo": (None, False), "suffix": (None, "")}
 
 # POST /v1/embeddings: `dimensions` would truncate and renormalise, which gmlx does not do.
 HONOURED_EMBEDDINGS = ("input", "model", "encoding_format")
@@ -39,12 +68,31 @@ UNSUPPORTED_EMBEDDINGS: dict[str, tuple[Any, ...]] = {"dimensions": (None,)}
 
 # POST /v1/responses (server/responses.py), translated to a chat body; `store` also says whether
 # previous_response_id may name the answer later. Hosted tools, reasoning and prompt templates are not done.
-HONOURED_RESPONSES = ("model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream",
-                      "tools", "tool_choice", "parallel_tool_calls", "text", "previous_response_id", "store")
+HONOURED_RESPONSES = (
+    "model",
+    "input",
+    "instructions",
+    "max_output_tokens",
+    "temperature",
+    "top_p",
+    "stream",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "text",
+    "previous_response_id",
+    "store",
+)
 NO_EFFECT_RESPONSES = (*(n for n in NO_EFFECT if n != "store"), "stream_options")
 UNSUPPORTED_RESPONSES: dict[str, tuple[Any, ...]] = {
-    "reasoning": (None,), "include": (None, []), "truncation": (None, "disabled"), "background": (None, False),
-    "max_tool_calls": (None,), "prompt": (None,), "conversation": (None,), "top_logprobs": (None, 0),
+    "reasoning": (None,),
+    "include": (None, []),
+    "truncation": (None, "disabled"),
+    "background": (None, False),
+    "max_tool_calls": (None,),
+    "prompt": (None,),
+    "conversation": (None,),
+    "top_logprobs": (None, 0),
 }
 
 
@@ -76,13 +124,29 @@ def check_embedding_fields(body: dict) -> None:
 
 
 # POST /v1/messages (server/messages.py), Anthropic's shape, translated to a chat body.
-HONOURED_MESSAGES = ("model", "max_tokens", "messages", "system", "temperature", "top_p", "top_k", "stop_sequences",
-                     "stream", "tools", "tool_choice")
+HONOURED_MESSAGES = (
+    "model",
+    "max_tokens",
+    "messages",
+    "system",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stop_sequences",
+    "stream",
+    "tools",
+    "tool_choice",
+)
 # (cache_control: the prompt cache reuses every prefix without being asked; the rest route or label.)
 NO_EFFECT_MESSAGES = ("metadata", "service_tier", "cache_control", "inference_geo", "workspace_id", "user_profile_id")
 UNSUPPORTED_MESSAGES: dict[str, tuple[Any, ...]] = {
-    "thinking": (None, {"type": "disabled"}), "mcp_servers": (None, []), "container": (None,), "output_config": (None,),
-    "speed": (None,), "diagnostics": (None,)}
+    "thinking": (None, {"type": "disabled"}),
+    "mcp_servers": (None, []),
+    "container": (None,),
+    "output_config": (None,),
+    "speed": (None,),
+    "diagnostics": (None,),
+}
 
 
 def check_message_fields(body: dict) -> None:
@@ -98,7 +162,10 @@ def check_response_fields(body: dict) -> None:
 def _check(body: dict, names: frozenset[str], refused: dict[str, tuple[Any, ...]]) -> None:
     for name, value in body.items():
         if name not in names:
-            raise bad_request(f"unknown field {name!r}: gmlx cannot tell what it would change, so it refuses it",
-                              name, code="unsupported_parameter")
+            raise bad_request(
+                f"unknown field {name!r}: gmlx cannot tell what it would change, so it refuses it",
+                name,
+                code="unsupported_parameter",
+            )
         if (harmless := refused.get(name)) is not None and not any(_same(value, h) for h in harmless):
             raise bad_request(f"{name!r} is not supported", name, code="unsupported_parameter")

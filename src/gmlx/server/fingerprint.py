@@ -34,6 +34,10 @@ def system_fingerprint(engine: Engine) -> str:
     assert loaded is not None
     header = loaded.header
     kv_quant = getattr(engine, "kv_quant", None)
-    parts = [gmlx.__version__, _header_digest(header.path, header.data_offset, header.file_size), loaded.mode,
-             json.dumps(kv_quant.to_json() if kv_quant is not None else None, sort_keys=True)]
+    parts = [
+        gmlx.__version__,
+        _header_digest(header.path, header.data_offset, header.file_size),
+        loaded.mode,
+        json.dumps(kv_quant.to_json() if kv_quant is not None else None, sort_keys=True),
+    ]
     return "fp_" + hashlib.sha256("\n".join(parts).encode()).hexdigest()[:12]

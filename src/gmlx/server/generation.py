@@ -56,12 +56,14 @@ async def generate(request: Request, chat: bool) -> Response:
 
 
 def sse(events: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return StreamingResponse(
+        events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )
 
 
-async def admit(request: Request, state: ServerState, p: openai_api.GenerationParams,
-                arrived: float) -> Generation | Response:
+async def admit(
+    request: Request, state: ServerState, p: openai_api.GenerationParams, arrived: float
+) -> Generation | Response:
     """A parsed request, from its checks through the admission gate to its started Generation (or a
     499 for a client gone meanwhile). The chat and completions routes and /v1/responses share it."""
     chat = p.chat
@@ -110,8 +112,12 @@ async def complete(request: Request, gen: Generation) -> dict | Response:
     if isinstance(failure, Failed):
         # Stopped to relieve memory is the server's load, not its fault: 503, try again later.
         pressure = failure.code == "memory_pressure"
-        raise APIError(503 if pressure else 500, failure.message, failure.code,
-                       retry_after=state.gate.retry_after() if pressure else None)
+        raise APIError(
+            503 if pressure else 500,
+            failure.message,
+            failure.code,
+            retry_after=state.gate.retry_after() if pressure else None,
+        )
     if failure is not None:
         raise APIError(503, "the server is shutting down", "shutting_down", retry_after=RETRY_AFTER_FULL_S)
     return gen.completion()
@@ -170,9 +176,18 @@ class Choice:
 class Generation:
     """A request's choices, from submission to their ends. Lives on the event loop."""
 
-    def __init__(self, state: ServerState, p: openai_api.GenerationParams, rid: str, prompt_ids: list[int],
-                 anchor: int, max_tokens: int, decoding: Decoding, arrived_at: float | None = None,
-                 queued_s: float = 0.0):
+    def __init__(
+        self,
+        state: ServerState,
+        p: openai_api.GenerationParams,
+        rid: str,
+        prompt_ids: list[int],
+        anchor: int,
+        max_tokens: int,
+        decoding: Decoding,
+        arrived_at: float | None = None,
+        queued_s: float = 0.0,
+    ):
         self.state, self.p, self.rid = state, p, rid
         self.fingerprint = system_fingerprint(state.engine)
         self.prompt_for_log = p.messages if p.chat else p.prompt
@@ -182,9 +197,19 @@ class Generation:
         template = state.engine.loaded.tokenizer.chat_template  # type: ignore[union-attr]
         self.choices: list[Choice] = []
         for i in range(p.n):
-            req = EngineRequest(rid if i == 0 else f"{rid}-{i}", prompt_ids, max_tokens, _seeded(p.sampling, i), p.stop,
-                                anchor_tokens=anchor, logprobs=p.logprobs, decoding=decoding,
-                                keep_prompt=i == 0 and p.n > 1, arrived_at=arrived_at, queued_s=queued_s)
+            req = EngineRequest(
+                rid if i == 0 else f"{rid}-{i}",
+                prompt_ids,
+                max_tokens,
+                _seeded(p.sampling, i),
+                p.stop,
+                anchor_tokens=anchor,
+                logprobs=p.logprobs,
+                decoding=decoding,
+                keep_prompt=i == 0 and p.n > 1,
+                arrived_at=arrived_at,
+                queued_s=queued_s,
+            )
             choice = Choice(i, req, Slot(state.gate), tools.parser_for(p.tools, template))
             req.emit = lambda e, c=choice: to_loop.call(self._deliver, (c, e))
             self.choices.append(choice)
@@ -258,8 +283,16 @@ class Generation:
         for c in self.choices:
             assert isinstance(c.end, Finished)
             content, calls = c.parser.parse(c.text) if c.parser is not None else (c.text, [])
-            choices.append(openai_api.choice(p, c.index, content, tools.finish_reason(c.end.finish_reason, calls),
-                                             logprobs.shape(p.chat, c.scored, vocab), calls))
+            choices.append(
+                openai_api.choice(
+                    p,
+                    c.index,
+                    content,
+                    tools.finish_reason(c.end.finish_reason, calls),
+                    logprobs.shape(p.chat, c.scored, vocab),
+                    calls,
+                )
+            )
         return openai_api.completion(p, self.rid, self.state.model_id, choices, self._usage(), self.fingerprint)
 
     def _piece_chunks(self, c: Choice, pieces: list[tools.Piece], shaped: dict | None) -> Iterator[str]:
@@ -268,13 +301,17 @@ class Generation:
         p, rid, model = self.p, self.rid, self.state.model_id
         for piece in pieces or ([""] if shaped is not None else []):
             if isinstance(piece, str):
-                yield _sse_data(openai_api.chunk(p, rid, model, c.index, text=piece, logprobs=shaped,
-                                                 fingerprint=self.fingerprint))
+                yield _sse_data(
+                    openai_api.chunk(p, rid, model, c.index, text=piece, logprobs=shaped, fingerprint=self.fingerprint)
+                )
             else:
                 assert c.parser is not None
                 for delta in tools.call_deltas(piece, c.parser.calls.index(piece)):
-                    yield _sse_data(openai_api.chunk(p, rid, model, c.index, tool_call=delta, logprobs=shaped,
-                                                     fingerprint=self.fingerprint))
+                    yield _sse_data(
+                        openai_api.chunk(
+                            p, rid, model, c.index, tool_call=delta, logprobs=shaped, fingerprint=self.fingerprint
+                        )
+                    )
                     shaped = None
             shaped = None
 
@@ -301,11 +338,15 @@ class Generation:
                     for data in self._piece_chunks(c, c.parser.close() if c.parser else [], None):
                         yield data
                     finish = tools.finish_reason(e.finish_reason, c.parser.calls if c.parser else [])
-                    yield _sse_data(openai_api.chunk(p, rid, model, c.index, finish=finish,
-                                                     fingerprint=self.fingerprint))
+                    yield _sse_data(
+                        openai_api.chunk(p, rid, model, c.index, finish=finish, fingerprint=self.fingerprint)
+                    )
             if failure is not None:
-                message, code = ((failure.message, failure.code) if isinstance(failure, Failed)
-                                 else ("the server is shutting down", "shutting_down"))
+                message, code = (
+                    (failure.message, failure.code)
+                    if isinstance(failure, Failed)
+                    else ("the server is shutting down", "shutting_down")
+                )
                 yield _sse_data({"error": {"message": message, "type": "server_error", "code": code}})
             elif p.include_usage:
                 yield _sse_data(openai_api.chunk(p, rid, model, use=self._usage(), fingerprint=self.fingerprint))
@@ -325,9 +366,20 @@ class Generation:
         else:  # the engine's live figures for a row that did not finish
             generated, ttft, rate = req.generated, req.ttft_s, req.decode_tok_s()
             finish = gone if end is None else f"error:{end.code}"
-        log.info("%s prompt=%d generated=%d queued=%.3fs ttft=%s decode=%s tok/s finish=%s", req.id,
-                 len(req.prompt_ids), generated, req.queued_s, "-" if ttft is None else f"{ttft:.3f}s",
-                 "-" if rate is None else f"{rate:.1f}", finish)
+        log.info(
+            "%s prompt=%d generated=%d queued=%.3fs ttft=%s decode=%s tok/s finish=%s",
+            req.id,
+            len(req.prompt_ids),
+            generated,
+            req.queued_s,
+            "-" if ttft is None else f"{ttft:.3f}s",
+            "-" if rate is None else f"{rate:.1f}",
+            finish,
+        )
         if state.settings.log_input_text:
-            log.info("%s input=%s output=%s", req.id, json.dumps(self.prompt_for_log, ensure_ascii=False),
-                     json.dumps(c.text, ensure_ascii=False))
+            log.info(
+                "%s input=%s output=%s",
+                req.id,
+                json.dumps(self.prompt_for_log, ensure_ascii=False),
+                json.dumps(c.text, ensure_ascii=False),
+            )

@@ -44,8 +44,9 @@ async def read_json(request: Request, state: ServerState) -> Any:
                     raise too_large
     except TimeoutError:
         state.connections.body_timeouts += 1
-        raise APIError(408, f"the request body did not arrive within {timeout:g} s", "body_timeout",
-                       close=True) from None
+        raise APIError(
+            408, f"the request body did not arrive within {timeout:g} s", "body_timeout", close=True
+        ) from None
     except ClientDisconnect:
         raise ClientGone from None
     try:
@@ -74,8 +75,9 @@ def _check_plain(value: Any) -> None:
                 try:
                     v.encode()
                 except UnicodeEncodeError:
-                    raise bad_request("the request body holds a string that is not valid Unicode "
-                                      "(a lone UTF-16 surrogate)") from None
+                    raise bad_request(
+                        "the request body holds a string that is not valid Unicode (a lone UTF-16 surrogate)"
+                    ) from None
         elif isinstance(v, (list, dict)):
             if depth > MAX_JSON_DEPTH:
                 raise _too_deep()

@@ -28,10 +28,16 @@ def build_server(app: Starlette, port: int | None = None) -> DrainingServer:
     state: ServerState = app.state.gmlx
     s = state.settings
     state.connections.cap = connection_cap(s.max_connections, raise_fd_limit())
-    config = uvicorn.Config(app, host=s.host, port=s.port if port is None else port, log_level=s.log_level,
-                            access_log=False, timeout_graceful_shutdown=CONNECTION_CLOSE_S,
-                            http=guarded_protocol(state.connections, s.header_timeout),
-                            timeout_keep_alive=s.keep_alive_timeout)  # type: ignore[arg-type]  # uvicorn takes a float
+    config = uvicorn.Config(
+        app,
+        host=s.host,
+        port=s.port if port is None else port,
+        log_level=s.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=CONNECTION_CLOSE_S,
+        http=guarded_protocol(state.connections, s.header_timeout),
+        timeout_keep_alive=s.keep_alive_timeout,
+    )  # type: ignore[arg-type]  # uvicorn takes a float
     limit_log_repeats("uvicorn", "uvicorn.error", "uvicorn.access")  # after uvicorn has set its loggers up
     return DrainingServer(config, state, s.shutdown_timeout)
 

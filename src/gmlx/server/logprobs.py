@@ -22,8 +22,9 @@ def _entry(token: int, logprob: float, vocab: Sequence[bytes]) -> dict[str, Any]
 
 
 def chat_logprobs(scored: list[TokenLogprob], vocab: Sequence[bytes]) -> dict[str, Any]:
-    content = [{**_entry(s.token, s.logprob, vocab), "top_logprobs": [_entry(t, v, vocab) for t, v in s.top]}
-               for s in scored]
+    content = [
+        {**_entry(s.token, s.logprob, vocab), "top_logprobs": [_entry(t, v, vocab) for t, v in s.top]} for s in scored
+    ]
     return {"content": content, "refusal": None}
 
 
@@ -38,8 +39,12 @@ def completion_logprobs(scored: list[TokenLogprob], vocab: Sequence[bytes], offs
         for t, v in s.top:  # best first: two tokens of the same text show the likelier
             top.setdefault(vocab[t].decode("utf-8", errors="replace"), _value(v))
         tops.append(top)
-    return {"tokens": tokens, "token_logprobs": [_value(s.logprob) for s in scored], "top_logprobs": tops,
-            "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": [_value(s.logprob) for s in scored],
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
 
 
 def shape(chat: bool, scored: list[TokenLogprob] | None, vocab: Sequence[bytes], offset: int = 0) -> dict | None:

@@ -68,8 +68,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("gmlx.governor")
 ACTIONS = ("single_admission", "hold_admission", "evict_prompt_cache", "clear_cache", "stop_stream")
 RELEASES = ("evict_prompt_cache", "clear_cache")  # the actions that report the bytes they freed
-STOP_MESSAGE = ("stopped under memory pressure: the server's memory governor is red and this was the newest "
-                "running request; retry later")
+STOP_MESSAGE = (
+    "stopped under memory pressure: the server's memory governor is red and this was the newest "
+    "running request; retry later"
+)
 RELEASE_EVERY_S = 1.0  # above green, release memory at most this often (it takes effect within a step)
 _ORANGE = BANDS.index("orange")
 _process = psutil.Process()
@@ -118,8 +120,11 @@ class DeviceMemory:
             pynvml.nvmlInit()
             handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
             if len(handles) > 1:  # the one whose compute processes list ours (not in a PID namespace)
-                handles = [h for h in handles
-                           if any(p.pid == os.getpid() for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h))]
+                handles = [
+                    h
+                    for h in handles
+                    if any(p.pid == os.getpid() for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h))
+                ]
         except Exception as e:  # no library or no driver: not an error, the figure is just not read
             log.info("memory governor: no NVML device memory (%s)", e)
             return None, None
@@ -133,8 +138,13 @@ _device = DeviceMemory()
 
 
 def read_memory() -> MemoryReading:
-    return MemoryReading(mx.get_active_memory(), mx.get_cache_memory(), _process.memory_info().rss,
-                         platform.available_memory_bytes(), _device.available_bytes())
+    return MemoryReading(
+        mx.get_active_memory(),
+        mx.get_cache_memory(),
+        _process.memory_info().rss,
+        platform.available_memory_bytes(),
+        _device.available_bytes(),
+    )
 
 
 def in_use(reading: MemoryReading, limit: int, host_memory: bool) -> int:
@@ -167,8 +177,15 @@ class Governor:
     `gate.admission_allowed`; and, on the engine thread, memory (`engine.release_memory`) and the
     newest stream under red (`engine.cancel`)."""
 
-    def __init__(self, s: Settings, table: Callable[[], CapacityTable | None], engine: Engine, gate: AdmissionGate,
-                 publish_band: Callable[[str], None], probe: Callable[[], MemoryReading] = read_memory):
+    def __init__(
+        self,
+        s: Settings,
+        table: Callable[[], CapacityTable | None],
+        engine: Engine,
+        gate: AdmissionGate,
+        publish_band: Callable[[str], None],
+        probe: Callable[[], MemoryReading] = read_memory,
+    ):
         """`probe` reads memory; tests swap in a fake to drive the bands."""
         self._table, self._engine, self._gate, self._publish_band = table, engine, gate, publish_band
         self.probe = probe
@@ -275,8 +292,14 @@ class Governor:
             trim_heap()  # in any band: what ended streams freed would otherwise stay resident
             self._last_trim = now
         if band != previous:
-            log.log(logging.WARNING if level >= _ORANGE else logging.INFO,
-                    "memory governor: %s -> %s (%.1f%% of %d MiB in use)", previous, band, 100 * fraction, limit >> 20)
+            log.log(
+                logging.WARNING if level >= _ORANGE else logging.INFO,
+                "memory governor: %s -> %s (%.1f%% of %d MiB in use)",
+                previous,
+                band,
+                100 * fraction,
+                limit >> 20,
+            )
         if self._gate.waiting:  # the band, or a stream leaving prefill, may let a waiter in
             assert self._loop is not None
             self._loop.call_soon_threadsafe(self._gate.poke)

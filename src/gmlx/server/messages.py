@@ -58,15 +58,33 @@ def _message(m: Any, i: int) -> Messages:
         kind = block.get("type")
         if kind == "text" and isinstance(block.get("text"), str):
             texts.append(block["text"])
-        elif (kind == "tool_use" and role == "assistant" and isinstance(block.get("id"), str)
-              and isinstance(block.get("input", {}), dict)):
-            calls.append({"id": block["id"], "type": "function",
-                          "function": {"name": block.get("name"), "arguments": json.dumps(block.get("input", {}))}})
-        elif (kind == "tool_result" and role == "user" and isinstance(block.get("tool_use_id"), str)
-              and isinstance(block.get("is_error", False), bool)):
+        elif (
+            kind == "tool_use"
+            and role == "assistant"
+            and isinstance(block.get("id"), str)
+            and isinstance(block.get("input", {}), dict)
+        ):
+            calls.append(
+                {
+                    "id": block["id"],
+                    "type": "function",
+                    "function": {"name": block.get("name"), "arguments": json.dumps(block.get("input", {}))},
+                }
+            )
+        elif (
+            kind == "tool_result"
+            and role == "user"
+            and isinstance(block.get("tool_use_id"), str)
+            and isinstance(block.get("is_error", False), bool)
+        ):
             output = _text(_blocks(block.get("content", ""), where), where)
-            results.append({"role": "tool", "tool_call_id": block["tool_use_id"],
-                            "content": f"Error: {output}" if block.get("is_error") else output})
+            results.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": block["tool_use_id"],
+                    "content": f"Error: {output}" if block.get("is_error") else output,
+                }
+            )
         else:
             raise bad_request(f"{where}: a {kind!r} block is not supported in a {role} message", "messages")
     if role == "user":
@@ -85,8 +103,9 @@ def _tools(tools: Any) -> list[dict] | None:
     out = []
     for t in tools:
         if t.get("type") not in (None, "custom"):  # Anthropic's server tools (bash, web search, ...) run on its side
-            raise bad_request(f"only custom tools are supported, not {t.get('type')!r}", "tools",
-                              code="unsupported_parameter")
+            raise bad_request(
+                f"only custom tools are supported, not {t.get('type')!r}", "tools", code="unsupported_parameter"
+            )
         fn = {"name": t.get("name"), "description": t.get("description"), "parameters": t.get("input_schema")}
         out.append({"type": "function", "function": {k: v for k, v in fn.items() if v is not None}})
     return out
@@ -127,25 +146,39 @@ def chat_body(body: Any) -> dict:
     head = [] if system is None else [{"role": "system", "content": _text(_blocks(system, "system"), "system")}]
     choice, parallel = _tool_choice(body.get("tool_choice"))
     chat: dict[str, Any] = {
-        "model": body["model"], "max_tokens": body["max_tokens"],
+        "model": body["model"],
+        "max_tokens": body["max_tokens"],
         "messages": head + [x for i, m in enumerate(messages) for x in _message(m, i)],
-        "temperature": body.get("temperature"), "top_p": body.get("top_p"), "top_k": body.get("top_k"),
-        "stop": body.get("stop_sequences"), "stream": body.get("stream"),
+        "temperature": body.get("temperature"),
+        "top_p": body.get("top_p"),
+        "top_k": body.get("top_k"),
+        "stop": body.get("stop_sequences"),
+        "stream": body.get("stream"),
         "stream_options": {"include_usage": True} if body.get("stream") is True else None,
-        "tools": _tools(body.get("tools")), "tool_choice": choice, "parallel_tool_calls": parallel,
+        "tools": _tools(body.get("tools")),
+        "tool_choice": choice,
+        "parallel_tool_calls": parallel,
     }
     return {k: v for k, v in chat.items() if v is not None}
 
 
 def _usage(use: dict) -> dict:
     cached = use["prompt_tokens_details"]["cached_tokens"]
-    return {"input_tokens": use["prompt_tokens"] - cached, "cache_read_input_tokens": cached,
-            "cache_creation_input_tokens": 0, "output_tokens": use["completion_tokens"]}
+    return {
+        "input_tokens": use["prompt_tokens"] - cached,
+        "cache_read_input_tokens": cached,
+        "cache_creation_input_tokens": 0,
+        "output_tokens": use["completion_tokens"],
+    }
 
 
 def _tool_use(call: dict) -> dict:
-    return {"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
-            "input": json.loads(call["function"]["arguments"] or "{}")}
+    return {
+        "type": "tool_use",
+        "id": call["id"],
+        "name": call["function"]["name"],
+        "input": json.loads(call["function"]["arguments"] or "{}"),
+    }
 
 
 async def messages(request: Request) -> Response:
@@ -166,9 +199,18 @@ async def messages(request: Request) -> Response:
     message = choice["message"]
     content = [{"type": "text", "text": message["content"]}] if message["content"] else []
     content += [_tool_use(c) for c in message.get("tool_calls", [])]
-    return JSONResponse({"id": mid, "type": "message", "role": "assistant", "model": state.model_id,
-                         "content": content, "stop_reason": _STOP_REASONS.get(choice["finish_reason"], "end_turn"),
-                         "stop_sequence": None, "usage": _usage(completion["usage"])})
+    return JSONResponse(
+        {
+            "id": mid,
+            "type": "message",
+            "role": "assistant",
+            "model": state.model_id,
+            "content": content,
+            "stop_reason": _STOP_REASONS.get(choice["finish_reason"], "end_turn"),
+            "stop_sequence": None,
+            "usage": _usage(completion["usage"]),
+        }
+    )
 
 
 async def _events(gen: Generation, mid: str, model: str) -> AsyncIterator[str]:
@@ -193,9 +235,19 @@ async def _events(gen: Generation, mid: str, model: str) -> AsyncIterator[str]:
         return [event("content_block_stop", index=index)]
 
     prompt_tokens = len(gen.choices[0].req.prompt_ids)
-    yield event("message_start", message={
-        "id": mid, "type": "message", "role": "assistant", "model": model, "content": [], "stop_reason": None,
-        "stop_sequence": None, "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}})
+    yield event(
+        "message_start",
+        message={
+            "id": mid,
+            "type": "message",
+            "role": "assistant",
+            "model": model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": prompt_tokens, "output_tokens": 0},
+        },
+    )
     kind = None  # of the open block: text or tool_use
     async with contextlib.aclosing(gen.stream()) as chunks:  # closing this closes the chat stream: the row ends
         async for data in chunks:
@@ -224,11 +276,17 @@ async def _events(gen: Generation, mid: str, model: str) -> AsyncIterator[str]:
                         yield e
                     kind = "tool_use"
                 elif call["function"]["arguments"]:
-                    yield event("content_block_delta", index=block,
-                                delta={"type": "input_json_delta", "partial_json": call["function"]["arguments"]})
+                    yield event(
+                        "content_block_delta",
+                        index=block,
+                        delta={"type": "input_json_delta", "partial_json": call["function"]["arguments"]},
+                    )
             finish = choice["finish_reason"] or finish
     for e in stop():
         yield e
-    yield event("message_delta", delta={"stop_reason": _STOP_REASONS.get(finish, "end_turn"), "stop_sequence": None},
-                usage={"output_tokens": usage["output_tokens"] if usage else 0})
+    yield event(
+        "message_delta",
+        delta={"stop_reason": _STOP_REASONS.get(finish, "end_turn"), "stop_sequence": None},
+        usage={"output_tokens": usage["output_tokens"] if usage else 0},
+    )
     yield event("message_stop")

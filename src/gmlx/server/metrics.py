@@ -25,15 +25,25 @@ ROUTER_SATURATION = 0.8  # where the Gateway API Inference Extension's picker ca
 
 
 def _concurrency(s: ServerState) -> dict:
-    return {"decode_batch": s.gate.width, "queue_cap": s.gate.cap, "in_flight": s.gate.running,
-            "waiting": s.gate.waiting}
+    return {
+        "decode_batch": s.gate.width,
+        "queue_cap": s.gate.cap,
+        "in_flight": s.gate.running,
+        "waiting": s.gate.waiting,
+    }
 
 
 def _queue(s: ServerState) -> dict:
     g = s.gate
-    return {"waiting": g.waiting, "cap": g.cap, "eta_s": g.retry_after(RETRY_AFTER_FULL_S),
-            "rejections": g.rejections, "timeouts": g.rejections_by_code.get("queue_timeout", 0),
-            "rejections_by_reason": dict(g.rejections_by_code), "last_reject_reason": g.last_reject_reason}
+    return {
+        "waiting": g.waiting,
+        "cap": g.cap,
+        "eta_s": g.retry_after(RETRY_AFTER_FULL_S),
+        "rejections": g.rejections,
+        "timeouts": g.rejections_by_code.get("queue_timeout", 0),
+        "rejections_by_reason": dict(g.rejections_by_code),
+        "last_reject_reason": g.last_reject_reason,
+    }
 
 
 def _connections(s: ServerState) -> dict:
@@ -106,30 +116,58 @@ def _rates(s: ServerState) -> dict:
 
 def _totals(s: ServerState) -> dict:
     st = s.engine.stats
-    return {"requests_finished": dict(st.finish_reasons), "prompt_tokens": st.prefill_tokens,
-            "generated_tokens": st.decode_tokens}
+    return {
+        "requests_finished": dict(st.finish_reasons),
+        "prompt_tokens": st.prefill_tokens,
+        "generated_tokens": st.decode_tokens,
+    }
 
 
 def _requests(s: ServerState) -> list[dict]:
     now = time.monotonic()
-    rows = [{"id": q.id, "uid": None, "model": s.model_id, "state": "queued", "prompt_tokens": q.prompt_tokens,
-             "generated": 0, "max_tokens": q.max_tokens, "elapsed_s": round(now - q.arrived_at, 2),
-             "queued_s": round(q.queued_s(now), 2), "ttft_s": None, "decode_tok_s": None, "cache": None,
-             "speculative": None} for q in list(s.queued.values())]
+    rows = [
+        {
+            "id": q.id,
+            "uid": None,
+            "model": s.model_id,
+            "state": "queued",
+            "prompt_tokens": q.prompt_tokens,
+            "generated": 0,
+            "max_tokens": q.max_tokens,
+            "elapsed_s": round(now - q.arrived_at, 2),
+            "queued_s": round(q.queued_s(now), 2),
+            "ttft_s": None,
+            "decode_tok_s": None,
+            "cache": None,
+            "speculative": None,
+        }
+        for q in list(s.queued.values())
+    ]
     for r in s.engine.requests():
-        rows.append({
-            "id": r.id, "uid": r.uid, "model": s.model_id, "state": r.state, "prompt_tokens": len(r.prompt_ids),
-            "generated": r.generated, "max_tokens": r.max_tokens, "elapsed_s": round(now - r.arrival, 2),
-            "queued_s": round(r.queued_s, 2), "ttft_s": _round(r.ttft_s, 3), "decode_tok_s": _round(r.decode_tok_s(now)),
-            "cache": r.cache.to_json() if r.cache else None,
-            # With a drafter: its figures, and why this request never drafts (None: it may).
-            "speculative": {**r.speculative.to_json(), "off": drafting_refused(r)} if r.speculative else None,
-        })
+        rows.append(
+            {
+                "id": r.id,
+                "uid": r.uid,
+                "model": s.model_id,
+                "state": r.state,
+                "prompt_tokens": len(r.prompt_ids),
+                "generated": r.generated,
+                "max_tokens": r.max_tokens,
+                "elapsed_s": round(now - r.arrival, 2),
+                "queued_s": round(r.queued_s, 2),
+                "ttft_s": _round(r.ttft_s, 3),
+                "decode_tok_s": _round(r.decode_tok_s(now)),
+                "cache": r.cache.to_json() if r.cache else None,
+                # With a drafter: its figures, and why this request never drafts (None: it may).
+                "speculative": {**r.speculative.to_json(), "off": drafting_refused(r)} if r.speculative else None,
+            }
+        )
     return rows
 
 
-def kv_usage(table_usage: float | None, governor_fraction: float | None, band: str | None,
-             yellow: float, ready: bool = True) -> float:
+def kv_usage(
+    table_usage: float | None, governor_fraction: float | None, band: str | None, yellow: float, ready: bool = True
+) -> float:
     """The 0-1 figure a router reads as KV-cache usage (vllm:kv_cache_usage_perc; a picker saturates
     at 0.8): the larger of the table's share and the governor's fraction scaled so that yellow's
     threshold reads 0.8, and 1 at orange or red or while loading (docs/ARCHITECTURE.md, "Behind a
@@ -154,10 +192,15 @@ def _kv_cache(s: ServerState) -> dict:
             blocks = int(cache.max_bytes // (cache.block_tokens * kv_bytes_per_token(table.geometry, table.kv)))
     gov = s.governor.snapshot() if s.governor is not None and s.governor.enabled else {}
     yellow = (gov.get("thresholds") or {}).get("yellow", ROUTER_SATURATION)
-    return {"used_bytes": used, "budget_bytes": budget, "table_usage": table_usage,
-            "governor_fraction": gov.get("fraction"),
-            "usage": kv_usage(table_usage, gov.get("fraction"), gov.get("band"), yellow, s.ready),
-            "block_tokens": cache.block_tokens if blocks is not None else None, "blocks": blocks}
+    return {
+        "used_bytes": used,
+        "budget_bytes": budget,
+        "table_usage": table_usage,
+        "governor_fraction": gov.get("fraction"),
+        "usage": kv_usage(table_usage, gov.get("fraction"), gov.get("band"), yellow, s.ready),
+        "block_tokens": cache.block_tokens if blocks is not None else None,
+        "blocks": blocks,
+    }
 
 
 def _prompt_cache(s: ServerState) -> dict:
@@ -169,28 +212,73 @@ def _resident_models(s: ServerState) -> list[dict]:
     loaded = s.engine.loaded
     if loaded is None:
         return []
-    return [{"model": s.model_id, "kind": "chat", "in_flight": s.engine.in_flight, "decode_batch": s.gate.width,
-             "weight_mode": loaded.mode, "weight_bytes": loaded.report.resident_bytes,
-             "context_length": loaded.context_length}]
+    return [
+        {
+            "model": s.model_id,
+            "kind": "chat",
+            "in_flight": s.engine.in_flight,
+            "decode_batch": s.gate.width,
+            "weight_mode": loaded.mode,
+            "weight_bytes": loaded.report.resident_bytes,
+            "context_length": loaded.context_length,
+        }
+    ]
 
 
 # Section -> (probe, the fields it reports null when the probe fails).
 SECTIONS: dict[str, tuple[Probe, tuple[str, ...]]] = {
     "concurrency": (_concurrency, ("decode_batch", "queue_cap", "in_flight", "waiting")),
-    "queue": (_queue, ("waiting", "cap", "eta_s", "rejections", "timeouts", "rejections_by_reason",
-                       "last_reject_reason")),
+    "queue": (
+        _queue,
+        ("waiting", "cap", "eta_s", "rejections", "timeouts", "rejections_by_reason", "last_reject_reason"),
+    ),
     "connections": (_connections, ("open", "cap", "refused", "evicted", "header_timeouts", "body_timeouts")),
     "governor": (_governor, ("band", "enabled")),
-    "memory": (_memory, ("active_bytes", "cache_bytes", "peak_bytes", "headroom_bytes", "budget_bytes",
-                         "process_rss_bytes", "system_available_bytes", "system_total_bytes")),
+    "memory": (
+        _memory,
+        (
+            "active_bytes",
+            "cache_bytes",
+            "peak_bytes",
+            "headroom_bytes",
+            "budget_bytes",
+            "process_rss_bytes",
+            "system_available_bytes",
+            "system_total_bytes",
+        ),
+    ),
     "capacity": (_capacity, ()),
-    "rates": (_rates, ("decode_tok_s", "decode_streams", "prefill_tok_s_recent", "decode_tok_s_recent",
-                       "decode_tok_s_lifetime", "speculative_accept_rate")),
+    "rates": (
+        _rates,
+        (
+            "decode_tok_s",
+            "decode_streams",
+            "prefill_tok_s_recent",
+            "decode_tok_s_recent",
+            "decode_tok_s_lifetime",
+            "speculative_accept_rate",
+        ),
+    ),
     "totals": (_totals, ("requests_finished", "prompt_tokens", "generated_tokens")),
-    "kv_cache": (_kv_cache, ("used_bytes", "budget_bytes", "table_usage", "governor_fraction", "usage",
-                             "block_tokens", "blocks")),
-    "prompt_cache": (_prompt_cache, ("enabled", "max_bytes", "bytes", "entries", "hits", "misses", "hit_rate",
-                                     "reused_tokens", "stored_bytes", "evicted_bytes")),
+    "kv_cache": (
+        _kv_cache,
+        ("used_bytes", "budget_bytes", "table_usage", "governor_fraction", "usage", "block_tokens", "blocks"),
+    ),
+    "prompt_cache": (
+        _prompt_cache,
+        (
+            "enabled",
+            "max_bytes",
+            "bytes",
+            "entries",
+            "hits",
+            "misses",
+            "hit_rate",
+            "reused_tokens",
+            "stored_bytes",
+            "evicted_bytes",
+        ),
+    ),
     "requests": (_requests, ()),
     "resident_models": (_resident_models, ()),
 }

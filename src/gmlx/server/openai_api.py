@@ -19,7 +19,13 @@ from gmlx.server.tools import ToolCall
 
 _MAX_STOPS = 16
 _TOOL_ROLES = ("tool", "function")  # function: OpenAI's older tool role (a name, no call id)
-ROLES = ("system", "developer", "user", "assistant", *_TOOL_ROLES)  # the roles a chat template is given (the schema's enum)
+ROLES = (
+    "system",
+    "developer",
+    "user",
+    "assistant",
+    *_TOOL_ROLES,
+)  # the roles a chat template is given (the schema's enum)
 
 
 @dataclass(frozen=True)
@@ -103,7 +109,9 @@ def _message(m: Any, i: int) -> dict[str, Any]:
     if m.get("tool_calls") not in (None, []):
         if role != "assistant":
             raise bad_request(f"messages[{i}]: only an assistant message has tool_calls", "messages")
-        out["tool_calls"] = tool_prompt.assistant_calls(m["tool_calls"], i)  # absent otherwise: templates test for the key
+        out["tool_calls"] = tool_prompt.assistant_calls(
+            m["tool_calls"], i
+        )  # absent otherwise: templates test for the key
     return out
 
 
@@ -188,8 +196,11 @@ def _grammar(body: dict, tools: tool_prompt.ToolSpec | None) -> str | None:
     if tools is None or tools.grammar is None:
         return grammar
     if grammar is not None:
-        raise bad_request("a forced tool call (tool_choice required or a function) and a JSON response_format "
-                          "cannot both shape the output", "tool_choice")
+        raise bad_request(
+            "a forced tool call (tool_choice required or a function) and a JSON response_format "
+            "cannot both shape the output",
+            "tool_choice",
+        )
     return tools.grammar
 
 
@@ -199,11 +210,13 @@ def _decoding(body: dict) -> Decoding:
     last = _integer(body, "repeat_last_n")
     if last is not None and last < -1:
         raise bad_request("'repeat_last_n' must be -1 (the whole context), 0 (off) or more", "repeat_last_n")
-    return Decoding(presence_penalty=_number(body, "presence_penalty", -2.0, 2.0, 0.0),
-                    frequency_penalty=_number(body, "frequency_penalty", -2.0, 2.0, 0.0),
-                    repetition_penalty=repetition,
-                    repeat_last_n=REPEAT_LAST_N if last is None else last,
-                    logit_bias=_logit_bias(body))
+    return Decoding(
+        presence_penalty=_number(body, "presence_penalty", -2.0, 2.0, 0.0),
+        frequency_penalty=_number(body, "frequency_penalty", -2.0, 2.0, 0.0),
+        repetition_penalty=repetition,
+        repeat_last_n=REPEAT_LAST_N if last is None else last,
+        logit_bias=_logit_bias(body),
+    )
 
 
 def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
@@ -242,8 +255,9 @@ def _response_format(body: dict) -> str | None:
             raise bad_request("response_format.json_schema.strict must be a boolean", "response_format")
         schema = spec.get("schema", {})  # none given: any JSON value
     else:
-        raise bad_request(f"response_format.type must be text, json_object or json_schema, not {kind!r}",
-                          "response_format")
+        raise bad_request(
+            f"response_format.type must be text, json_object or json_schema, not {kind!r}", "response_format"
+        )
     try:
         return json_schema_grammar(schema)
     except GrammarError as e:
@@ -272,12 +286,19 @@ def completion_budget(p: GenerationParams, prompt_tokens: int, context: int, def
     the server's default applies, cut to what the window leaves."""
     param = "messages" if p.chat else "prompt"
     if prompt_tokens >= context:
-        raise bad_request(f"the prompt has {prompt_tokens} tokens; the context window holds {context}", param,
-                          code="context_length_exceeded")
+        raise bad_request(
+            f"the prompt has {prompt_tokens} tokens; the context window holds {context}",
+            param,
+            code="context_length_exceeded",
+        )
     if p.max_tokens is not None and prompt_tokens + p.max_tokens > context:
-        raise bad_request(f"the context window holds {context} tokens, but {prompt_tokens + p.max_tokens} were asked "
-                          f"for ({prompt_tokens} in the {param}, {p.max_tokens} to generate): ask for at most "
-                          f"{context - prompt_tokens}, or leave max_tokens out", param, code="context_length_exceeded")
+        raise bad_request(
+            f"the context window holds {context} tokens, but {prompt_tokens + p.max_tokens} were asked "
+            f"for ({prompt_tokens} in the {param}, {p.max_tokens} to generate): ask for at most "
+            f"{context - prompt_tokens}, or leave max_tokens out",
+            param,
+            code="context_length_exceeded",
+        )
     return p.max_tokens or min(default, context - prompt_tokens)
 
 
@@ -286,13 +307,22 @@ def new_id(chat: bool) -> str:
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
 
 
-def choice(p: GenerationParams, index: int, text: str | None, finish: str, logprobs: dict | None = None,
-           tool_calls: Sequence[ToolCall] = ()) -> dict:
+def choice(
+    p: GenerationParams,
+    index: int,
+    text: str | None,
+    finish: str,
+    logprobs: dict | None = None,
+    tool_calls: Sequence[ToolCall] = (),
+) -> dict:
     """One entry of a completion's `choices`."""
     out: dict[str, Any] = {"index": index, "finish_reason": finish, "logprobs": logprobs}
     if p.chat:
@@ -306,18 +336,41 @@ def choice(p: GenerationParams, index: int, text: str | None, finish: str, logpr
 
 def completion(p: GenerationParams, rid: str, model: str, choices: list[dict], use: dict, fingerprint: str) -> dict:
     kind = "chat.completion" if p.chat else "text_completion"
-    return {"id": rid, "object": kind, "created": int(time.time()), "model": model, "system_fingerprint": fingerprint,
-            "choices": choices, "usage": use}
+    return {
+        "id": rid,
+        "object": kind,
+        "created": int(time.time()),
+        "model": model,
+        "system_fingerprint": fingerprint,
+        "choices": choices,
+        "usage": use,
+    }
 
 
-def chunk(p: GenerationParams, rid: str, model: str, index: int = 0, text: str | None = None,
-          finish: str | None = None, role: bool = False, use: dict | None = None, logprobs: dict | None = None,
-          tool_call: dict | None = None, *, fingerprint: str) -> dict:
+def chunk(
+    p: GenerationParams,
+    rid: str,
+    model: str,
+    index: int = 0,
+    text: str | None = None,
+    finish: str | None = None,
+    role: bool = False,
+    use: dict | None = None,
+    logprobs: dict | None = None,
+    tool_call: dict | None = None,
+    *,
+    fingerprint: str,
+) -> dict:
     """One streamed chunk of choice `index`: a text delta, a tool-call delta (tools.call_deltas),
     the opening role, the finish, or the usage (no choices). Each carries the system_fingerprint, as OpenAI's do."""
     kind = "chat.completion.chunk" if p.chat else "text_completion"
-    out: dict[str, Any] = {"id": rid, "object": kind, "created": int(time.time()), "model": model,
-                           "system_fingerprint": fingerprint}
+    out: dict[str, Any] = {
+        "id": rid,
+        "object": kind,
+        "created": int(time.time()),
+        "model": model,
+        "system_fingerprint": fingerprint,
+    }
     if use is not None:
         out["choices"], out["usage"] = [], use
         return out
@@ -338,8 +391,12 @@ def chunk(p: GenerationParams, rid: str, model: str, index: int = 0, text: str |
 _USER_MARK = "\ue000gmlx-user\ue000"  # a private-use sentinel no real message contains
 
 
-def system_prefix_tokens(tokenizer: Any, messages: list[dict[str, Any]] | None, prompt_ids: list[int],
-                         tools: tool_prompt.ToolSpec | None = None) -> int:
+def system_prefix_tokens(
+    tokenizer: Any,
+    messages: list[dict[str, Any]] | None,
+    prompt_ids: list[int],
+    tools: tool_prompt.ToolSpec | None = None,
+) -> int:
     """How many of prompt_ids the leading system message(s) account for: the rendered prompt up to
     where the first user message's text would start, so requests that share a system prompt and
     differ after it share exactly this prefix (the prompt cache anchors there). 0 without one."""
@@ -351,8 +408,9 @@ def system_prefix_tokens(tokenizer: Any, messages: list[dict[str, Any]] | None, 
     if not system or len(system) == len(messages or ()):
         return 0
     try:
-        text = tool_prompt.render(tokenizer, [*system, {"role": "user", "content": _USER_MARK}], tools,
-                                  add_generation_prompt=False)
+        text = tool_prompt.render(
+            tokenizer, [*system, {"role": "user", "content": _USER_MARK}], tools, add_generation_prompt=False
+        )
     except Exception:  # a template that will not render this shape has no anchor
         return 0
     cut = text.find(_USER_MARK)

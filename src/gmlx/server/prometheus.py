@@ -40,14 +40,17 @@ class _Snapshot:
             rejected.add_metric([reason], n)
         yield rejected
         if queue.get("timeouts") is not None:
-            yield CounterMetricFamily("gmlx_queue_timeouts", "Requests that waited in the queue past the timeout",
-                                      value=queue["timeouts"])
+            yield CounterMetricFamily(
+                "gmlx_queue_timeouts", "Requests that waited in the queue past the timeout", value=queue["timeouts"]
+            )
         conns = s.get("connections") or {}
         yield from _gauges("gmlx_connections", {k: conns.get(k) for k in ("open", "cap")})
-        for key, what in (("refused", "Connections refused at the cap"),
-                          ("evicted", "Idle connections closed at the cap to admit a new one"),
-                          ("header_timeouts", "Connections closed for sending headers too slowly"),
-                          ("body_timeouts", "Requests refused for sending their body too slowly")):
+        for key, what in (
+            ("refused", "Connections refused at the cap"),
+            ("evicted", "Idle connections closed at the cap to admit a new one"),
+            ("header_timeouts", "Connections closed for sending headers too slowly"),
+            ("body_timeouts", "Requests refused for sending their body too slowly"),
+        ):
             if conns.get(key) is not None:
                 yield CounterMetricFamily(f"gmlx_connections_{key}", what, value=conns[key])
         yield from _governor(s.get("governor") or {})
@@ -66,13 +69,18 @@ class _Snapshot:
         yield from _prompt_cache(s.get("prompt_cache") or {}, model)
         for m in models:
             for key in ("in_flight", "weight_bytes", "decode_batch", "context_length"):
-                g = GaugeMetricFamily(f"gmlx_model_{key}", f"Resident model {key.replace('_', ' ')}",
-                                      labels=["model", "kind", "weight_mode"])
+                g = GaugeMetricFamily(
+                    f"gmlx_model_{key}",
+                    f"Resident model {key.replace('_', ' ')}",
+                    labels=["model", "kind", "weight_mode"],
+                )
                 g.add_metric([m["model"], m["kind"], m["weight_mode"]], m[key])
                 yield g
 
 
-def _gauges(prefix: str, section: dict, skip: tuple[str, ...] = (), labels: dict[str, str] | None = None) -> Iterator[Metric]:
+def _gauges(
+    prefix: str, section: dict, skip: tuple[str, ...] = (), labels: dict[str, str] | None = None
+) -> Iterator[Metric]:
     """One gauge per numeric field; null fields are left out rather than reported as 0."""
     labels = labels or {}
     for key, value in section.items():
@@ -89,17 +97,24 @@ def _vllm(s: dict, model: str) -> Iterator[Metric]:
     holds n, as vLLM counts sequences); KV usage is kv_cache.usage."""
     conc, kv = s.get("concurrency") or {}, s.get("kv_cache") or {}
     for name, what, value in (
-            ("num_requests_waiting", "Requests waiting in the admission queue", conc.get("waiting")),
-            ("num_requests_running", "Requests holding a decode slot", conc.get("in_flight")),
-            ("kv_cache_usage_perc", "KV-cache usage, 0-1: the capacity table's share, the governor's band",
-             kv.get("usage"))):
+        ("num_requests_waiting", "Requests waiting in the admission queue", conc.get("waiting")),
+        ("num_requests_running", "Requests holding a decode slot", conc.get("in_flight")),
+        (
+            "kv_cache_usage_perc",
+            "KV-cache usage, 0-1: the capacity table's share, the governor's band",
+            kv.get("usage"),
+        ),
+    ):
         if value is not None:
             g = GaugeMetricFamily(f"vllm:{name}", what, labels=["model_name"])
             g.add_metric([model], value)
             yield g
     if kv.get("blocks") is not None:
-        info = GaugeMetricFamily("vllm:cache_config_info", "The prompt cache's block size and block count",
-                                 labels=["block_size", "num_gpu_blocks"])
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "The prompt cache's block size and block count",
+            labels=["block_size", "num_gpu_blocks"],
+        )
         info.add_metric([str(kv["block_tokens"]), str(kv["blocks"])], 1.0)
         yield info
 
@@ -107,21 +122,27 @@ def _vllm(s: dict, model: str) -> Iterator[Metric]:
 def _prompt_cache(pc: dict, model: str) -> Iterator[Metric]:
     if not pc.get("enabled"):
         return
-    hits = CounterMetricFamily("gmlx_prompt_cache_hits", "Requests whose prefix the prompt cache held, by tier",
-                               labels=["model", "tier"])
+    hits = CounterMetricFamily(
+        "gmlx_prompt_cache_hits", "Requests whose prefix the prompt cache held, by tier", labels=["model", "tier"]
+    )
     for tier, n in (pc.get("hits_by_tier") or {}).items():
         hits.add_metric([model, tier], n)
     yield hits
-    for key, what in (("misses", "Requests the prompt cache had nothing for"),
-                      ("reused_tokens", "Prompt tokens served from the prompt cache instead of prefilled"),
-                      ("stored_bytes", "Bytes of KV stored into the prompt cache"),
-                      ("evicted_bytes", "Bytes of KV evicted from the prompt cache (LRU or governor)")):
+    for key, what in (
+        ("misses", "Requests the prompt cache had nothing for"),
+        ("reused_tokens", "Prompt tokens served from the prompt cache instead of prefilled"),
+        ("stored_bytes", "Bytes of KV stored into the prompt cache"),
+        ("evicted_bytes", "Bytes of KV evicted from the prompt cache (LRU or governor)"),
+    ):
         if pc.get(key) is not None:
             c = CounterMetricFamily(f"gmlx_prompt_cache_{key}", what, labels=["model"])
             c.add_metric([model], pc[key])
             yield c
-    for key, what in (("bytes", "Bytes the prompt cache holds now"), ("max_bytes", "The prompt cache's bound"),
-                      ("entries", "Entries in the prompt cache")):
+    for key, what in (
+        ("bytes", "Bytes the prompt cache holds now"),
+        ("max_bytes", "The prompt cache's bound"),
+        ("entries", "Entries in the prompt cache"),
+    ):
         if pc.get(key) is not None:
             g = GaugeMetricFamily(f"gmlx_prompt_cache_{key}", what, labels=["model"])
             g.add_metric([model], pc[key])
@@ -137,18 +158,23 @@ def _governor(gov: dict) -> Iterator[Metric]:
     yield from _gauges("gmlx_governor", gov)  # fraction, used and limit bytes, sampling interval
     thresholds = dict(gov.get("thresholds") or {})
     if "hysteresis" in thresholds:
-        yield GaugeMetricFamily("gmlx_governor_hysteresis", "How far below its threshold a band falls back",
-                                value=thresholds.pop("hysteresis"))
-    threshold = GaugeMetricFamily("gmlx_governor_threshold", "Fraction of the budget at which a band starts",
-                                  labels=["band"])
+        yield GaugeMetricFamily(
+            "gmlx_governor_hysteresis",
+            "How far below its threshold a band falls back",
+            value=thresholds.pop("hysteresis"),
+        )
+    threshold = GaugeMetricFamily(
+        "gmlx_governor_threshold", "Fraction of the budget at which a band starts", labels=["band"]
+    )
     for name, value in thresholds.items():
         threshold.add_metric([name], value)
     yield threshold
     actions = gov.get("actions") or {}
     count = CounterMetricFamily("gmlx_governor_actions", "Times the governor took each action", labels=["action"])
     freed = CounterMetricFamily("gmlx_governor_freed_bytes", "Bytes each releasing action freed", labels=["action"])
-    last = GaugeMetricFamily("gmlx_governor_action_last_at_seconds", "Unix time each action was last taken",
-                             labels=["action"])
+    last = GaugeMetricFamily(
+        "gmlx_governor_action_last_at_seconds", "Unix time each action was last taken", labels=["action"]
+    )
     for name, a in actions.items():
         count.add_metric([name], a["count"])
         if "bytes_freed" in a:
@@ -200,12 +226,24 @@ class Histograms:
         self._capacity_registry = CollectorRegistry(auto_describe=False)
         self._capacity_registry.register(self._capacity)
         self._capacity_text = b""
-        self.ttft = Histogram("gmlx_ttft_seconds", "Time to first token, from the request's arrival (queue wait included)", registry=self.registry,
-                              buckets=_TTFT_BUCKETS)
-        self.itl = Histogram("gmlx_inter_token_latency_seconds", "Time between two tokens of a stream",
-                             registry=self.registry, buckets=_ITL_BUCKETS)
-        self.queue_wait = Histogram("gmlx_queue_wait_seconds", "Time a request waited at the admission gate",
-                                    registry=self.registry, buckets=_QUEUE_BUCKETS)
+        self.ttft = Histogram(
+            "gmlx_ttft_seconds",
+            "Time to first token, from the request's arrival (queue wait included)",
+            registry=self.registry,
+            buckets=_TTFT_BUCKETS,
+        )
+        self.itl = Histogram(
+            "gmlx_inter_token_latency_seconds",
+            "Time between two tokens of a stream",
+            registry=self.registry,
+            buckets=_ITL_BUCKETS,
+        )
+        self.queue_wait = Histogram(
+            "gmlx_queue_wait_seconds",
+            "Time a request waited at the admission gate",
+            registry=self.registry,
+            buckets=_QUEUE_BUCKETS,
+        )
 
     def observe_ttft(self, ttft_s: float | None) -> None:
         if ttft_s is not None:

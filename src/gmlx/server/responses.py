@@ -45,8 +45,11 @@ class ResponseStore:
 
     def get(self, rid: str) -> Messages:
         if rid not in self._items:
-            raise bad_request(f"previous response {rid!r} is not stored here (the server keeps its last {self.size})",
-                              "previous_response_id", code="previous_response_not_found")
+            raise bad_request(
+                f"previous response {rid!r} is not stored here (the server keeps its last {self.size})",
+                "previous_response_id",
+                code="previous_response_not_found",
+            )
         self._items.move_to_end(rid)
         return self._items[rid]
 
@@ -83,8 +86,11 @@ def _messages(value: Any) -> Messages:
         if kind == "message" and item.get("role") in _ROLES:
             out.append({"role": item["role"], "content": _text(item.get("content"), where)})
         elif kind == "function_call" and all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
-            call = {"id": item["call_id"], "type": "function",
-                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            call = {
+                "id": item["call_id"],
+                "type": "function",
+                "function": {"name": item["name"], "arguments": item["arguments"]},
+            }
             if out and out[-1]["role"] == "assistant":
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
@@ -92,8 +98,11 @@ def _messages(value: Any) -> Messages:
         elif kind == "function_call_output" and isinstance(item.get("call_id"), str):
             out.append({"role": "tool", "tool_call_id": item["call_id"], "content": _text(item.get("output"), where)})
         else:
-            raise bad_request(f"{where} must be a message (role {', '.join(_ROLES)}), a function_call or a "
-                              f"function_call_output; {kind!r} is not supported", "input")
+            raise bad_request(
+                f"{where} must be a message (role {', '.join(_ROLES)}), a function_call or a "
+                f"function_call_output; {kind!r} is not supported",
+                "input",
+            )
     return out
 
 
@@ -105,10 +114,15 @@ def _tools(tools: Any) -> list[dict] | None:
     out = []
     for t in tools:
         if t.get("type") != "function":
-            raise bad_request(f"only function tools are supported, not {t.get('type')!r}", "tools",
-                              code="unsupported_parameter")
-        out.append({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters", "strict")
-                                                     if t.get(k) is not None}})
+            raise bad_request(
+                f"only function tools are supported, not {t.get('type')!r}", "tools", code="unsupported_parameter"
+            )
+        out.append(
+            {
+                "type": "function",
+                "function": {k: t[k] for k in ("name", "description", "parameters", "strict") if t.get(k) is not None},
+            }
+        )
     return out
 
 
@@ -126,8 +140,11 @@ def _response_format(text: Any) -> dict | None:
     if not isinstance(text, dict) or set(text) - {"format", "verbosity"} or text.get("verbosity") is not None:
         raise bad_request("'text' takes only 'format' (verbosity is not supported)", "text")
     fmt = text.get("format")
-    if isinstance(fmt, dict) and not (isinstance(fmt.get("name", ""), str) and isinstance(fmt.get("schema", {}), dict)
-                                      and isinstance(fmt.get("strict", False), (bool, type(None)))):
+    if isinstance(fmt, dict) and not (
+        isinstance(fmt.get("name", ""), str)
+        and isinstance(fmt.get("schema", {}), dict)
+        and isinstance(fmt.get("strict", False), (bool, type(None)))
+    ):
         raise bad_request("text.format: 'name' is a string, 'schema' an object, 'strict' a boolean", "text")
     if fmt is None or not isinstance(fmt, dict) or fmt.get("type") in ("text", "json_object"):
         return fmt
@@ -157,8 +174,14 @@ def chat_body(body: Any, store: ResponseStore) -> tuple[dict, Messages]:
         "messages": ([{"role": "system", "content": instructions}] if instructions else []) + conversation,
         "stream_options": {"include_usage": True} if body.get("stream") is True else None,
     }
-    for name, to in (("model", "model"), ("max_output_tokens", "max_completion_tokens"), ("temperature", "temperature"),
-                     ("top_p", "top_p"), ("stream", "stream"), ("parallel_tool_calls", "parallel_tool_calls")):
+    for name, to in (
+        ("model", "model"),
+        ("max_output_tokens", "max_completion_tokens"),
+        ("temperature", "temperature"),
+        ("top_p", "top_p"),
+        ("stream", "stream"),
+        ("parallel_tool_calls", "parallel_tool_calls"),
+    ):
         chat[to] = body.get(name)
     chat["tools"], chat["response_format"] = _tools(body.get("tools")), _response_format(body.get("text"))
     chat["tool_choice"] = _tool_choice(body.get("tool_choice"))
@@ -179,34 +202,60 @@ class _Answer:
         b = self.body
         fmt = (b.get("text") or {}).get("format") or {"type": "text"}
         return {
-            "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
-            "model": self.model, "output": self.output, "usage": self.usage, "error": error,
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "model": self.model,
+            "output": self.output,
+            "usage": self.usage,
+            "error": error,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "instructions": b.get("instructions"), "max_output_tokens": b.get("max_output_tokens"),
-            "temperature": b.get("temperature", 1.0), "top_p": b.get("top_p", 1.0),
-            "tools": b.get("tools") or [], "tool_choice": b.get("tool_choice", "auto"),
+            "instructions": b.get("instructions"),
+            "max_output_tokens": b.get("max_output_tokens"),
+            "temperature": b.get("temperature", 1.0),
+            "top_p": b.get("top_p", 1.0),
+            "tools": b.get("tools") or [],
+            "tool_choice": b.get("tool_choice", "auto"),
             "parallel_tool_calls": b.get("parallel_tool_calls", True),
-            "previous_response_id": b.get("previous_response_id"), "text": {"format": fmt},
-            "metadata": b.get("metadata") or {}, "store": b.get("store") is not False, "truncation": "disabled",
+            "previous_response_id": b.get("previous_response_id"),
+            "text": {"format": fmt},
+            "metadata": b.get("metadata") or {},
+            "store": b.get("store") is not False,
+            "truncation": "disabled",
         }
 
     def message(self, text: str, status: str = "completed") -> dict:
-        item = {"type": "message", "id": "msg_" + uuid.uuid4().hex[:24], "status": status, "role": "assistant",
-                "content": [_part(text)] if status == "completed" else []}
+        item = {
+            "type": "message",
+            "id": "msg_" + uuid.uuid4().hex[:24],
+            "status": status,
+            "role": "assistant",
+            "content": [_part(text)] if status == "completed" else [],
+        }
         self.text += text
         return item
 
     def call(self, call: dict, status: str = "completed") -> dict:
         fn = call["function"]
         self.calls.append({"id": call["id"], "type": "function", "function": dict(fn)})
-        return {"type": "function_call", "id": "fc_" + uuid.uuid4().hex[:24], "call_id": call["id"],
-                "name": fn["name"], "arguments": fn["arguments"], "status": status}
+        return {
+            "type": "function_call",
+            "id": "fc_" + uuid.uuid4().hex[:24],
+            "call_id": call["id"],
+            "name": fn["name"],
+            "arguments": fn["arguments"],
+            "status": status,
+        }
 
     def set_usage(self, use: dict) -> None:
-        self.usage = {"input_tokens": use["prompt_tokens"],
-                      "input_tokens_details": {"cached_tokens": use["prompt_tokens_details"]["cached_tokens"]},
-                      "output_tokens": use["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
-                      "total_tokens": use["total_tokens"]}
+        self.usage = {
+            "input_tokens": use["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": use["prompt_tokens_details"]["cached_tokens"]},
+            "output_tokens": use["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": use["total_tokens"],
+        }
 
     def keep(self, store: ResponseStore, conversation: Messages) -> None:
         if self.body.get("store") is not False:
@@ -246,8 +295,9 @@ async def responses(request: Request) -> Response:
     return JSONResponse(answer.to_json("incomplete" if choice["finish_reason"] == "length" else "completed"))
 
 
-async def _events(chunks: AsyncIterator[str], answer: _Answer, store: ResponseStore,
-                  conversation: Messages) -> AsyncIterator[str]:
+async def _events(
+    chunks: AsyncIterator[str], answer: _Answer, store: ResponseStore, conversation: Messages
+) -> AsyncIterator[str]:
     """The chat stream's chunks rewritten as Responses events: each output item opened, its text or
     arguments streamed, and closed before the next one opens; then the whole response."""
     sequence = 0
@@ -267,15 +317,35 @@ async def _events(chunks: AsyncIterator[str], answer: _Answer, store: ResponseSt
         if item["type"] == "message":
             done = answer.message(item["text"])
             done["id"] = item["id"]
-            out = [event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                         text=item["text"], logprobs=[]),
-                   event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
-                         part=_part(item["text"]))]
+            out = [
+                event(
+                    "response.output_text.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    content_index=0,
+                    text=item["text"],
+                    logprobs=[],
+                ),
+                event(
+                    "response.content_part.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    content_index=0,
+                    part=_part(item["text"]),
+                ),
+            ]
         else:
             done = answer.call(item["call"])
             done["id"] = item["id"]
-            out = [event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                         name=done["name"], arguments=done["arguments"])]
+            out = [
+                event(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    name=done["name"],
+                    arguments=done["arguments"],
+                )
+            ]
         answer.output.append(done)
         return [*out, event("response.output_item.done", output_index=index, item=done)]
 
@@ -305,30 +375,58 @@ async def _events(chunks: AsyncIterator[str], answer: _Answer, store: ResponseSt
                     index = len(answer.output)
                 if open_item is None:
                     open_item = {"type": "message", "id": "msg_" + uuid.uuid4().hex[:24], "text": ""}
-                    shell = {"type": "message", "id": open_item["id"], "status": "in_progress", "role": "assistant",
-                             "content": []}
+                    shell = {
+                        "type": "message",
+                        "id": open_item["id"],
+                        "status": "in_progress",
+                        "role": "assistant",
+                        "content": [],
+                    }
                     yield event("response.output_item.added", output_index=index, item=shell)
-                    yield event("response.content_part.added", item_id=open_item["id"], output_index=index,
-                                content_index=0, part=_part(""))
+                    yield event(
+                        "response.content_part.added",
+                        item_id=open_item["id"],
+                        output_index=index,
+                        content_index=0,
+                        part=_part(""),
+                    )
                 open_item["text"] += delta["content"]
-                yield event("response.output_text.delta", item_id=open_item["id"], output_index=index,
-                            content_index=0, delta=delta["content"], logprobs=[])
+                yield event(
+                    "response.output_text.delta",
+                    item_id=open_item["id"],
+                    output_index=index,
+                    content_index=0,
+                    delta=delta["content"],
+                    logprobs=[],
+                )
             for call in delta.get("tool_calls", []):
                 if "id" in call:  # a new call: its id and name, its arguments follow
                     for e in close():
                         yield e
                     index = len(answer.output)
-                    open_item = {"type": "function_call", "id": "fc_" + uuid.uuid4().hex[:24],
-                                 "call": {"id": call["id"], "function": {"name": call["function"]["name"],
-                                                                         "arguments": ""}}}
-                    shell = {"type": "function_call", "id": open_item["id"], "call_id": call["id"],
-                             "name": call["function"]["name"], "arguments": "", "status": "in_progress"}
+                    open_item = {
+                        "type": "function_call",
+                        "id": "fc_" + uuid.uuid4().hex[:24],
+                        "call": {"id": call["id"], "function": {"name": call["function"]["name"], "arguments": ""}},
+                    }
+                    shell = {
+                        "type": "function_call",
+                        "id": open_item["id"],
+                        "call_id": call["id"],
+                        "name": call["function"]["name"],
+                        "arguments": "",
+                        "status": "in_progress",
+                    }
                     yield event("response.output_item.added", output_index=index, item=shell)
                 elif open_item is not None and open_item["type"] == "function_call":
                     piece = call["function"]["arguments"]
                     open_item["call"]["function"]["arguments"] += piece
-                    yield event("response.function_call_arguments.delta", item_id=open_item["id"],
-                                output_index=index, delta=piece)
+                    yield event(
+                        "response.function_call_arguments.delta",
+                        item_id=open_item["id"],
+                        output_index=index,
+                        delta=piece,
+                    )
             finish = choice["finish_reason"] or finish
     for e in close():
         yield e

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from gmlx.capacity.budget import default_prompt_cache_bytes, parse_bytes
 from gmlx.capacity.bands import Thresholds
+from gmlx.capacity.budget import default_prompt_cache_bytes, parse_bytes
 from gmlx.capacity.kv_quant import BITS as _KV_BITS
 from gmlx.capacity.kv_quant import GROUP_SIZES as _KV_GROUPS
 from gmlx.capacity.kv_quant import SCHEME_CHOICES as _KV_SCHEMES
@@ -84,6 +84,7 @@ def _at_least(lo: float) -> Check:
     def check(v: Any) -> None:
         if v < lo:
             raise ValueError(f"must be >= {lo:g}")
+
     return check
 
 
@@ -91,6 +92,7 @@ def _above(lo: float) -> Check:
     def check(v: Any) -> None:
         if v <= lo:
             raise ValueError(f"must be > {lo:g}")
+
     return check
 
 
@@ -98,6 +100,7 @@ def _one_of(*choices: str) -> Check:
     def check(v: Any) -> None:
         if v not in choices:
             raise ValueError(f"must be one of {', '.join(choices)}")
+
     return check
 
 
@@ -137,6 +140,7 @@ def _int_in(*choices: int) -> Check:
     def check(v: Any) -> None:
         if v not in choices:
             raise ValueError(f"must be one of {', '.join(map(str, choices))}")
+
     return check
 
 
@@ -230,8 +234,9 @@ class Settings:
     sources: dict[str, str] = field(default_factory=dict)
 
     def kv_quant(self) -> KVQuantSettings:
-        return KVQuantSettings(self.kv_bits, self.kv_group_size, self.kv_scheme, self.kv_value_bits,
-                               self.kv_tail_tokens)
+        return KVQuantSettings(
+            self.kv_bits, self.kv_group_size, self.kv_scheme, self.kv_value_bits, self.kv_tail_tokens
+        )
 
     def prompt_cache_limit(self, memory: int) -> int:
         """The prompt cache's bound with `memory` to plan with: as set, or the default share."""
@@ -268,8 +273,9 @@ def _load_config(path: Path) -> dict[str, Any]:
     return out
 
 
-def resolve_settings(flags: Mapping[str, Any], env: Mapping[str, str] | None = None,
-                     config: str | Path | None = None) -> Settings:
+def resolve_settings(
+    flags: Mapping[str, Any], env: Mapping[str, str] | None = None, config: str | Path | None = None
+) -> Settings:
     """Resolve every field. `flags` holds CLI values (None = not given); keys that are not fields are ignored."""
     env = os.environ if env is None else env
     config = config if config is not None else env.get("GMLX_CONFIG") or None
@@ -301,8 +307,13 @@ def resolve_settings(flags: Mapping[str, Any], env: Mapping[str, str] | None = N
     except ValueError as e:
         raise SettingsError(str(e)) from None
     try:
-        KVQuantSettings(values["kv_bits"], values["kv_group_size"], values["kv_scheme"], values["kv_value_bits"],
-                        values["kv_tail_tokens"]).check()
+        KVQuantSettings(
+            values["kv_bits"],
+            values["kv_group_size"],
+            values["kv_scheme"],
+            values["kv_value_bits"],
+            values["kv_tail_tokens"],
+        ).check()
     except ValueError as e:
         raise SettingsError(str(e)) from None
     if values["queue_size"] is None:

@@ -62,7 +62,9 @@ class ServerState:
     def __post_init__(self) -> None:
         s, stats = self.settings, self.engine.stats
         rate = lambda: stats.decode_tok_s_recent() or stats.decode_tok_s_lifetime()  # noqa: E731
-        self.gate = AdmissionGate(s.decode_batch, s.queue_size, s.queue_timeout, lambda: (stats.mean_generated(), rate()))
+        self.gate = AdmissionGate(
+            s.decode_batch, s.queue_size, s.queue_timeout, lambda: (stats.mean_generated(), rate())
+        )
         self.connections = ConnectionStats(s.max_connections)
 
     @property
@@ -75,8 +77,9 @@ class ServerState:
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_id:
-            raise APIError(404, f"model {model!r} is not served here (this server serves {self.model_id!r})",
-                           "model_not_found")
+            raise APIError(
+                404, f"model {model!r} is not served here (this server serves {self.model_id!r})", "model_not_found"
+            )
 
     def weight_bytes(self) -> int:
         """Resident weights: the served model's, and its drafter's when one drafts for it."""
@@ -91,12 +94,19 @@ class ServerState:
             s = self.settings
             memory = s.memory or platform.total_memory_bytes()
             self._table = capacity_table(
-                loaded.geometry, weight_bytes=self.weight_bytes(), decode_batch=s.decode_batch,
-                prefill_step=s.prefill_step, kv=self.kv_format(measured.kv_dtype_bytes),
-                memory=memory, reserve_fraction=s.reserve_fraction, reserve_floor=s.reserve_floor,
-                context_length=loaded.context_length, prompt_cache_bytes=s.prompt_cache_limit(memory),
+                loaded.geometry,
+                weight_bytes=self.weight_bytes(),
+                decode_batch=s.decode_batch,
+                prefill_step=s.prefill_step,
+                kv=self.kv_format(measured.kv_dtype_bytes),
+                memory=memory,
+                reserve_fraction=s.reserve_fraction,
+                reserve_floor=s.reserve_floor,
+                context_length=loaded.context_length,
+                prompt_cache_bytes=s.prompt_cache_limit(memory),
                 tiled_attention=attention_in_tiles(kernels_fast.installed(), getattr(self.engine, "kv_quant", None)),
-                governor=governor_terms(s, measured.host_bytes, platform.backend() != "cuda"))
+                governor=governor_terms(s, measured.host_bytes, platform.backend() != "cuda"),
+            )
         return self._table
 
     def kv_format(self, float_bytes: int) -> KVFormat:
@@ -110,8 +120,12 @@ class ServerState:
         if not p.chat or self.engine.prompt_cache is None:
             return ids, 0
         with self._tokenizer_lock:
-            return ids, openai_api.system_prefix_tokens(self.engine.loaded.tokenizer, p.messages, ids,  # type: ignore[union-attr]
-                                                        p.tools)
+            return ids, openai_api.system_prefix_tokens(
+                self.engine.loaded.tokenizer,
+                p.messages,
+                ids,  # type: ignore[union-attr]
+                p.tools,
+            )
 
     def token_bytes(self) -> list[bytes]:
         """Every token's bytes, by id (for logprobs), read from the vocabulary once."""

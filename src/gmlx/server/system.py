@@ -35,15 +35,17 @@ def gpu_telemetry() -> list[dict] | None:
     for i in range(nvml.nvmlDeviceGetCount()):
         h = nvml.nvmlDeviceGetHandleByIndex(i)
         mem = nvml.nvmlDeviceGetMemoryInfo(h)
-        gpus.append({
-            "index": i,
-            "name": _best_effort(lambda: nvml.nvmlDeviceGetName(h)),
-            "utilization_pct": _best_effort(lambda: nvml.nvmlDeviceGetUtilizationRates(h).gpu),
-            "memory_total_bytes": int(mem.total),
-            "memory_used_bytes": int(mem.used),
-            "temperature_c": _best_effort(lambda: nvml.nvmlDeviceGetTemperature(h, nvml.NVML_TEMPERATURE_GPU)),
-            "power_w": _best_effort(lambda: nvml.nvmlDeviceGetPowerUsage(h) / 1000),
-        })
+        gpus.append(
+            {
+                "index": i,
+                "name": _best_effort(lambda h=h: nvml.nvmlDeviceGetName(h)),
+                "utilization_pct": _best_effort(lambda h=h: nvml.nvmlDeviceGetUtilizationRates(h).gpu),
+                "memory_total_bytes": int(mem.total),
+                "memory_used_bytes": int(mem.used),
+                "temperature_c": _best_effort(lambda h=h: nvml.nvmlDeviceGetTemperature(h, nvml.NVML_TEMPERATURE_GPU)),
+                "power_w": _best_effort(lambda h=h: nvml.nvmlDeviceGetPowerUsage(h) / 1000),
+            }
+        )
     return gpus
 
 

@@ -56,14 +56,17 @@ class ToolSpec:
         """The functions the output may call (name -> parameters schema) when a call is forced; one
         without parameters takes none (OpenAI's reading), not any."""
         fns = [t["function"] for t in self.tools]
-        return {f["name"]: f.get("parameters") or _NO_PARAMETERS
-                for f in fns if self.choice != "function" or f["name"] == self.function}
+        return {
+            f["name"]: f.get("parameters") or _NO_PARAMETERS
+            for f in fns
+            if self.choice != "function" or f["name"] == self.function
+        }
 
 
 def _tool(tool: Any, i: int) -> dict[str, Any]:
     where = f"tools[{i}]"
     if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
-        raise bad_request(f"{where} must be {{\"type\": \"function\", \"function\": {{...}}}}", "tools")
+        raise bad_request(f'{where} must be {{"type": "function", "function": {{...}}}}', "tools")
     fn = tool["function"]
     if not isinstance(fn.get("name"), str) or not _NAME.fullmatch(fn["name"]):
         raise bad_request(f"{where}.function.name must be 1-64 letters, digits, _ or -", "tools")
@@ -90,8 +93,9 @@ def _choice(value: Any, names: frozenset[str]) -> tuple[str, str | None]:
         if not isinstance(name, str) or name not in names:
             raise bad_request(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
         return "function", name
-    raise bad_request("'tool_choice' must be none, auto, required or {\"type\": \"function\", "
-                      "\"function\": {\"name\": ...}}", "tool_choice")
+    raise bad_request(
+        '\'tool_choice\' must be none, auto, required or {"type": "function", "function": {"name": ...}}', "tool_choice"
+    )
 
 
 def tool_spec(body: dict) -> ToolSpec | None:
@@ -140,12 +144,23 @@ def assistant_calls(calls: Any, i: int) -> list[dict[str, Any]]:
     out = []
     for j, call in enumerate(calls):
         fn = call.get("function") if isinstance(call, dict) else None
-        if (not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(call.get("id"), str)
-                or call.get("type", "function") != "function" or not isinstance(fn.get("arguments", ""), (str, dict))):
-            raise bad_request(f"{where}[{j}] must be {{\"id\", \"type\": \"function\", \"function\": "
-                              "{\"name\", \"arguments\"}}", "messages")
-        out.append({"id": call["id"], "type": "function",
-                    "function": {"name": fn["name"], "arguments": _call_arguments(fn.get("arguments", {}))}})
+        if (
+            not isinstance(fn, dict)
+            or not isinstance(fn.get("name"), str)
+            or not isinstance(call.get("id"), str)
+            or call.get("type", "function") != "function"
+            or not isinstance(fn.get("arguments", ""), (str, dict))
+        ):
+            raise bad_request(
+                f'{where}[{j}] must be {{"id", "type": "function", "function": {{"name", "arguments"}}}}', "messages"
+            )
+        out.append(
+            {
+                "id": call["id"],
+                "type": "function",
+                "function": {"name": fn["name"], "arguments": _call_arguments(fn.get("arguments", {}))},
+            }
+        )
     return out
 
 
@@ -165,9 +180,12 @@ def tool_result(m: dict, i: int, content: str) -> dict[str, Any]:
 def name_tool_results(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Tool results named after the call they answer, for the templates that show the name."""
     names = {c["id"]: c["function"]["name"] for m in messages for c in m.get("tool_calls", ())}
-    return [{**m, "name": names[m["tool_call_id"]]}
-            if m["role"] == "tool" and "name" not in m and m.get("tool_call_id") in names else m
-            for m in messages]
+    return [
+        {**m, "name": names[m["tool_call_id"]]}
+        if m["role"] == "tool" and "name" not in m and m.get("tool_call_id") in names
+        else m
+        for m in messages
+    ]
 
 
 def knows_tools(template: str | None) -> bool:
@@ -205,12 +223,15 @@ def fallback_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]
     return out
 
 
-def render(tokenizer: Any, messages: list[dict[str, Any]], spec: ToolSpec | None,
-           add_generation_prompt: bool = True) -> str:
+def render(
+    tokenizer: Any, messages: list[dict[str, Any]], spec: ToolSpec | None, add_generation_prompt: bool = True
+) -> str:
     """The prompt text: the model's template given the tools, or the fallback's turns."""
     tools = list(spec.tools) if spec is not None else None
     if knows_tools(getattr(tokenizer, "chat_template", None)):
-        return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                             tokenize=False)
-    return tokenizer.apply_chat_template(fallback_messages(messages, tools),
-                                         add_generation_prompt=add_generation_prompt, tokenize=False)
+        return tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+    return tokenizer.apply_chat_template(
+        fallback_messages(messages, tools), add_generation_prompt=add_generation_prompt, tokenize=False
+    )

@@ -185,11 +185,11 @@ class ToolCallParser:
         if found:
             i, marker = min(found)
             self._text(out, buf[:i])
-            self._marker, self._buf = marker, buf[i + len(marker):]
+            self._marker, self._buf = marker, buf[i + len(marker) :]
             return True
         keep = 0 if final else _held_suffix(buf, self.fmt.opens)
         self._text(out, buf[: len(buf) - keep])
-        self._buf = buf[len(buf) - keep:]
+        self._buf = buf[len(buf) - keep :]
         return False
 
     def _end_section(self, out: list[Piece], final: bool) -> bool:
@@ -208,8 +208,8 @@ class ToolCallParser:
                 return False
             end = (len(buf), len(buf))
         marker, self._marker = self._marker or "", None
-        self._section(out, buf[: end[0]], marker, buf[end[0]: end[1]])
-        self._buf = buf[end[1]:]
+        self._section(out, buf[: end[0]], marker, buf[end[0] : end[1]])
+        self._buf = buf[end[1] :]
         if self.fmt.bare_json and self.calls:
             self._at_start = True  # another bare call may follow
         return True
@@ -233,7 +233,7 @@ class ToolCallParser:
         if head:
             out.append(self._ws + head)
             self._ws, self._content = "", True
-        self._ws += text[len(head):]
+        self._ws += text[len(head) :]
 
 
 def parser_for(spec: ToolSpec | None, template: str | None) -> ToolCallParser | None:
@@ -246,8 +246,10 @@ def parser_for(spec: ToolSpec | None, template: str | None) -> ToolCallParser | 
 
 def call_deltas(call: ToolCall, index: int) -> list[dict[str, Any]]:
     """A call as OpenAI streams it: its id, type and name first, then its arguments."""
-    return [{"index": index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}},
-            {"index": index, "function": {"arguments": call.arguments}}]
+    return [
+        {"index": index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}},
+        {"index": index, "function": {"arguments": call.arguments}},
+    ]
 
 
 def finish_reason(engine_reason: str, calls: list[ToolCall]) -> str:
@@ -259,9 +261,14 @@ def forced_call_schema(functions: dict[str, dict[str, Any]], parallel: bool) -> 
     """The JSON Schema constrained decoding holds the output to when a call is required: a call
     `{"name", "arguments"}` to one of `functions` (name -> its parameters schema), whose arguments
     validate against that function's schema; a non-empty array of calls when `parallel`."""
-    one = [{"type": "object",
+    one = [
+        {
+            "type": "object",
             "properties": {"name": {"const": name}, "arguments": parameters},
-            "required": ["name", "arguments"], "additionalProperties": False}
-           for name, parameters in functions.items()]
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for name, parameters in functions.items()
+    ]
     call = one[0] if len(one) == 1 else {"anyOf": one}
     return {"type": "array", "items": call, "minItems": 1} if parallel else call

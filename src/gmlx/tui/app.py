@@ -42,7 +42,10 @@ escape closes this help."""
 
 class HelpScreen(ModalScreen[None]):
     BINDINGS: ClassVar[list[BindingType]] = [Binding("escape,question_mark,q", "dismiss", "close")]
-    DEFAULT_CSS = "HelpScreen { align: center middle; } HelpScreen > Static { width: auto; padding: 1 2; border: round $accent; background: $panel; }"
+    DEFAULT_CSS = (
+        "HelpScreen { align: center middle; } "
+        "HelpScreen > Static { width: auto; padding: 1 2; border: round $accent; background: $panel; }"
+    )
 
     def compose(self) -> ComposeResult:
         yield Static(HELP)
@@ -72,8 +75,11 @@ class TopApp(App[None]):
     @staticmethod
     def SPARKS(p: Poller) -> tuple[tuple[str, str, deque[float], Callable[[Any], str]], ...]:
         h = p.history
-        return (("decode", "decode", h.decode, fmt.rate), ("prefill", "prefill", h.prefill, fmt.rate),
-                ("queue", "queue depth", h.queue, fmt.count))
+        return (
+            ("decode", "decode", h.decode, fmt.rate),
+            ("prefill", "prefill", h.prefill, fmt.rate),
+            ("queue", "queue depth", h.queue, fmt.count),
+        )
 
     def __init__(self, urls: Sequence[str | Target], api_key: str | None = None, interval: float = 1.0):
         """`urls`: as `gmlx top --url` takes them (URL, URL#KEY, @FILE; gmlx.tui.fleet)."""

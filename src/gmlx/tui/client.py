@@ -58,18 +58,24 @@ class Poller:
     async def poll(self) -> None:
         try:
             system, metrics, ready = await asyncio.gather(
-                self._http.get("/system"), self._http.get("/v1/metrics"), self._http.get("/health?ready=1"))
+                self._http.get("/system"), self._http.get("/v1/metrics"), self._http.get("/health?ready=1")
+            )
         except httpx.HTTPError as e:
             return self._fail(Status.DOWN, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
         self.system = _json(system) if system.is_success else {}
         self.ready = _json(ready)
         if metrics.status_code == 401:
             self.metrics = {}
-            return self._fail(Status.AUTH, "this server needs its API key: --url URL#KEY, a fleet file, "
-                              "or --api-key KEY (GMLX_API_KEY) for every server")
+            return self._fail(
+                Status.AUTH,
+                "this server needs its API key: --url URL#KEY, a fleet file, "
+                "or --api-key KEY (GMLX_API_KEY) for every server",
+            )
         if not metrics.is_success:
             message = dict_of(dict_of(_json(metrics)).get("error")).get("message")
-            return self._fail(Status.DOWN, f"HTTP {metrics.status_code} from /v1/metrics" + (f": {message}" if message else ""))
+            return self._fail(
+                Status.DOWN, f"HTTP {metrics.status_code} from /v1/metrics" + (f": {message}" if message else "")
+            )
         self.metrics = dict_of(_json(metrics).get("server"))
         self.status, self.error, self.failures = Status.UP, None, 0
         self.polled_at = time.monotonic()

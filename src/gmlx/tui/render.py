@@ -57,9 +57,14 @@ def server_line(p: Poller, paused: bool = False, live: bool = True) -> Text:
     if paused:
         line.append("  PAUSED", "bold magenta")
     facts = Text()
-    for label, value in (("model", sys.get("model")), ("version", sys.get("version")), ("state", sys.get("state")),
-                         ("up", f.duration(sys.get("uptime_s"))),
-                         ("device", sys.get("device")), ("compute", sys.get("compute_type"))):
+    for label, value in (
+        ("model", sys.get("model")),
+        ("version", sys.get("version")),
+        ("state", sys.get("state")),
+        ("up", f.duration(sys.get("uptime_s"))),
+        ("device", sys.get("device")),
+        ("compute", sys.get("compute_type")),
+    ):
         facts.append(f"  {label} ", "dim").append(f.text(value))
     ready = p.ready.get("ready")
     if ready is not None:
@@ -92,13 +97,22 @@ def band_line(p: Poller) -> Text:
     return _aged(p, line)
 
 
-def _bar(limit: float | None, used: float | None, active: float | None, cache: float | None,
-         thresholds: dict, band: str | None) -> Text:
+def _bar(
+    limit: float | None,
+    used: float | None,
+    active: float | None,
+    cache: float | None,
+    thresholds: dict,
+    band: str | None,
+) -> Text:
     """Active (solid), cache (shaded), the rest of what the governor counts (light), free (dots),
     with a tick where each band starts."""
     if not limit:
         return Text("[" + " " * BAR_WIDTH + "]", "dim")
-    cells = lambda n: 0 if n is None else max(0, min(BAR_WIDTH, round(n / limit * BAR_WIDTH)))
+
+    def cells(n: int | None) -> int:
+        return 0 if n is None else max(0, min(BAR_WIDTH, round(n / limit * BAR_WIDTH)))
+
     a = cells(active)
     c = min(cells(cache), BAR_WIDTH - a)
     o = max(0, cells(used) - a - c)
@@ -128,7 +142,9 @@ def gpu_line(p: Poller) -> Text:
         line.append(f"GPU{f.text(g.get('index'))} ", "bold").append(f"{f.text(g.get('name'))}  ")
         line.append(f"util {f.DASH if util is None else f'{util:.0f} %'}  ")
         line.append(f"mem {f.size(g.get('memory_used_bytes'))} / {f.size(g.get('memory_total_bytes'))}  ")
-        line.append(f"{f.DASH if temp is None else f'{temp:.0f} °C'}  {f.DASH if power is None else f'{power:.0f} W'}   ")
+        line.append(
+            f"{f.DASH if temp is None else f'{temp:.0f} °C'}  {f.DASH if power is None else f'{power:.0f} W'}   "
+        )
     line.rstrip()
     if p.status is Status.DOWN:  # /system is not fetched either: this is its last answer
         line.stylize("dim")
@@ -139,10 +155,13 @@ def slots_line(p: Poller) -> Text:
     conc, queue = section(p, "concurrency"), section(p, "queue")
     line = Text("slots ", "dim").append(f"{f.text(conc.get('in_flight'))} / {f.text(conc.get('decode_batch'))}")
     waiting = f.num(queue.get("waiting"))
-    line.append("   queue ", "dim").append(f"{f.text(queue.get('waiting'))} / {f.text(queue.get('cap'))}",
-                                            "bold yellow" if waiting else "")
+    line.append("   queue ", "dim").append(
+        f"{f.text(queue.get('waiting'))} / {f.text(queue.get('cap'))}", "bold yellow" if waiting else ""
+    )
     line.append("   ETA ", "dim").append(f.duration(queue.get("eta_s")))
-    line.append("   rejections ", "dim").append(f.text(queue.get("rejections")), "bold red" if f.num(queue.get("rejections")) else "")
+    line.append("   rejections ", "dim").append(
+        f.text(queue.get("rejections")), "bold red" if f.num(queue.get("rejections")) else ""
+    )
     if queue.get("last_reject_reason"):
         line.append(f" (last: {f.text(queue['last_reject_reason'])})", "dim")
     return _aged(p, line)
@@ -150,12 +169,19 @@ def slots_line(p: Poller) -> Text:
 
 def rates_line(p: Poller) -> Text:
     rates = section(p, "rates")
-    line = Text.assemble(("decode now ", "dim"), f.rate(rates.get("decode_tok_s")),
-                         ("  streams ", "dim"), f.text(rates.get("decode_streams")),
-                         ("   recent requests: prefill ", "dim"), f.rate(rates.get("prefill_tok_s_recent")),
-                         ("  decode ", "dim"), f.rate(rates.get("decode_tok_s_recent")),
-                         ("   lifetime decode ", "dim"), f.rate(rates.get("decode_tok_s_lifetime")),
-                         *_prompt_cache(section(p, "prompt_cache")))
+    line = Text.assemble(
+        ("decode now ", "dim"),
+        f.rate(rates.get("decode_tok_s")),
+        ("  streams ", "dim"),
+        f.text(rates.get("decode_streams")),
+        ("   recent requests: prefill ", "dim"),
+        f.rate(rates.get("prefill_tok_s_recent")),
+        ("  decode ", "dim"),
+        f.rate(rates.get("decode_tok_s_recent")),
+        ("   lifetime decode ", "dim"),
+        f.rate(rates.get("decode_tok_s_lifetime")),
+        *_prompt_cache(section(p, "prompt_cache")),
+    )
     return _aged(p, line)
 
 
@@ -163,8 +189,12 @@ def _prompt_cache(pc: dict) -> tuple[tuple[str, str] | str, ...]:
     if not pc.get("enabled"):
         return ()
     hit_rate = f.num(pc.get("hit_rate"))
-    return (("   prompt cache ", "dim"), f.DASH if hit_rate is None else f"{100 * hit_rate:.0f} % hits",
-            ("  ", "dim"), f.size(pc.get("bytes")))
+    return (
+        ("   prompt cache ", "dim"),
+        f.DASH if hit_rate is None else f"{100 * hit_rate:.0f} % hits",
+        ("  ", "dim"),
+        f.size(pc.get("bytes")),
+    )
 
 
 def capacity_rows(p: Poller) -> list[tuple[str, str]]:
@@ -193,10 +223,19 @@ def _cells(r: dict) -> tuple[RenderableType, ...]:
     tier = f.DASH if not isinstance(cache, dict) else f"{f.text(cache.get('tier'))} {f.count(cache.get('warm_tokens'))}"
     accept = f.percent(spec.get("accept_rate")) if isinstance(spec, dict) else f.DASH
     state = f.text(r.get("state"))
-    return (f.text(r.get("id")), f.text(r.get("model")), Text(state, STATE_STYLE.get(state, "")),
-            f.count(r.get("prompt_tokens")), f"{f.count(r.get('generated'))} / {f.count(r.get('max_tokens'))}",
-            f.duration(r.get("elapsed_s")), f.duration(r.get("queued_s")), f.duration(r.get("ttft_s")),
-            f.rate(r.get("decode_tok_s")), tier, accept)
+    return (
+        f.text(r.get("id")),
+        f.text(r.get("model")),
+        Text(state, STATE_STYLE.get(state, "")),
+        f.count(r.get("prompt_tokens")),
+        f"{f.count(r.get('generated'))} / {f.count(r.get('max_tokens'))}",
+        f.duration(r.get("elapsed_s")),
+        f.duration(r.get("queued_s")),
+        f.duration(r.get("ttft_s")),
+        f.rate(r.get("decode_tok_s")),
+        tier,
+        accept,
+    )
 
 
 def requests_title(p: Poller, sort: str, shown: int) -> str:
@@ -211,12 +250,20 @@ FLEET_COLUMNS = ("server", "status", "model", "band", "slots", "queue", "decode"
 def fleet_row(p: Poller) -> tuple[RenderableType, ...]:
     conc, band = section(p, "concurrency"), band_of(p)
     old = stale(p)
-    cell = lambda s, style="": Text(s, "dim" if old else style)
-    return (p.url, _status(p), cell(f.text(p.system.get("model"))), cell(f.text(band), BAND_STYLE.get(band, "dim")),
-            cell(f"{f.text(conc.get('in_flight'))} / {f.text(conc.get('decode_batch'))}"),
-            cell(f"{f.text(conc.get('waiting'))} / {f.text(conc.get('queue_cap'))}"),
-            cell(f.rate(section(p, "rates").get("decode_tok_s"))),
-            f.DASH if old else f.text(len(f.list_of(p.metrics.get("requests")))))
+
+    def cell(s: str, style: str = "") -> Text:
+        return Text(s, "dim" if old else style)
+
+    return (
+        p.url,
+        _status(p),
+        cell(f.text(p.system.get("model"))),
+        cell(f.text(band), BAND_STYLE.get(band, "dim")),
+        cell(f"{f.text(conc.get('in_flight'))} / {f.text(conc.get('decode_batch'))}"),
+        cell(f"{f.text(conc.get('waiting'))} / {f.text(conc.get('queue_cap'))}"),
+        cell(f.rate(section(p, "rates").get("decode_tok_s"))),
+        f.DASH if old else f.text(len(f.list_of(p.metrics.get("requests")))),
+    )
 
 
 def snapshot(p: Poller) -> Group:
@@ -229,7 +276,17 @@ def snapshot(p: Poller) -> Group:
     requests = Table(*REQUEST_COLUMNS, title="requests", title_justify="left", box=None)
     for _, cells in request_rows(p):
         requests.add_row(*cells)
-    return Group(server_line(p, live=False), band_line(p), gpu_line(p), slots_line(p), rates_line(p), Text(), capacity, Text(), requests)
+    return Group(
+        server_line(p, live=False),
+        band_line(p),
+        gpu_line(p),
+        slots_line(p),
+        rates_line(p),
+        Text(),
+        capacity,
+        Text(),
+        requests,
+    )
 
 
 def plain_text(pollers: list[Poller], width: int = 160) -> str:
