@@ -583,6 +583,21 @@ def test_estimate_without_rates_or_free_figures() -> None:
     assert e["need_bytes"] == kv_bytes(LLAMA, 4096, Q8) + 2 * 128256 * 2 == 4096 * 32 * 8 * 2 * 136 + 513024
     assert e["fits_now"] is None and e["fits_drained"] is None and e["est_ttft_s"] is None
     assert e["context_ok"] is False  # no room left for one generated token
+    for max_tokens, ok in ((4, True), (5, False)):  # a window of 8: 4 + 4 fits, 4 + 5 would be a 400
+        assert (
+            estimate(
+                LLAMA,
+                prompt_tokens=4,
+                max_tokens=max_tokens,
+                context_limit=8,
+                prefill_bytes=0,
+                free_now_bytes=None,
+                free_drained_bytes=None,
+                prefill_tok_s=None,
+                queue_wait_s=0.0,
+            )["context_ok"]
+            is ok
+        )
     assert e["resident"] is False and e["cache_tier"] == "miss" and e["warm_tokens"] == 0
     e = estimate(
         LLAMA,

@@ -62,9 +62,10 @@ def estimate(
 
     need_bytes is one prefill chunk's working set plus the stream's memory (its KV cache as
     mlx_lm allocates it, and its logits rows) for the prompt and `max_tokens` more when set.
-    context_ok asks only that the prompt leave
-    room for one generated token (prompt_tokens < context_limit); a max_tokens that reaches
-    past the window does not make it false. est_ttft_s is the queue wait, plus the cold
+    context_ok says whether the request fits the window as the
+    generation routes judge it: the prompt leaves room for one generated token, and the prompt
+    plus `max_tokens`, when set, does not pass the window (else a 400 context_length_exceeded).
+    est_ttft_s is the queue wait, plus the cold
     prompt tokens' prefill (by `prefill_fit` over chunks of `prefill_step` where the server has
     one, else at the measured prefill rate), plus one decode step (`first_step_s`: mlx_lm runs
     the prompt's last token as the first generation step); null without either.
@@ -93,7 +94,7 @@ def estimate(
         "need_now_bytes": need_now,
         "fits_now": None if free_now_bytes is None else need_now <= free_now_bytes,
         "fits_drained": None if free_drained_bytes is None else need <= free_drained_bytes,
-        "context_ok": prompt_tokens < context_limit,
+        "context_ok": prompt_tokens < context_limit and (max_tokens is None or depth <= context_limit),
         "context_limit": context_limit,
         "est_ttft_s": ttft,
         "resident": resident,
