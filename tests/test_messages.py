@@ -158,3 +158,15 @@ def test_refusals(server: LiveServer) -> None:
         )
         assert error({"messages": [{"role": "system", "content": "x"}]})["param"] == "messages"
         assert c.post("/v1/messages", json={"model": server.model_id, "messages": hi}).status_code == 400  # max_tokens
+
+
+def test_the_key_may_come_as_anthropic_clients_send_it(server: LiveServer) -> None:
+    """Anthropic's clients send the key as `x-api-key`; it counts as the bearer token does, once."""
+    client = anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0)
+    reply = client.messages.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+    assert reply.type == "message"
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0).models.list()
+    with server.client() as c:  # the key in both headers: which one counts would be a guess
+        r = c.get("/v1/models", headers={"Authorization": f"Bearer {KEY}", "x-api-key": KEY})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request"

@@ -39,20 +39,25 @@ OPEN_PATHS = frozenset({"/health", "/system"})
 
 
 class APIKeyMiddleware:
-    """Every route but the open ones needs `Authorization: Bearer KEY`, compared in constant time."""
+    """Every route but the open ones needs the key, compared in constant time: as
+    `Authorization: Bearer KEY`, or as `x-api-key: KEY`, which Anthropic's clients send."""
 
     def __init__(self, app: ASGIApp, key: str | None):
         self.app = app
-        self.expected = f"Bearer {key}".encode() if key else None
+        self.key = key.encode() if key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.expected is None or scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if self.key is None or scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
-        given = [v for k, v in scope["headers"] if k == b"authorization"]
+        given = [
+            b"Bearer " + v if k == b"x-api-key" else v
+            for k, v in scope["headers"]
+            if k in (b"authorization", b"x-api-key")
+        ]
         if len(given) > 1:  # which one counts would be the server's guess, and proxies guess differently
-            err = APIError(400, f"send one Authorization header, not {len(given)}", "invalid_request")
+            err = APIError(400, f"send the key once, not in {len(given)} headers", "invalid_request")
             return await err.response()(scope, receive, send)
-        if not hmac.compare_digest(given[0] if given else b"", self.expected):
+        if not hmac.compare_digest(given[0] if given else b"", b"Bearer " + self.key):
             err = APIError(401, "a valid API key is required: Authorization: Bearer KEY", "invalid_api_key")
             return await err.response()(scope, receive, send)
         await self.app(scope, receive, send)
