@@ -259,3 +259,32 @@ def small_memory_model(tmp_path: Path) -> tuple[Path, int]:
         / 0.999
     )
     return path, memory
+
+
+class Script(list):
+    """The pieces of text a scripted engine answers with, and the prompts it was given."""
+
+    prompts: list[list[int]]
+
+
+@pytest.fixture
+def scripted(server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[Script]:
+    """The module's `server` engine answers every request with the script's pieces of text, so a
+    route's translation to and from the chat path is tested on text the test chose."""
+    from gmlx.engine.engine import Chunk, Finished
+
+    script = Script()
+    script.prompts = []
+
+    def submit(req) -> None:
+        script.prompts.append(req.prompt_ids)
+
+        def run() -> None:
+            for piece in script:
+                req.emit(Chunk(piece))
+            req.emit(Finished("stop", len(req.prompt_ids), len(script), 0.01, 100.0))
+
+        threading.Thread(target=run, daemon=True).start()
+
+    monkeypatch.setattr(server.state.engine, "submit", submit)
+    yield script

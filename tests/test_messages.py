@@ -3,11 +3,10 @@ blocks, tool_result blocks going back in, streaming events; on the chat path."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 
 import pytest
-from conftest import LiveServer
+from conftest import LiveServer, Script
 from tiny_models import write_model
 
 anthropic = pytest.importorskip("anthropic")
@@ -31,32 +30,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
 def client(server: LiveServer):
     # A harness's base URL has no /v1 (the client adds it); the key goes as a bearer token.
     return anthropic.Anthropic(base_url=server.url, auth_token=KEY, api_key=None, max_retries=0)
-
-
-class Script(list):
-    prompts: list[list[int]]
-
-
-@pytest.fixture
-def scripted(server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[Script]:
-    """The engine answers every request with the script's pieces of text."""
-    from gmlx.engine.engine import Chunk, Finished
-
-    script = Script()
-    script.prompts = []
-
-    def submit(req) -> None:
-        script.prompts.append(req.prompt_ids)
-
-        def run() -> None:
-            for piece in script:
-                req.emit(Chunk(piece))
-            req.emit(Finished("stop", len(req.prompt_ids), len(script), 0.01, 100.0))
-
-        threading.Thread(target=run, daemon=True).start()
-
-    monkeypatch.setattr(server.state.engine, "submit", submit)
-    yield script
 
 
 def test_text_is_the_chat_answer(client, server: LiveServer) -> None:

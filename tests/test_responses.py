@@ -5,12 +5,11 @@ all on the chat path, so the answers are the chat route's."""
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
 
 import openai
 import pytest
-from conftest import LiveServer
+from conftest import LiveServer, Script
 from tiny_models import write_model
 
 WEATHER = {
@@ -32,34 +31,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
 @pytest.fixture
 def client(server: LiveServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key="k", max_retries=0)
-
-
-class Script(list):
-    """The pieces of text the engine answers with, and the prompts it was given."""
-
-    prompts: list[list[int]]
-
-
-@pytest.fixture
-def scripted(server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[Script]:
-    """The engine answers every request with the script's pieces of text."""
-    from gmlx.engine.engine import Chunk, Finished
-
-    script = Script()
-    script.prompts = []
-
-    def submit(req) -> None:
-        script.prompts.append(req.prompt_ids)
-
-        def run() -> None:
-            for piece in script:
-                req.emit(Chunk(piece))
-            req.emit(Finished("stop", len(req.prompt_ids), len(script), 0.01, 100.0))
-
-        threading.Thread(target=run, daemon=True).start()
-
-    monkeypatch.setattr(server.state.engine, "submit", submit)
-    yield script
 
 
 def test_plain_text_is_the_chat_answer(client: openai.OpenAI, server: LiveServer) -> None:
