@@ -136,6 +136,12 @@ def test_edge_bodies(server: LiveServer) -> None:
         (b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', 400, "invalid_request"),
         (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": 1e999}', 400, "invalid_request"),
         (b'{"prompt": [99999999]}', 400, "invalid_request"),
+        # A name that is not a string (schemathesis found a system message's accepted as an object).
+        (
+            b'{"messages": [{"role": "system", "content": "s", "name": {}}, {"role": "user", "content": "hi"}]}',
+            400,
+            "invalid_request",
+        ),
     }
     with server.client() as c:
         for body, status, code in cases:

@@ -101,6 +101,9 @@ def _message(m: Any, i: int) -> dict[str, Any]:
     role = m["role"]
     if role not in ROLES:
         raise bad_request(f"messages[{i}].role must be one of {', '.join(ROLES)}, not {role!r}", "messages")
+    for key in ("name", "tool_call_id"):  # strings where given, as the schema says, whatever the role
+        if m.get(key) is not None and not isinstance(m[key], str):
+            raise bad_request(f"messages[{i}].{key} must be a string", "messages")
     text = _message_text(m.get("content"), i)
     if role in _TOOL_ROLES:
         return tool_prompt.tool_result(m, i, text)
