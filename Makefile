@@ -31,6 +31,7 @@ system:
 	  ldconfig -p | grep -q 'libopenblas.so.0' || pkgs="$$pkgs libopenblas0-pthread"; \
 	  command -v c++ >/dev/null || pkgs="$$pkgs g++"; \
 	  command -v haproxy >/dev/null || pkgs="$$pkgs haproxy"; \
+	  command -v promtool >/dev/null || pkgs="$$pkgs prometheus"; \
 	  $(PYTHON) -c 'import os, sysconfig; raise SystemExit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
 	    2>/dev/null || pkgs="$$pkgs python3-dev"; \
 	  if [ -n "$$pkgs" ]; then \

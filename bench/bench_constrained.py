@@ -27,8 +27,9 @@ from bench.bench_engine import engine_round
 from gmlx.default_model import resolve_model
 from gmlx.engine.grammar import GrammarProcessor, json_schema_constraint
 from gmlx.engine.processors import Decoding
+from gmlx.deployment import Deployment
 from gmlx.server.build import build_engine
-from gmlx.server.settings import resolve_settings
+from gmlx.settings import resolve_settings
 
 SCHEMA = {
     "type": "object",
@@ -66,7 +67,7 @@ def main() -> None:
     settings = resolve_settings(
         {"decode_batch": max(args.widths), "prompt_cache_bytes": 0, "log_level": "warning"}, env={}
     )
-    engine = build_engine(settings, path)
+    engine = build_engine(Deployment(path.stem, path, settings))
     engine.start()
     engine.ready.wait()
     assert engine.load_error is None and engine.loaded is not None, engine.load_error

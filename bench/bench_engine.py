@@ -35,8 +35,9 @@ from gmlx.default_model import resolve_model
 from gmlx.engine.engine import Chunk, Engine, Event, Finished, Request
 from gmlx.engine.processors import Decoding
 from gmlx.engine.sampling import SamplingParams
+from gmlx.deployment import Deployment
 from gmlx.server.build import build_engine
-from gmlx.server.settings import resolve_settings
+from gmlx.settings import resolve_settings
 
 TOPICS = [
     "a lighthouse keeper",
@@ -145,7 +146,7 @@ def main() -> None:
     settings = resolve_settings(
         {"decode_batch": max(args.widths), "prompt_cache_bytes": 0, "log_level": "warning"}, env={}
     )
-    engine = build_engine(settings, path)
+    engine = build_engine(Deployment(path.stem, path, settings))
     engine.start()
     engine.ready.wait()
     assert engine.load_error is None, engine.load_error

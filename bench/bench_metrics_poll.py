@@ -31,6 +31,10 @@ from prometheus_client.parser import text_string_to_metric_families
 RESULTS = Path(__file__).parent / "results"
 SCRAPE_INTERVAL_S = 0.05  # the endpoint picker's refresh interval
 BANDS = ("green", "yellow", "orange", "red")
+GMLX = {
+    "gmlx_kv_cache_table_usage_ratio": "table_usage",
+    "gmlx_governor_used_ratio": "governor_fraction",
+}  # the trace's keys
 
 
 def read(text: str) -> dict:
@@ -40,8 +44,8 @@ def read(text: str) -> dict:
         for s in family.samples:
             if s.name in ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting"):
                 out[s.name.removeprefix("vllm:")] = s.value
-            elif s.name in ("gmlx_kv_cache_table_usage", "gmlx_governor_fraction"):
-                out[s.name.removeprefix("gmlx_kv_cache_").removeprefix("gmlx_")] = s.value
+            elif s.name in GMLX:
+                out[GMLX[s.name]] = s.value
             elif s.name == "gmlx_governor_band" and s.value == 1:
                 out["band"] = s.labels["band"]
     return out

@@ -62,24 +62,31 @@ def default_model() -> Path:
 
 
 class LiveServer:
-    """gmlx's app on a real uvicorn server on a free loopback port, in a thread."""
+    """gmlx's app on a real uvicorn server on a free loopback port, in a thread: `model` preloaded,
+    and with `models_dir` or `models_preset` among the overrides, the others on demand."""
 
-    def __init__(self, model: Path, **overrides: object):
+    def __init__(self, model: Path, build=None, **overrides: object):
+        """`build(deployment, others_bytes)` makes each model's engine (server.build's by default)."""
+        from gmlx.deployment import deployments
+        from gmlx.presets import load_presets
         from gmlx.server.app import create_app
         from gmlx.server.build import build_engine
         from gmlx.server.lifecycle import build_server
-        from gmlx.server.settings import resolve_settings
+        from gmlx.server.system import models_dir_files
+        from gmlx.settings import resolve_settings
 
         flags = {"decode_batch": 4, "weights": "float", "log_level": "warning", **overrides}
-        self.settings = resolve_settings(flags, env={})
-        self.engine = build_engine(self.settings, model)
-        self.app = create_app(self.settings, self.engine, model.stem)
-        self.model_id = model.stem
+        self.settings = s = resolve_settings(flags, env={})
+        presets = load_presets(s.models_preset) if s.models_preset else {}
+        served = deployments(s, model, presets, models_dir_files(s.models_dir))
+        self.app = create_app(s, served, build or build_engine)
+        self.model_id = self.state.model_id
+        self.engine = self.model.engine
         self.server = build_server(self.app, port=0)
         self._thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> LiveServer:
-        self.engine.start()
+        self.state.residency.preload()
         self._thread.start()
         deadline = time.monotonic() + 60
         while not (self.server.started and self.engine.ready.is_set()):
@@ -96,7 +103,13 @@ class LiveServer:
 
     @property
     def state(self):
+        """The server's ServerState."""
         return self.app.state.gmlx
+
+    @property
+    def model(self):
+        """The preloaded model's ModelState: its engine, gate and table."""
+        return self.state.default
 
     def client(self, **kw: object) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=60, **kw)
@@ -286,5 +299,5 @@ def scripted(server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[Sc
 
         threading.Thread(target=run, daemon=True).start()
 
-    monkeypatch.setattr(server.state.engine, "submit", submit)
+    monkeypatch.setattr(server.model.engine, "submit", submit)
     yield script

@@ -56,7 +56,7 @@ def test_plan_under_overcommit(small_memory_model: tuple[Path, int]) -> None:
 @pytest.mark.usefixtures("no_settings_env")
 def test_overcommit_from_the_environment(small_memory_model: tuple[Path, int], monkeypatch: pytest.MonkeyPatch) -> None:
     """GMLX_OVERCOMMIT=1 in the server's environment, as an operator sets it, not a settings kwarg."""
-    import gmlx.server.settings as settings
+    import gmlx.settings as settings
 
     path, memory = small_memory_model
     monkeypatch.setenv("GMLX_OVERCOMMIT", "1")
@@ -78,7 +78,7 @@ def test_max_kv_size_caps_the_window(tmp_path: Path) -> None:
     expected = offline_table(path, memory, context_length=cap)
     with LiveServer(path, memory=memory, max_kv_size=cap, governor=False) as server, server.client() as c:
         model = c.get("/v1/models").json()["data"][0]
-        served = server.state.table()
+        served = server.model.table()
         too_deep = c.get(PLAN, params={"width": 1, "depth": cap + 1}).json()
         long = {"messages": [{"role": "user", "content": "word " * 400}]}
         est = c.post("/v1/estimate", json=long).json()
@@ -104,7 +104,7 @@ def test_plan_rejects_bad_queries(live_server: LiveServer, query: dict) -> None:
 
 def test_plan_timing_reasons(tiny_models: dict[str, Path]) -> None:
     with LiveServer(tiny_models["llama"], decode_batch=1, queue_size=4) as server:
-        state = server.state
+        state = server.model
 
         async def run() -> dict[str, dict]:
             async with httpx.AsyncClient(base_url=server.url, timeout=60) as ac:
@@ -149,7 +149,7 @@ def test_estimate_and_dry_run_agree(live_server: LiveServer) -> None:
     assert est["context_ok"] is True and est["context_limit"] == 256 and est["resident"] is True
     assert est["fits_now"] is True and est["fits_drained"] is True and est["estimated"] is True
     assert est["warm_tokens"] == 0 and est["cache_tier"] == "miss" and est["est_ttft_s"] >= 0
-    assert est["need_bytes"] > live_server.state.table().stream_bytes(est["prompt_tokens"] + 100) - 1
+    assert est["need_bytes"] > live_server.model.table().stream_bytes(est["prompt_tokens"] + 100) - 1
 
 
 def test_estimate_edge_cases(live_server: LiveServer) -> None:
@@ -189,7 +189,7 @@ def test_fits_drained_leaves_the_prompt_cache_bound(tiny_models: dict[str, Path]
     body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 100}
     with LiveServer(path, memory=memory, prompt_cache_bytes=bound, governor=False) as server, server.client() as c:
         est = c.post("/v1/estimate", json=body).json()
-        table = server.state.table()
+        table = server.model.table()
     depth = est["prompt_tokens"] + 100
     assert table.budget.prompt_cache_bytes == bound and table.max_width_at_depth(depth) == 0
     assert est["need_bytes"] <= without.budget.drained_bytes  # it would fit, were the bound not kept
@@ -201,7 +201,7 @@ def test_estimate_beside_a_long_stream_counts_the_padded_row(tmp_path: Path) -> 
     from tiny_models import write_model
 
     with LiveServer(write_model(tmp_path / "long.gguf", "llama", context=4096), decode_batch=2) as server:
-        engine, table = server.engine, server.state.table()
+        engine, table = server.engine, server.model.table()
         short = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
         async def run() -> tuple[dict, dict, int]:

@@ -146,7 +146,7 @@ def test_n_past_the_decode_batch_or_below_1_is_a_400(server: LiveServer) -> None
             "maximum": 4,
             "description": "Choices, each its own row of the batch.",
         }
-    assert server.state.gate.running == 0
+    assert server.model.gate.running == 0
 
 
 def test_every_choice_is_one_log_line_and_one_engine_row(server: LiveServer, caplog: pytest.LogCaptureFixture) -> None:
@@ -162,9 +162,9 @@ def test_a_client_leaving_an_n3_stream_frees_every_slot(server: LiveServer, capl
     caplog.set_level(logging.INFO, logger="gmlx.server")
     sock = raw_post(server, json.dumps({"messages": messages(), "n": 3, "max_tokens": 10_000, "stream": True}).encode())
     server.wait_until(lambda: server.engine.decoding == 3, timeout=20)
-    assert server.state.gate.running == 3
+    assert server.model.gate.running == 3
     sock.close()
-    server.wait_until(lambda: server.state.gate.running == 0, timeout=1.5)
+    server.wait_until(lambda: server.model.gate.running == 0, timeout=1.5)
     server.wait_until(lambda: server.engine.in_flight == 0, timeout=10)
     server.wait_until(lambda: caplog.text.count("finish=client_gone") == 3, timeout=5)
     assert "Traceback" not in caplog.text
@@ -174,7 +174,7 @@ def test_a_client_leaving_a_non_streamed_n3_frees_every_slot(server: LiveServer)
     sock = raw_post(server, json.dumps({"messages": messages(), "n": 3, "max_tokens": 10_000}).encode())
     server.wait_until(lambda: server.engine.decoding == 3, timeout=20)
     sock.close()
-    server.wait_until(lambda: server.state.gate.running == 0, timeout=1.5)
+    server.wait_until(lambda: server.model.gate.running == 0, timeout=1.5)
     server.wait_until(lambda: server.engine.in_flight == 0, timeout=10)
 
 
@@ -190,7 +190,7 @@ def test_one_choice_failing_fails_the_request_and_ends_the_others(server: LiveSe
     with server.client() as c:
         r = c.post(CHAT, json={"messages": messages(), "n": 3, "max_tokens": 10_000})
     assert r.status_code == 503 and r.json()["error"]["code"] == "memory_pressure" and "Retry-After" in r.headers
-    server.wait_until(lambda: server.state.gate.running == 0 and server.engine.in_flight == 0, timeout=10)
+    server.wait_until(lambda: server.model.gate.running == 0 and server.engine.in_flight == 0, timeout=10)
 
     threading.Thread(target=_fail_second_choice, args=(server,), daemon=True).start()
     with (
@@ -199,7 +199,7 @@ def test_one_choice_failing_fails_the_request_and_ends_the_others(server: LiveSe
     ):
         lines = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "[DONE]" and json.loads(lines[-2])["error"]["code"] == "memory_pressure"
-    server.wait_until(lambda: server.state.gate.running == 0 and server.engine.in_flight == 0, timeout=10)
+    server.wait_until(lambda: server.model.gate.running == 0 and server.engine.in_flight == 0, timeout=10)
 
 
 def test_the_official_client_reads_every_choice(server: LiveServer) -> None:

@@ -144,7 +144,7 @@ def test_plan_url_matches_offline(small_memory_model: tuple[Path, int], monkeypa
             assert out["assumptions"] == {"source": "server", "url": server.url}
         r = invoke("plan", "--url", server.url, "--width", 1, "--depth", 512)
         assert r.exit_code == 0 and f"figures from the server at {server.url}" in r.stdout
-        held = server.state.table().to_json()
+        held = server.model.table().to_json()
         served = invoke_json("plan", "--url", server.url, "--table")
         shown = invoke("plan", "--url", server.url, "--table")
     assert served == {"table": held, "assumptions": {"source": "server", "url": server.url}}

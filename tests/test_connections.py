@@ -160,9 +160,9 @@ def test_malformed_http_gets_400_in_the_openai_shape(server: LiveServer, request
 def test_connection_counts_in_prometheus(server: LiveServer) -> None:
     with server.client() as c:
         text = c.get("/v1/metrics", params={"format": "prometheus"}).text
+    assert f'connections_cap="{server.state.connections.cap}"' in text  # configuration: a label of gmlx_config_info
     for name in (
         "gmlx_connections_open",
-        "gmlx_connections_cap",
         "gmlx_connections_refused_total",
         "gmlx_connections_evicted_total",
         "gmlx_connections_header_timeouts_total",

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import LiveServer, invoke_json
 
-from gmlx.server.settings import SettingsError, resolve_settings
+from gmlx.settings import SettingsError, resolve_settings
 
 KEY = "cors-key"
 PAGE = "http://localhost:5173"

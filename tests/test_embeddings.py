@@ -126,5 +126,5 @@ def test_an_embedding_takes_an_admission_slot(tiny_models: dict[str, Path]) -> N
             busy = c.post("/v1/embeddings", json={"input": "hi"})
             assert busy.status_code == 503 and busy.json()["error"]["code"] == "queue_full"
             assert int(busy.headers["Retry-After"]) >= 1
-        server.wait_until(lambda: server.state.gate.running == 0)
+        server.wait_until(lambda: server.model.gate.running == 0)
         assert c.post("/v1/embeddings", json={"input": "hi"}).status_code == 200

@@ -70,7 +70,8 @@ def test_estimate_for_a_model_not_loaded_matches_offline(
     ):
         assert other[key] == offline[key], key
     assert other["fits_now"] is None and other["est_ttft_s"] is None and other["cache_tier"] == "miss"
-    assert "not loaded" in other["note"] and "fits_drained assume" in other["note"]
+    assert "not loaded" in other["note"] and "would unload nothing" in other["note"]
+    assert other["loadable"] is True and other["evicts"] == []
     assert dry == other
     # The served model answers as before: its own window and tokenizer, resident, no note.
     assert served["resident"] is True and served["context_limit"] == min(256, max_kv_size or 256)
@@ -80,7 +81,7 @@ def test_estimate_for_a_model_not_loaded_matches_offline(
         assert named[key] == served[key], key
 
 
-def test_only_estimates_reach_a_model_not_loaded(
+def test_a_models_directory_file_is_estimated_and_served_by_its_id(
     tiny_models: dict[str, Path], models_dir: Path, tmp_path: Path
 ) -> None:
     write_model(tmp_path / "outside.gguf", "llama")
@@ -96,10 +97,12 @@ def test_only_estimates_reach_a_model_not_loaded(
         outside = c.post("/v1/estimate", json={**ask, "model": "../outside"})
         broken = c.post("/v1/estimate", json={**ask, "model": "broken"})
         before = c.post("/v1/estimate", json={**ask, "model": "other"}).json()
-        # A file replaced in place is read again, not answered from the cached tokenizer.
+        # Once unloaded, a file replaced in place is read again, not answered from the cached tokenizer.
+        assert c.post("/v1/models/other/unload").json()["status"] == "unloaded"
         write_model(models_dir / "other.gguf", "llama", context=1024)
         after = c.post("/v1/estimate", json={**ask, "model": "other"}).json()
-    for r in (real, unknown, unknown_dry, outside, broken):
+    assert real.status_code == 200 and real.json()["model"] == "other"  # it loads on demand
+    for r in (unknown, unknown_dry, outside, broken):
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
     assert "cannot be read" in broken.json()["error"]["message"]
     assert before["context_limit"] == 4096 and after["context_limit"] == 1024

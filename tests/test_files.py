@@ -99,10 +99,11 @@ def test_system_lists_the_models_directory(tmp_path: Path) -> None:
         listed = c.get("/system").json()["models"]
     assert listed == {
         "active": "served",
+        "loaded": ["served"],
         "available": [
-            {"name": "served", "size_bytes": served.stat().st_size},
-            {"name": "a-other", "size_bytes": 100},
-            {"name": "b-other", "size_bytes": 300},
+            {"name": "served", "size_bytes": served.stat().st_size, "status": "loaded", "preset": False},
+            {"name": "a-other", "size_bytes": 100, "status": "unloaded", "preset": False},
+            {"name": "b-other", "size_bytes": 300, "status": "unloaded", "preset": False},
         ],
     }
 
@@ -111,4 +112,8 @@ def test_system_without_a_models_directory(live_server: LiveServer) -> None:
     with live_server.client() as c:
         models = c.get("/system").json()["models"]
     size = live_server.engine.loaded.header.path.stat().st_size
-    assert models == {"active": live_server.model_id, "available": [{"name": live_server.model_id, "size_bytes": size}]}
+    assert models == {
+        "active": live_server.model_id,
+        "loaded": [live_server.model_id],
+        "available": [{"name": live_server.model_id, "size_bytes": size, "status": "loaded", "preset": False}],
+    }

@@ -62,7 +62,7 @@ def server(tiny_models: dict[str, Path]) -> Iterator[LiveServer]:
 def leaves_nothing_behind(server: LiveServer) -> Iterator[None]:
     """After each test, whatever it sent: no slot held, nothing queued or running, the engine alive."""
     yield
-    st_ = server.state
+    st_ = server.model
     server.wait_until(lambda: not (st_.gate.running or st_.gate.waiting or server.engine.in_flight))
     assert server.engine.alive
 

@@ -165,7 +165,7 @@ def test_device_memory_through_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_settings_and_disabled_governor(tiny_models: dict[str, Path]) -> None:
-    from gmlx.server.settings import SettingsError, resolve_settings
+    from gmlx.settings import SettingsError, resolve_settings
 
     s = resolve_settings({}, env={"GMLX_GOVERNOR": "0", "GMLX_GOVERNOR_ORANGE": "0.85"})
     assert (s.governor, s.governor_yellow, s.governor_orange, s.governor_red, s.governor_interval_s) == (
@@ -187,7 +187,7 @@ def test_sampling_real_memory(tiny_models: dict[str, Path]) -> None:
     with LiveServer(tiny_models["llama"], governor_interval_s=0.02) as server:
         server.wait_until(lambda: server.state.governor.snapshot()["fraction"] is not None)
         snap = server.state.governor.snapshot()
-        table = server.state.table()
+        table = server.model.table()
     assert snap["enabled"] is True and snap["band"] == "green"
     assert snap["limit_bytes"] == table.budget.total_bytes - table.budget.reserve_bytes
     assert 0 < snap["used_bytes"] < snap["limit_bytes"]
@@ -198,6 +198,7 @@ def test_sampling_real_memory(tiny_models: dict[str, Path]) -> None:
         "evict_prompt_cache",
         "clear_cache",
         "stop_stream",
+        "unload_model",
     }
     assert snap["actions"]["evict_prompt_cache"] == {"count": 0, "last_at": None, "bytes_freed": 0}
 
@@ -211,7 +212,7 @@ def test_orange_evicts_the_coldest_prompt_cache_entries(tiny_models: dict[str, P
     pressure = {"on": False}
 
     def fake_probe() -> MemoryReading:
-        budget = state.table().budget
+        budget = state.default.table().budget
         limit = budget.total_bytes - budget.reserve_bytes
         used = int(0.90 * limit) + 1 if pressure["on"] and not cache.stats.evicted_bytes else limit // 2
         return MemoryReading(active_bytes=used, cache_bytes=0, rss_bytes=0, available_bytes=limit)
@@ -241,11 +242,11 @@ def test_each_band_acts_on_a_live_server(tmp_path: Path) -> None:
     test moves the band, and a stopped stream releases its share as real memory would."""
     model = write_model(tmp_path / "long.gguf", "llama", context=8192)
     server = LiveServer(model, decode_batch=4, governor_interval_s=0.02, queue_timeout=30)
-    state, engine, gate, governor = server.state, server.engine, server.state.gate, server.state.governor
+    state, engine, gate, governor = server.state, server.engine, server.model.gate, server.state.governor
     pressure = {"base": 0.85, "per_stream": 0.0}  # yellow
 
     def fake_probe() -> MemoryReading:
-        budget = state.table().budget
+        budget = state.default.table().budget
         limit = budget.total_bytes - budget.reserve_bytes
         used = int((pressure["base"] + pressure["per_stream"] * engine.in_flight) * limit)
         return MemoryReading(active_bytes=used - 2**20, cache_bytes=2**20, rss_bytes=0, available_bytes=limit)

@@ -39,7 +39,7 @@ def test_yellow_releases_spare_running_work(tmp_path: Path, monkeypatch: pytest.
         release(evict_bytes, done)
 
     def fake_probe() -> MemoryReading:
-        budget = state.table().budget
+        budget = state.default.table().budget
         limit = budget.total_bytes - budget.reserve_bytes
         used = int(0.85 * limit) if pressure["on"] and cache.bytes else limit // 2
         return MemoryReading(active_bytes=used, cache_bytes=0, rss_bytes=0, available_bytes=limit)
@@ -135,7 +135,7 @@ def test_offline_table_assumes_the_host_memory_estimate(tiny_models: dict[str, P
     from gmlx.capacity.budget import HOST_BYTES_ESTIMATE
     from gmlx.capacity.table import header_table
     from gmlx.gguf.header import read_header
-    from gmlx.server.settings import resolve_settings
+    from gmlx.settings import resolve_settings
 
     h = read_header(tiny_models["llama"])
     governed, _ = header_table(h, resolve_settings({}, env={}), mode="float", memory=8 * 2**30)

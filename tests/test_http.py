@@ -79,7 +79,7 @@ def test_an_unexpected_failure_is_a_500_in_the_openai_shape(
     def broken(*a: object) -> None:
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(server.state, "tokenize_with_anchor", broken)
+    monkeypatch.setattr(server.model, "tokenize_with_anchor", broken)
     with server.client() as c:
         r = c.post(CHAT, json={"messages": [{"role": "user", "content": "hi"}]})
     assert assert_refused(r, 500)["code"] == "internal_error" and "Traceback" not in r.text
@@ -104,7 +104,7 @@ def test_a_client_leaving_mid_upload_is_logged_once_without_a_traceback(
         raw_post(server, b'{"messages": [', length=500).close()
     server.wait_until(lambda: caplog.text.count("client_gone (mid-upload)") == 5, timeout=10)
     assert "Traceback" not in caplog.text and "ClientDisconnect" not in caplog.text
-    assert not server.state.gate.running
+    assert not server.model.gate.running
 
 
 def test_a_client_gone_before_the_queue_takes_no_place_and_is_no_rejection(
@@ -113,18 +113,18 @@ def test_a_client_gone_before_the_queue_takes_no_place_and_is_no_rejection(
     """Clients that send a request and leave while it is tokenized (here, slowly) are logged as
     gone; with the one slot busy and no queue, they would otherwise count as queue_full."""
     caplog.set_level(logging.INFO)
-    tokenize = server.state.tokenize_with_anchor
+    tokenize = server.model.tokenize_with_anchor
 
     def slow(p: object) -> object:
         time.sleep(0.3)
         return tokenize(p)
 
-    rejections = server.state.gate.rejections
-    monkeypatch.setattr(server.state, "tokenize_with_anchor", slow)
+    rejections = server.model.gate.rejections
+    monkeypatch.setattr(server.model, "tokenize_with_anchor", slow)
     body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 200, "stream": True}).encode()
     holder = raw_post(server, body)  # takes the only slot for a while
     try:
-        server.wait_until(lambda: server.state.gate.running == 1, timeout=10)
+        server.wait_until(lambda: server.model.gate.running == 1, timeout=10)
         for _ in range(3):
             sock = raw_post(server, json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode())
             time.sleep(0.05)
@@ -132,7 +132,7 @@ def test_a_client_gone_before_the_queue_takes_no_place_and_is_no_rejection(
         server.wait_until(lambda: caplog.text.count("finish=client_gone (before the queue)") == 3, timeout=10)
     finally:
         holder.close()
-    assert server.state.gate.rejections == rejections
+    assert server.model.gate.rejections == rejections
     assert "rejected:queue_full" not in caplog.text
 
 
@@ -159,7 +159,7 @@ def test_a_client_gone_while_running_frees_its_slot_before_the_engine_drops_it(
         )
         server.wait_until(lambda: server.engine.decoding == 1, timeout=10)
         gone.close()
-        server.wait_until(lambda: server.state.gate.running == 0, timeout=1.5)
+        server.wait_until(lambda: server.model.gate.running == 0, timeout=1.5)
         assert server.engine.in_flight == 1  # the engine still holds it
         with server.client() as c:
             r = c.post(CHAT, json={"messages": [{"role": "user", "content": "next"}], "max_tokens": 2})

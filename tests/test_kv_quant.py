@@ -32,7 +32,7 @@ from gmlx.engine.kv_cache import (
     make_cache_factory,
 )
 from gmlx.models.loader import LoadedModel, load
-from gmlx.server.settings import SettingsError, resolve_settings
+from gmlx.settings import SettingsError, resolve_settings
 
 GiB = 2**30
 UNIFORM8 = KVQuantSettings(scheme="uniform", bits=8)

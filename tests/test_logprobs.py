@@ -65,7 +65,7 @@ def test_the_first_token_logprobs_are_the_models_log_softmax(server: LiveServer)
     lp = out["choices"][0]["logprobs"]
     logits = server.engine.loaded.model(mx.array([prompt]))[0, -1].astype(mx.float32)
     expected = (logits - mx.logsumexp(logits)).tolist()
-    vocab = server.state.token_bytes()
+    vocab = server.model.token_bytes()
     by_text: dict[str, float] = {}  # tokens of the same text: the likelier, as the shape shows
     for i, v in enumerate(expected):
         text = vocab[i].decode("utf-8", errors="replace")

@@ -36,6 +36,7 @@ SECTIONS = [
     "prompt_cache",
     "requests",
     "resident_models",
+    "latency",
 ]
 
 
@@ -75,57 +76,128 @@ MIRRORED = (
 ACTION_SAMPLES = {
     "count": "gmlx_governor_actions_total",
     "bytes_freed": "gmlx_governor_freed_bytes_total",
-    "last_at": "gmlx_governor_action_last_at_seconds",
+    "last_at": "gmlx_governor_action_last_timestamp_seconds",
+}
+CONFIG = "gmlx_config_info"  # configuration: one series, a label per value
+RATES = {
+    "decode_tok_s": "gmlx_rates_decode_tokens_per_second",
+    "decode_streams": "gmlx_rates_decode_streams",
+    "prefill_tok_s_recent": "gmlx_rates_prefill_recent_tokens_per_second",
+    "decode_tok_s_recent": "gmlx_rates_decode_recent_tokens_per_second",
+    "decode_tok_s_lifetime": "gmlx_rates_decode_lifetime_tokens_per_second",
+    "speculative_accept_rate": "gmlx_rates_speculative_accept_ratio",
+}
+KV_CACHE = {"table_usage": "table_usage_ratio", "governor_fraction": "governor_ratio", "usage": "usage_ratio"}
+# Null in the JSON, 0 in Prometheus: an action never taken, and no decode step in the rate's window.
+ZERO_WHEN_NULL = {"last_at", "decode_tok_s"}
+
+Target = tuple[str, tuple, str | None]  # a sample's name and labels, and the label holding the value (None: its value)
+
+
+MODEL = {
+    "loaded_at": "gmlx_model_loaded_timestamp_seconds",
+    "last_used_at": "gmlx_model_last_used_timestamp_seconds",
+    "decode_tok_s": "gmlx_model_decode_tokens_per_second",
 }
 
 
-def sample_of(path: Leaf, s: dict) -> tuple[str, tuple]:
+def sample_of(path: Leaf, s: dict) -> Target:
     """The Prometheus sample a snapshot field is rendered as: the exporter's names, spelled out."""
     section, *rest = path
-    model = s["resident_models"][0]["model"]
     match section, rest:
+        case "queue", ["cap"]:  # the same as concurrency's
+            return "gmlx_concurrency_queue_cap", (), None
+        case "queue", ["eta_s"]:
+            return "gmlx_queue_eta_seconds", (), None
         case "queue", ["rejections_by_reason", reason]:
-            return "gmlx_queue_rejections_total", (("reason", reason),)
+            return "gmlx_queue_rejections_total", (("reason", reason),), None
         case "queue", ["timeouts"]:
-            return "gmlx_queue_timeouts_total", ()
-        case "connections", [("open" | "cap") as field]:
-            return f"gmlx_connections_{field}", ()
+            return "gmlx_queue_timeouts_total", (), None
+        case "connections", ["cap"]:
+            return CONFIG, (), "connections_cap"
+        case "connections", ["open"]:
+            return "gmlx_connections_open", (), None
         case "connections", [counter]:
-            return f"gmlx_connections_{counter}_total", ()
+            return f"gmlx_connections_{counter}_total", (), None
         case "governor", ["thresholds", "hysteresis"]:
-            return "gmlx_governor_hysteresis", ()
+            return CONFIG, (), "governor_hysteresis"
         case "governor", ["thresholds", band]:
-            return "gmlx_governor_threshold", (("band", band),)
+            return CONFIG, (), f"governor_threshold_{band}"
+        case "governor", ["interval_s"]:
+            return CONFIG, (), "governor_interval_seconds"
+        case "governor", ["fraction"]:
+            return "gmlx_governor_used_ratio", (), None
         case "governor", ["actions", action, field]:
-            return ACTION_SAMPLES[field], (("action", action),)
-        case (("concurrency" | "queue" | "governor" | "memory" | "kv_cache"), [key]):
-            return f"gmlx_{section}_{key}", ()
+            return ACTION_SAMPLES[field], (("action", action),), None
+        case "kv_cache", [("block_tokens" | "blocks") as key]:
+            return CONFIG, (), f"prompt_cache_{key}"
+        case "kv_cache", [key]:
+            return f"gmlx_kv_cache_{KV_CACHE.get(key, key)}", (), None
+        case (("concurrency" | "queue" | "governor" | "memory"), [key]):
+            return f"gmlx_{section}_{key}", (), None
         case "rates", [key]:
-            return f"gmlx_rates_{key}", (("model", model),)
+            return RATES[key], (), None
+        case "resident_models", [i, "capacity", *keys]:  # each model's table, by model
+            return capacity_sample(keys, s["resident_models"][int(i)]["model"])
+        case "resident_models", [i, ("decode_batch" | "context_length") as key]:
+            return "gmlx_model_info", (("model", s["resident_models"][int(i)]["model"]),), key
         case "resident_models", [i, key]:
-            m = s["resident_models"][int(i)]
-            return f"gmlx_model_{key}", (("kind", m["kind"]), ("model", m["model"]), ("weight_mode", m["weight_mode"]))
-        case "capacity", ["widths", width]:
-            return "gmlx_capacity_max_ctx", (("width", width),)
-        case "capacity", ["depths", depth]:
-            return "gmlx_capacity_max_width", (("depth", depth),)
-        case "capacity", keys:
-            return "gmlx_capacity_" + "_".join(keys), ()
+            return MODEL.get(key, f"gmlx_model_{key}"), (("model", s["resident_models"][int(i)]["model"]),), None
+        case "capacity", keys:  # the preloaded model's table, the first resident model's
+            return capacity_sample(keys, s["resident_models"][0]["model"])
     raise AssertionError(f"no Prometheus sample for {path}")
 
 
+def capacity_sample(keys: list[str], model: str) -> Target:
+    match keys:
+        case ["widths", width]:
+            return "gmlx_capacity_max_context_tokens", (("model", model), ("width", width)), None
+        case ["depths", depth]:
+            return "gmlx_capacity_max_width", (("depth", depth), ("model", model)), None
+        case ["context_length"]:
+            return "gmlx_capacity_context_length_tokens", (("model", model),), None
+        case ["decode_batch"]:  # the model's own
+            return "gmlx_model_info", (("model", model),), "decode_batch"
+        case ["prefill_step"]:
+            return CONFIG, (), "prefill_step"
+        case ["kv_format", key]:
+            return CONFIG, (), f"kv_{key}"
+        case ["budget", "ceiling"]:
+            return "gmlx_capacity_budget_ceiling_ratio", (("model", model),), None
+        case ["warmup", key]:
+            return f"gmlx_capacity_warmup_{key.replace('tok_s', 'tokens_per_second')}", (("model", model),), None
+    return "gmlx_capacity_" + "_".join(keys), (("model", model),), None
+
+
+def info_labels(text: str, name: str, selector: tuple) -> dict[str, str]:
+    """The labels of the one `name` sample that carries the labels `selector`."""
+    [labels] = [
+        s.labels
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name and set(selector) <= set(s.labels.items())
+    ]
+    return labels
+
+
 def assert_prometheus_matches(s: dict, text: str) -> None:
-    """Every numeric field of the mirrored sections is its sample, equal; a null one has none."""
+    """Every numeric field of the mirrored sections is its sample, equal, or its label; a null one
+    has no sample (an empty label), but for the few that read 0."""
     values = prometheus_values(text)
     leaves = numeric_leaves({k: s[k] for k in MIRRORED})
     assert len(leaves) > 40  # the walk found the sections' fields, not an empty snapshot
     for path, value in leaves.items():
+        name, labels, label = sample_of(path, s)
         if path == ("queue", "rejections"):  # the total over the counter's reasons
-            assert value == sum(v for (name, _), v in values.items() if name == "gmlx_queue_rejections_total")
+            assert value == sum(v for (n, _), v in values.items() if n == "gmlx_queue_rejections_total")
+        elif label is not None:
+            assert info_labels(text, name, labels)[label] == ("" if value is None else str(value)), path
+        elif value is None and path[-1] in ZERO_WHEN_NULL:
+            assert values[(name, labels)] == 0, path
         elif value is None:
-            assert sample_of(path, s) not in values, path
+            assert (name, labels) not in values, path
         else:
-            assert values[sample_of(path, s)] == value, path
+            assert values[(name, labels)] == value, path
 
 
 def test_snapshot_sections_and_prometheus_agree(live_server: LiveServer) -> None:
@@ -144,10 +216,14 @@ def test_snapshot_sections_and_prometheus_agree(live_server: LiveServer) -> None
     assert_prometheus_matches(s, text)
     values = prometheus_values(text)
     assert s["concurrency"]["decode_batch"] == 4 and s["capacity"]["warmup"]["kv_bytes_measured"] > 0
-    assert values[("gmlx_requests_finished_total", (("model", "tiny-llama"), ("reason", "length")))] == 1
-    assert values[("gmlx_generated_tokens_total", (("model", "tiny-llama"),))] == s["totals"]["generated_tokens"] == 6
-    assert values[("gmlx_ttft_seconds_count", ())] == 1
-    assert values[("gmlx_requests", ())] == len(s["requests"]) == 0
+    assert values[("gmlx_requests_finished_total", (("reason", "length"),))] == 1
+    assert values[("gmlx_requests_finished_total", (("reason", "stop"),))] == 0  # every reason from the start
+    assert values[("gmlx_generated_tokens_total", ())] == s["totals"]["generated_tokens"] == 6
+    assert values[("gmlx_ttft_seconds_count", (("model", "tiny-llama"),))] == 1
+    assert values[("gmlx_e2e_request_latency_seconds_count", (("model", "tiny-llama"),))] == 1
+    assert values[("gmlx_queue_wait_seconds_count", (("model", "tiny-llama"),))] == 1
+    assert len(s["requests"]) == 0
+    assert all(v == 0 for (name, _), v in values.items() if name == "gmlx_requests")
     assert values[("gmlx_governor_band", (("band", s["governor"]["band"]),))] == 1
 
 
@@ -159,8 +235,9 @@ def test_inter_token_latency_observes_every_gap(live_server: LiveServer) -> None
         values = prometheus_values(c.get("/v1/metrics", params={"format": "prometheus"}).text)
     tokens = done["usage"]["completion_tokens"]
     assert tokens > 2
-    assert values[("gmlx_inter_token_latency_seconds_count", ())] == tokens - 1  # one per gap, not per request
-    assert 0 < values[("gmlx_inter_token_latency_seconds_sum", ())] < elapsed
+    model = (("model", "tiny-llama"),)
+    assert values[("gmlx_inter_token_latency_seconds_count", model)] == tokens - 1  # one per gap, not per request
+    assert 0 < values[("gmlx_inter_token_latency_seconds_sum", model)] < elapsed
 
 
 def test_a_failing_probe_nulls_its_section_only(live_server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -195,10 +272,15 @@ FIXED = [
     ("resident_models", "0", "decode_batch"),
     ("resident_models", "0", "weight_bytes"),
     ("resident_models", "0", "context_length"),
+    ("resident_models", "0", "capacity"),  # the model's table, as `capacity` above
+    ("resident_models", "0", "load_seconds"),
+    ("resident_models", "0", "loaded_at"),
+    ("latency", "window_s"),
 ]
 # Counts of what this load does not cause, each driven where named.
 NOT_DRIVEN = [
     ("governor", "actions", "stop_stream"),  # red: test_governor's live test
+    ("governor", "actions", "unload_model"),  # orange beside an idle model: test_residency
     ("prompt_cache", "hits_by_tier", "block"),
     ("prompt_cache", "hits_by_tier", "ckpt"),
     ("prompt_cache", "hits_by_tier", "anchor"),  # test_prompt_cache
@@ -223,7 +305,7 @@ def test_every_numeric_field_follows_what_it_measures(tmp_path: Path) -> None:
     def probe() -> MemoryReading:  # the real reading, or a made-up fraction of the budget
         if pressure["fraction"] is None:
             return real_probe()
-        limit = state.table().budget.total_bytes - state.table().budget.reserve_bytes
+        limit = state.default.table().budget.total_bytes - state.default.table().budget.reserve_bytes
         return MemoryReading(int(pressure["fraction"] * limit), 0, 0, limit)
 
     governor.probe = probe
@@ -242,7 +324,7 @@ def test_every_numeric_field_follows_what_it_measures(tmp_path: Path) -> None:
                 while server.engine.decoding < 1:
                     await asyncio.sleep(0.005)
                 queued = asyncio.create_task(ac.post("/v1/completions", json=body))
-                while state.gate.waiting < 1:
+                while server.model.gate.waiting < 1:
                     await asyncio.sleep(0.005)
                 full = await ac.post("/v1/completions", json=body)  # rejected: queue full
                 assert full.status_code == 503
@@ -339,7 +421,7 @@ def test_ttft_and_elapsed_count_the_queue_wait(tmp_path: Path, caplog: pytest.Lo
                 )
             )
             waiter.start()
-            server.wait_until(lambda: len(server.state.queued) == 1)
+            server.wait_until(lambda: len(server.model.queued) == 1)
             time.sleep(wait)
             queued_row = next(r for r in snapshot(server.state)["server"]["requests"] if r["state"] == "queued")
             assert queued_row["elapsed_s"] >= wait and queued_row["queued_s"] >= wait
@@ -350,7 +432,11 @@ def test_ttft_and_elapsed_count_the_queue_wait(tmp_path: Path, caplog: pytest.Lo
         ]
         queued, ttft = (float(re.search(rf"{k}=([\d.]+)s", line)[1]) for k in ("queued", "ttft"))
         assert wait <= queued <= ttft, line
-        [ttft_sum] = [x.value for x in server.state.histograms.ttft.collect()[0].samples if x.name.endswith("_sum")]
+        [ttft_sum] = [
+            x.value
+            for x in server.state.histograms.ttft.collect()[0].samples
+            if x.name.endswith("_sum") and x.labels["model"] == server.model_id
+        ]
         assert ttft_sum >= queued  # Prometheus observes it from arrival too
         _, prefill_tok_s = server.engine.stats.recent_requests[-1]
         prompt_tokens = answers[0].json()["usage"]["prompt_tokens"]

@@ -154,7 +154,7 @@ def test_schemathesis_with_key(case, keyed_server: LiveServer) -> None:
 @pytest.mark.parametrize("server_name", ["open_server", "keyed_server"])
 def test_fuzz_left_nothing_behind(server_name: str, request: pytest.FixtureRequest) -> None:
     server: LiveServer = request.getfixturevalue(server_name)
-    st_ = server.state
+    st_ = server.model
     server.wait_until(lambda: not (st_.gate.running or st_.gate.waiting or server.engine.in_flight))
     assert server.engine.alive
     headers = {"Authorization": f"Bearer {KEY}"} if server.settings.api_key else {}

@@ -13,11 +13,12 @@ import mlx.core as mx
 import psutil
 import pytest
 
+from gmlx.deployment import Deployment
 from gmlx.engine.engine import Engine, Event, Failed, Finished, Request
 from gmlx.engine.heap import trim_heap
 from gmlx.server.build import build_engine
-from gmlx.server.settings import resolve_settings
 from gmlx.server.state import ServerState
+from gmlx.settings import resolve_settings
 
 PROMPT_TOKENS = 2000
 MAX_TOKENS = 4
@@ -76,7 +77,7 @@ def fan_out(engine: Engine, width: int, salt: int) -> list[Event]:
 @pytest.mark.slow
 def test_a_fan_out_peaks_where_the_capacity_table_says(default_model: Path) -> None:
     settings = resolve_settings({"decode_batch": 8}, env={})
-    engine = build_engine(settings, default_model)
+    engine = build_engine(Deployment(default_model.stem, default_model, settings))
     engine.start()
     try:
         assert engine.ready.wait(300) and engine.loaded is not None, engine.load_error

@@ -215,8 +215,8 @@ def test_estimate_predicts_the_tier_and_metrics_count_it(tiny: dict[str, Path]) 
         snap = c.get("/v1/metrics").json()["server"]["prompt_cache"]
         prom = c.get("/v1/metrics", params={"format": "prometheus"}).text
     assert snap["hits_by_tier"]["exact"] == 1 and snap["misses"] == 1 and snap["bytes"] > 0, snap
-    assert 'gmlx_prompt_cache_hits_total{model="llama",tier="exact"} 1.0' in prom
-    assert f'gmlx_prompt_cache_reused_tokens_total{{model="llama"}} {float(snap["reused_tokens"])}' in prom
+    assert 'gmlx_prompt_cache_hits_total{tier="exact"} 1.0' in prom
+    assert f"gmlx_prompt_cache_reused_tokens_total {float(snap['reused_tokens'])}" in prom
 
 
 @pytest.mark.slow

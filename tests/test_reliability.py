@@ -45,7 +45,7 @@ def server(tiny_models: dict[str, Path]) -> Iterator[LiveServer]:
 def assert_settled(s: LiveServer) -> None:
     """No slot, queue place or engine request lost; the engine alive; the next request served;
     MLX memory back near idle."""
-    st = s.state
+    st = s.model
 
     # Generous: on a loaded 2-core CI machine the engine may still be ending cancelled work.
     def pending() -> dict[str, int]:
@@ -182,7 +182,7 @@ def test_slow_reader_stalls_nobody(server: LiveServer) -> None:
             with c.stream("POST", CHAT, json=chat_body(max_tokens=16, stream=True)) as r:
                 assert sse_end([line for line in r.iter_lines() if line]) == "finish"
     assert time.monotonic() - t0 < 10
-    server.wait_until(lambda: server.state.gate.running == 0 and server.engine.in_flight == 0)
+    server.wait_until(lambda: server.model.gate.running == 0 and server.engine.in_flight == 0)
     sock.settimeout(10)
     received = b""
     while b"data: [DONE]" not in received:
@@ -333,7 +333,7 @@ def test_soak_short(tiny_models: dict[str, Path]) -> None:
     spec.loader.exec_module(soak)
     with LiveServer(tiny_models["llama"], decode_batch=4, prompt_cache_bytes="8MiB") as s:
         report = asyncio.run(soak.soak(s.url, minutes=0.75, sample_s=1.0))
-        assert_settled_plain = not (s.state.gate.running or s.state.gate.waiting or s.engine.in_flight)
+        assert_settled_plain = not (s.model.gate.running or s.model.gate.waiting or s.engine.in_flight)
     print("soak:", json.dumps(report))
     assert report["errors"] == 0, report["error_kinds"]
     assert report["ok"] > 20 and assert_settled_plain

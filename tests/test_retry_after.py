@@ -51,7 +51,7 @@ def test_every_503_in_the_source_sets_retry_after() -> None:
 def test_the_refusals_a_router_meets_carry_retry_after(tiny_models: dict[str, Path]) -> None:
     body = {"prompt": "hello", "max_tokens": 2}
     with LiveServer(tiny_models["llama"], decode_batch=1, queue_size=0) as server, server.client() as c:
-        state = server.state
+        state = server.model
         state.gate.running = 1  # every slot held: with no queue, the next request is refused at once
         full = c.post("/v1/completions", json=body)
         busy = c.get("/health", params={"ready": 1})

@@ -110,12 +110,12 @@ def test_waiting_running_and_kv_usage_move_with_load(tmp_path: Path) -> None:
                 )
             )
             waiter.start()
-            server.wait_until(lambda: server.state.gate.waiting == 1)
+            server.wait_until(lambda: server.model.gate.waiting == 1)
             time.sleep(0.2)
             refused = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
             queued = picked(c)
         waiter.join(30)
-        server.wait_until(lambda: server.engine.in_flight == 0 and server.state.gate.running == 0)
+        server.wait_until(lambda: server.engine.in_flight == 0 and server.model.gate.running == 0)
         after = picked(c)
         families = scrape(c)
     assert refused.status_code == 503 and answers[0].status_code == 200
@@ -123,7 +123,7 @@ def test_waiting_running_and_kv_usage_move_with_load(tmp_path: Path) -> None:
     assert queued["num_requests_running"] == 2 and queued["num_requests_waiting"] == 1
     assert 0 < one["kv_cache_usage_perc"] < two["kv_cache_usage_perc"] <= queued["kv_cache_usage_perc"] <= 1
     assert after == idle
-    wait = {s.name: s.value for s in families["gmlx_queue_wait_seconds"]}
+    wait = {s.name: s.value for s in families["gmlx_queue_wait_seconds"] if s.labels.get("model") == server.model_id}
     assert wait["gmlx_queue_wait_seconds_count"] == 3  # two holders and the waiter; not the refused one
     assert wait["gmlx_queue_wait_seconds_sum"] >= 0.2  # the waiter's time in the queue
 
@@ -135,7 +135,7 @@ def test_usage_reads_saturated_before_the_band_reaches_orange(live_server: LiveS
     pressure = {"fraction": 0.5}
 
     def probe() -> MemoryReading:
-        budget = state.table().budget
+        budget = live_server.model.table().budget
         limit = budget.total_bytes - budget.reserve_bytes
         return MemoryReading(int(pressure["fraction"] * limit), 0, 0, limit)
 

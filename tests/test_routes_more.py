@@ -118,7 +118,7 @@ def test_max_tokens_past_the_window_is_refused_up_front(small_window: LiveServer
             "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 16}
         )
         assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages"
-        assert small_window.state.engine.stats.finished == 0  # neither queued nor ran
+        assert small_window.model.engine.stats.finished == 0  # neither queued nor ran
         no_eos = {str(t): -100 for t in small_window.engine.loaded.tokenizer.eos_token_ids}  # run to the end
         fits = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 12, "logit_bias": no_eos})
         assert fits.status_code == 200 and fits.json()["usage"]["completion_tokens"] == 12

@@ -13,7 +13,7 @@ from starlette.routing import Route
 
 from gmlx.cli.serve import exposure_warning
 from gmlx.server.app import OPEN_PATHS
-from gmlx.server.settings import resolve_settings
+from gmlx.settings import resolve_settings
 
 CHAT = "/v1/chat/completions"
 SECRET = "zanzibar-platypus-4417"  # a prompt no model output or metric contains by chance
@@ -86,7 +86,7 @@ def test_oversized_bodies_refused_before_read_whole(tiny_models: dict[str, Path]
         with _raw_post(port, b"Transfer-Encoding: chunked\r\n", (b"%x\r\n%s\r\n" % (len(chunk), chunk)) * 3) as sock:
             answer = sock.recv(4096)
             assert answer.startswith(b"HTTP/1.1 413")
-        s.wait_until(lambda: s.state.gate.running == 0)
+        s.wait_until(lambda: s.model.gate.running == 0)
 
 
 def test_loopback_by_default_and_a_warning_when_open() -> None:

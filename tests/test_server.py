@@ -134,7 +134,7 @@ def test_bad_requests(live_server: LiveServer, body: object, status: int, code: 
     assert r.status_code == status, r.text
     assert r.json()["error"]["code"] == code and r.json()["error"]["message"]
     # Nothing leaked: the slot is free and the next request is served.
-    assert live_server.state.gate.running == 0
+    assert live_server.model.gate.running == 0
     with live_server.client() as c:
         assert c.post(CHAT, json=chat_body(max_tokens=2)).status_code == 200
 
@@ -174,7 +174,7 @@ def test_developer_messages_are_system_messages(live_server: LiveServer) -> None
 
     def prompt(role: str) -> list[int]:
         body = {"messages": [{"role": role, "content": "Be brief."}, {"role": "user", "content": "hi"}]}
-        return live_server.state.tokenize(openai_api.parse(body, chat=True))
+        return live_server.model.tokenize(openai_api.parse(body, chat=True))
 
     # The chat templates know only system; the tiny model's used to render developer as an answer.
     assert prompt("developer") == prompt("system")
@@ -202,7 +202,7 @@ def test_health_and_loading(tiny_models: dict[str, Path]) -> None:
     server = LiveServer(tiny_models["llama"])
     real_load = server.engine._load
     server.engine._load = lambda: (gate.wait(30), real_load())[1]
-    server.engine.start()
+    server.state.residency.preload()
     server._thread.start()
     server.wait_until(lambda: server.server.started)
     port = server.server.servers[0].sockets[0].getsockname()[1]
@@ -211,12 +211,19 @@ def test_health_and_loading(tiny_models: dict[str, Path]) -> None:
             assert c.get("/health").json()["status"] == "healthy"
             r = c.get("/health", params={"ready": 1})
             assert r.status_code == 503 and r.json()["reason"] == "loading" and int(r.headers["Retry-After"]) > 0
-            for r in (c.post(CHAT, json=chat_body()), c.get("/v1/models")):
-                assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading"
+            assert c.get("/v1/models").json()["data"][0]["status"] == "loading"
             plan = c.get("/v1/capacity/plan", params={"width": 1, "depth": 16}).json()
-            assert (plan["ok"], plan["admit_now"], plan["reason"]) == (None, False, "model loading")
+            assert (plan["admit_now"], plan["reason"]) == (False, "model loading")
+            # A request meanwhile waits in the model's queue, and is answered once it has loaded.
+            waiting = threading.Thread(target=lambda: answers.append(c.post(CHAT, json=chat_body())), daemon=True)
+            answers: list[httpx.Response] = []
+            waiting.start()
+            server.wait_until(lambda: server.model.gate.waiting == 1)
             gate.set()
             server.wait_until(server.engine.ready.is_set)
+            waiting.join(30)
+            assert answers[0].status_code == 200 and answers[0].json()["choices"][0]["message"]["role"] == "assistant"
+            assert c.get("/v1/models").json()["data"][0]["status"] == "loaded"
             r = c.get("/health", params={"ready": 1})
             assert r.status_code == 200 and r.json()["ready"] is True
             assert c.get("/v1/capacity/plan", params={"width": 1, "depth": 16}).json()["admit_now"] is True
@@ -231,7 +238,7 @@ def test_ready_reasons_follow_the_gate(tmp_path: Path) -> None:
     503 carries Retry-After, and readiness comes back once the clients leave."""
     model = write_model(tmp_path / "long.gguf", "llama", context=4096)
     with LiveServer(model, decode_batch=1, queue_size=2) as server:
-        gate = server.state.gate
+        gate = server.model.gate
 
         async def run() -> list[tuple[int, str | None, str | None]]:
             seen = []
@@ -269,7 +276,7 @@ def test_every_request_ends_in_one_log_line(tmp_path: Path, caplog: pytest.LogCa
     caplog.set_level(logging.INFO, logger="gmlx.server")
     model = write_model(tmp_path / "long.gguf", "llama", context=4096)
     with LiveServer(model, decode_batch=1, queue_size=1) as server:
-        gate = server.state.gate
+        gate = server.model.gate
         done = server.client().post("/v1/completions", json={"prompt": "x", "max_tokens": 5, "temperature": 0})
 
         async def run() -> int:
@@ -346,10 +353,10 @@ def test_queue_full_and_retry_after(tiny_models: dict[str, Path]) -> None:
         async def burst() -> list[httpx.Response]:
             async with httpx.AsyncClient(base_url=server.url, timeout=60) as ac:
                 tasks = [asyncio.create_task(ac.post("/v1/completions", json=body)) for _ in range(3)]
-                while server.state.gate.waiting < 2:
+                while server.model.gate.waiting < 2:
                     await asyncio.sleep(0.005)
                 extra = await asyncio.gather(*(ac.post("/v1/completions", json=body) for _ in range(3)))
-                snapshot.update(running=server.state.gate.running, waiting=server.state.gate.waiting)
+                snapshot.update(running=server.model.gate.running, waiting=server.model.gate.waiting)
                 return list(extra) + list(await asyncio.gather(*tasks))
 
         responses = asyncio.run(burst())
@@ -371,7 +378,7 @@ def test_queue_timeout(tiny_models: dict[str, Path]) -> None:
                 first = asyncio.create_task(
                     ac.post("/v1/completions", json={"prompt": "x", "max_tokens": 240, "temperature": 0})
                 )
-                while server.state.gate.running < 1:
+                while server.model.gate.running < 1:
                     await asyncio.sleep(0.005)
                 queued = await asyncio.gather(
                     *(ac.post("/v1/completions", json={"prompt": w, "max_tokens": 2}) for w in ("y", "z"))
@@ -389,7 +396,7 @@ def test_queue_timeout(tiny_models: dict[str, Path]) -> None:
 
 def test_queued_client_that_disconnects_frees_its_place(tiny_models: dict[str, Path]) -> None:
     with LiveServer(tiny_models["llama"], decode_batch=1, queue_size=1) as server:
-        gate = server.state.gate
+        gate = server.model.gate
 
         async def run() -> int:
             async with httpx.AsyncClient(base_url=server.url, timeout=60) as ac:
@@ -421,7 +428,7 @@ def test_dropped_streams_never_leak_a_slot(tiny_models: dict[str, Path]) -> None
                     data = (line for line in r.iter_lines() if line.startswith("data: "))
                     for _ in range(1 if i % 2 else 4):
                         next(data)
-            server.wait_until(lambda: server.engine.in_flight == 0 and server.state.gate.running == 0)
+            server.wait_until(lambda: server.engine.in_flight == 0 and server.model.gate.running == 0)
             assert server.engine.alive
             assert c.post(CHAT, json=chat_body(max_tokens=4)).status_code == 200
 
@@ -430,7 +437,7 @@ def test_graceful_shutdown_ends_every_stream_properly(tmp_path: Path) -> None:
     # A context long enough that the stream is still running when the drain runs out.
     model = write_model(tmp_path / "long.gguf", "llama", context=8192)
     server = LiveServer(model, decode_batch=1, shutdown_timeout=0.3).__enter__()
-    gate = server.state.gate
+    gate = server.model.gate
     lines: list[str] = []
 
     def stream() -> None:
@@ -469,7 +476,7 @@ def test_engine_survives_a_failing_step(live_server: LiveServer, monkeypatch: py
     with live_server.client() as c:
         r = c.post(CHAT, json=chat_body(max_tokens=4))
         assert r.status_code == 500 and "boom" in r.json()["error"]["message"]
-        assert live_server.engine.alive and live_server.state.gate.running == 0
+        assert live_server.engine.alive and live_server.model.gate.running == 0
         assert c.post(CHAT, json=chat_body(max_tokens=4)).status_code == 200
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gmlx.server.settings import Settings, SettingsError, describe, resolve_settings
+from gmlx.settings import Settings, SettingsError, describe, resolve_settings
 
 
 def resolve(flags: dict | None = None, env: dict | None = None, config: str | Path | None = None) -> Settings:

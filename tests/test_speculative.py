@@ -34,7 +34,7 @@ from gmlx.engine.speculative import (
 )
 from gmlx.gguf.header import read_header
 from gmlx.models.loader import LoadedModel, load
-from gmlx.server.settings import resolve_settings
+from gmlx.settings import resolve_settings
 
 PROMPT = "hello world the capital of France is"
 
@@ -304,11 +304,12 @@ def test_file_check(files: dict[str, Path]) -> None:
 
 
 def test_the_engine_loads_and_checks_its_drafter(files: dict[str, Path]) -> None:
+    from gmlx.deployment import Deployment
     from gmlx.server.build import build_engine
 
     for draft, ok in (("llama_draft", True), ("qwen2", False)):
         settings = resolve_settings({"weights": "float", "draft": str(files[draft])}, env={})
-        engine = build_engine(settings, files["llama"])
+        engine = build_engine(Deployment("llama", files["llama"], settings))
         engine.start()
         assert engine.ready.wait(60)
         if ok:

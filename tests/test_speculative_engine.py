@@ -138,7 +138,7 @@ def test_rows_rates_and_prometheus_carry_the_figures(files: dict[str, Path]) -> 
         prom = c.get("/v1/metrics", params={"format": "prometheus"}).text
     rate = server.engine.stats.speculative.accept_rate
     assert rate is not None and rates["speculative_accept_rate"] == round(rate, 4)
-    assert f'gmlx_rates_speculative_accept_rate{{model="served"}} {round(rate, 4)}' in prom
+    assert f"gmlx_rates_speculative_accept_ratio {round(rate, 4)}" in prom
 
 
 def test_no_drafter_means_null_figures(tiny_models: dict[str, Path]) -> None:

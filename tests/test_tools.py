@@ -322,7 +322,7 @@ def test_estimate_and_dry_run_count_the_tools(templated: dict[str, Path]) -> Non
         plain = c.post("/v1/estimate", json=body).json()["prompt_tokens"]
         with_tools = {**body, "tools": [WEATHER]}
         counted = c.post("/v1/estimate", json=with_tools).json()["prompt_tokens"]
-        assert counted == len(s.state.tokenize(openai_api.parse(with_tools, chat=True))) > plain + 40
+        assert counted == len(s.model.tokenize(openai_api.parse(with_tools, chat=True))) > plain + 40
         assert c.post("/v1/chat/completions", json={**with_tools, "dry_run": True}).json()["prompt_tokens"] == counted
         bad = c.post("/v1/estimate", json={**body, "tools": [{"type": "function", "function": {"name": "a b"}}]})
         assert (bad.status_code, bad.json()["error"]["param"]) == (400, "tools")
@@ -353,7 +353,7 @@ def scripted(live_server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> Iterat
 
         threading.Thread(target=run, daemon=True).start()
 
-    monkeypatch.setattr(live_server.state.engine, "submit", submit)
+    monkeypatch.setattr(live_server.model.engine, "submit", submit)
     yield script
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -16,14 +17,14 @@ import pytest
 from conftest import ServeProcess
 from rich.text import Text
 from textual.pilot import Pilot
-from textual.widgets import DataTable, Static
+from textual.widgets import DataTable, Sparkline, Static
 from tiny_models import write_model
 from typer.testing import CliRunner
 
 from gmlx.cli.main import app as cli
 from gmlx.tui import format as fmt
 from gmlx.tui.app import HelpScreen, TopApp
-from gmlx.tui.client import Poller, Status
+from gmlx.tui.client import HISTORY_S, Poller, Status
 
 DATA = Path(__file__).parent / "data" / "top"
 
@@ -106,14 +107,18 @@ def shown(app: TopApp, widget: str) -> Text:
     return content
 
 
-def states(app: TopApp) -> list[str]:
+def column(app: TopApp, label: str) -> list[str]:
     table = app.query_one("#requests", DataTable)
-    return [str(table.get_row_at(i)[2]) for i in range(table.row_count)]
+    at = [str(c.label) for c in table.ordered_columns].index(label)
+    return [str(table.get_row_at(i)[at]) for i in range(table.row_count)]
+
+
+def states(app: TopApp) -> list[str]:
+    return column(app, "state")
 
 
 def ids(app: TopApp) -> list[str]:
-    table = app.query_one("#requests", DataTable)
-    return [str(table.get_row_at(i)[0]) for i in range(table.row_count)]
+    return column(app, "id")
 
 
 def dimmed(line: Text) -> bool:
@@ -132,7 +137,7 @@ async def test_band_and_rows_follow_the_snapshot(fake: FakeServer) -> None:
     async with app.run_test(size=(160, 45)) as pilot:
         await until(pilot, lambda: app.poller.status is Status.UP)
         assert "GREEN" in shown(app, "band").plain and "green" in band_style(app)
-        assert "GPU telemetry unavailable" in shown(app, "gpu").plain
+        assert "GPU telemetry unavailable" in shown(app, "host").plain
         assert "model tiny" in shown(app, "server").plain and "ready yes" in shown(app, "server").plain
         assert "up 1 h 02 m" in shown(app, "server").plain  # uptime_s 3725
         assert states(app) == []
@@ -147,26 +152,27 @@ async def test_band_and_rows_follow_the_snapshot(fake: FakeServer) -> None:
         await until(pilot, lambda: len(states(app)) == 4)
         assert "YELLOW" in shown(app, "band").plain and "yellow" in band_style(app)
         assert states(app) == ["queued", "decode", "prefill", "decode"]  # queued rows first
-        row = app.query_one("#requests", DataTable).get_row_at(1)
+        row = app.query_one("#requests", DataTable).get_row_at(1)  # one model: no model column
         assert [str(c) for c in row] == [
-            "cmpl-a1",
-            "tiny",
+            "a1",
             "decode",
             "1834",
-            "212 / 4096",
-            "11.4 s",
-            "0.64 s",
-            "1.7 s",
-            "21.8 tok/s",
+            "212/4096",
+            "6 %",  # 2046 of the 32,768-token window
+            "-",  # this server reports no KV bytes per request
+            "11.4s",
+            "0.64s",
+            "1.7s",
+            "21.8",
             "block 1536",
             "62 %",
         ]
-        assert "GPU0 NVIDIA H200" in shown(app, "gpu").plain
+        assert "GPU0 NVIDIA H200" in shown(app, "host").plain
         slots = shown(app, "slots").plain
-        assert "slots 3 / 4" in slots and "queue 1 / 16" in slots and "rejections 2 (last: queue_full)" in slots
+        assert "slots 3 / 4" in slots and "queue 1 / 16  ETA 5.0 s" in slots and "finished stop 3" in slots
         assert "ready no (queue)" in shown(app, "server").plain and "up 3 m 12 s" in shown(app, "server").plain
         band = shown(app, "band").plain  # used of the governor's limit, and the budget it is taken from
-        assert "used 17.8 GiB (84 %) of 21.2 GiB  budget 23.5 GiB" in band and not dimmed(shown(app, "band"))
+        assert "17.8 GiB of 21.2 GiB (84 %)" in band and "budget 23.5 GiB" in band and not dimmed(shown(app, "band"))
 
         fake.use("idle_green")
         await until(pilot, lambda: states(app) == [])
@@ -186,9 +192,9 @@ async def test_keys(fake: FakeServer) -> None:
             assert app.selected == 1 and fleet.cursor_row == 1 and len(states(app)) == 4
 
             await pilot.press("s")  # by elapsed, longest first
-            assert app.sort == "elapsed" and ids(app)[0] == "cmpl-d4"
+            assert app.sort == "elapsed" and ids(app)[0] == "d4"
             await pilot.press("s", "s", "s")
-            assert app.sort == "queue" and ids(app)[0] == "cmpl-c3"
+            assert app.sort == "queue" and ids(app)[0] == "c3"
 
             await pilot.press("p")  # paused: a new snapshot is not drawn
             assert "PAUSED" in shown(app, "server").plain
@@ -221,7 +227,7 @@ async def test_down_and_401_are_drawn_and_recovered_from() -> None:
             line = shown(app, "server").plain
             assert "KEY NEEDED" in line and "--api-key" in line and "GMLX_API_KEY" in line
             assert "model tiny" in line  # /system is open
-            assert states(app) == [] and "band  -" in shown(app, "band").plain
+            assert states(app) == [] and "memory  -" in shown(app, "band").plain
 
             server.stop()
             await pilot.press("r")
@@ -259,8 +265,8 @@ async def test_stale_requests_are_cleared_and_marked() -> None:
             note = shown(app, "server").plain
             assert "last seen " in note and " ago" in note
             assert "YELLOW" in shown(app, "band").plain  # the last band is still there, dimmed
-            assert all(dimmed(shown(app, name)) for name in ("band", "gpu", "slots", "rates"))
-            assert str(app.query_one("#decode-label").content).startswith("decode  now -  peak ")
+            assert all(dimmed(shown(app, name)) for name in ("band", "host", "slots", "rates"))
+            assert str(app.query_one("#decode-label").content).startswith("decode tok/s  now -  peak ")
             await pilot.press("p")  # no polls while paused, and still the note counts on
             note = shown(app, "server").plain
             await until(pilot, lambda: shown(app, "server").plain != note, timeout=3)
@@ -300,7 +306,7 @@ async def test_poller_survives_odd_answers(fake: FakeServer) -> None:
     await p.aclose()
     assert p.status is Status.UP
     text = plain_text([p])
-    assert "band  -" in text and "slots - / -" in text
+    assert "memory  -" in text and "slots - / -" in text
 
 
 def test_backoff_doubles_and_is_capped() -> None:
@@ -380,6 +386,7 @@ def test_real_server_rows_move_from_queued_to_decode(gmlx_serve: str) -> None:
 # server with a fixed URL, puts a fixed history behind the sparklines and draws once.
 
 SCREEN = (160, 45)
+NARROW = (120, 40)  # the narrowest screen laid out without wrapping
 HISTORIES = {  # (decode, prefill, queue depth) samples, oldest first
     "idle_green": ([0.0] * 40, [0.0] * 40, [0.0] * 40),
     "busy_yellow": (
@@ -397,11 +404,16 @@ def settle(app: TopApp, shown_as: list[tuple[str, str]]) -> Callable[[Pilot], An
         await until(pilot, lambda: all(p.status is Status.UP for p in app.pollers))
         app.dashboard.workers.cancel_group(app.dashboard, "poll")
         await pilot.pause()
+        cells = app.query_one("#decode", Sparkline).size.width
+        now = time.monotonic()
         for p, (url, history) in zip(app.pollers, shown_as, strict=True):
             p.url = url  # only what is drawn: the httpx client keeps its own base URL
             for series, values in zip((p.history.decode, p.history.prefill, p.history.queue), HISTORIES[history]):
+                # one sample at the middle of each of the last cells, so the drawing does not depend
+                # on the milliseconds between here and draw()
+                at = [now - HISTORY_S + (cells - len(values) + i + 0.5) * HISTORY_S / cells for i in range(len(values))]
                 series.clear()
-                series.extend(values)
+                series.extend(zip(at, values))
         app.draw()
         await pilot.pause()
 
@@ -417,6 +429,17 @@ def test_screen_busy_yellow_with_a_queue(fake: FakeServer, snap_compare: Any) ->
     fake.use("busy_yellow")
     app = TopApp([fake.url], interval=0.05)
     assert snap_compare(app, terminal_size=SCREEN, run_before=settle(app, [("http://gpu-b:8080", "busy_yellow")]))
+
+
+def test_screen_cpu_host_with_two_models_at_120x40(snap_compare: Any) -> None:
+    """The narrowest layout: CPU bars in place of GPU telemetry, a line per resident model, the
+    model column, the server's latency percentiles and finish counts."""
+    server = FakeServer("busy_cpu")
+    try:
+        app = TopApp([server.url], interval=0.05)
+        assert snap_compare(app, terminal_size=NARROW, run_before=settle(app, [("http://cpu-a:8080", "busy_yellow")]))
+    finally:
+        server.stop()
 
 
 def test_screen_fleet_of_two(fake: FakeServer, snap_compare: Any) -> None:

@@ -42,6 +42,9 @@ class MemoryBudget:
     # without one.
     host_bytes: int = 0  # the process's memory outside MLX
     ceiling: float = 1.0  # the share of usable_bytes the table fills: up to where orange starts
+    # The weights of the other models resident beside this one: memory is shared, so a model's
+    # table is built against what the others leave (server/residency.py).
+    others_bytes: int = 0
 
     @property
     def reserve_bytes(self) -> int:
@@ -57,7 +60,13 @@ class MemoryBudget:
         """What one request may use once running requests finish: one prefill and its stream.
         The prompt cache may still hold up to its bound then, so it stays off, as in kv_bytes;
         under a governor, so does the process's memory outside MLX, and only up to orange counts."""
-        return int(self.ceiling * self.usable_bytes) - self.weight_bytes - self.host_bytes - self.prompt_cache_bytes
+        return (
+            int(self.ceiling * self.usable_bytes)
+            - self.weight_bytes
+            - self.others_bytes
+            - self.host_bytes
+            - self.prompt_cache_bytes
+        )
 
     def free_now_bytes(self, active_bytes: int, prompt_cache_held: int) -> int:
         """drained_bytes less what runs now: MLX's active memory holds the weights, the running
@@ -79,6 +88,7 @@ class MemoryBudget:
             "prompt_cache_bytes": self.prompt_cache_bytes,
             "host_bytes": self.host_bytes,
             "ceiling": self.ceiling,
+            "other_models_bytes": self.others_bytes,
             "kv_bytes": self.kv_bytes,
         }
 

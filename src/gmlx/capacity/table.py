@@ -166,6 +166,7 @@ def capacity_table(
     prompt_cache_bytes: int = 0,
     tiled_attention: bool = False,
     governor: GovernorTerms | None = None,
+    others_bytes: int = 0,
 ) -> CapacityTable:
     """The table the server builds at start and `gmlx plan` builds offline, from the same budget arithmetic.
 
@@ -174,14 +175,22 @@ def capacity_table(
     chunk adds to its sliding-window caches; once per batch, MLX's buffer cache holds about one
     stream's sliding-window transient more (`batch_bytes`). With a `governor`, the budget also
     counts what the governor counts (GovernorTerms): the process's memory outside MLX comes off,
-    and the table fills only up to where orange starts.
+    and the table fills only up to where orange starts. `others_bytes`: the weights of the other
+    models resident beside it.
     """
     window = g.context_length if context_length is None else min(context_length, g.context_length)
     chunk = min(prefill_step, window)
     transient = rotating_prefill_bytes(g, chunk, kv)
     prefill = prefill_working_bytes(g, prefill_step, window, tiled_attention) + transient
     budget = MemoryBudget(
-        memory, weight_bytes, prefill, reserve_floor, reserve_fraction, prompt_cache_bytes, batch_bytes=transient
+        memory,
+        weight_bytes,
+        prefill,
+        reserve_floor,
+        reserve_fraction,
+        prompt_cache_bytes,
+        batch_bytes=transient,
+        others_bytes=others_bytes,
     )
     if governor is not None:
         budget = replace(budget, host_bytes=governor.host_bytes, ceiling=governor.ceiling)
@@ -189,7 +198,7 @@ def capacity_table(
 
 
 class TableSettings(Protocol):
-    """The server settings a table depends on (gmlx.server.settings.Settings has them)."""
+    """The server settings a table depends on (gmlx.settings.Settings has them)."""
 
     @property
     def decode_batch(self) -> int: ...
@@ -237,6 +246,7 @@ def header_table(
     float_bytes: int = KV_FLOAT_BYTES,
     fast_kernels: bool = False,
     host_memory: bool = True,
+    others_bytes: int = 0,
 ) -> tuple[CapacityTable, KVQuantPlan | None]:
     """The table a server with settings `s` would build for this file, from its header alone (no
     weights): its weights as `mode` loads them, and the KV quantization plan it would make (None
@@ -244,7 +254,8 @@ def header_table(
     float_bytes 4: the engine computes in float32 (float32 weights or float32 scales);
     fast_kernels: gmlx's CPU kernels run attention (see attention_in_tiles). With no server to
     measure, the process's memory outside MLX is HOST_BYTES_ESTIMATE (`host_memory`: the budget
-    is host memory, as everywhere but CUDA)."""
+    is host memory, as everywhere but CUDA); `others_bytes`, the weights of the models resident
+    beside it."""
     g, weight_bytes, cache_bytes = h.geometry, resident_bytes(h, mode), s.prompt_cache_limit(memory)
     window = g.context_length if s.max_kv_size is None else min(g.context_length, s.max_kv_size)
     kv_plan = (
@@ -252,7 +263,7 @@ def header_table(
             s.kv_quant(),
             g,
             memory=memory,
-            weight_bytes=weight_bytes,
+            weight_bytes=weight_bytes + others_bytes,
             reserve_fraction=s.reserve_fraction,
             reserve_floor=s.reserve_floor,
             prompt_cache_bytes=cache_bytes,
@@ -277,5 +288,6 @@ def header_table(
         prompt_cache_bytes=cache_bytes,
         tiled_attention=attention_in_tiles(fast_kernels, kv_plan),
         governor=governor_terms(s, HOST_BYTES_ESTIMATE, host_memory),
+        others_bytes=others_bytes,
     )
     return table, kv_plan

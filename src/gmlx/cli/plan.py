@@ -15,7 +15,7 @@ from rich.table import Table
 from gmlx import platform
 from gmlx.capacity.estimate import estimate_not_loaded
 from gmlx.capacity.plan import LiveState, plan
-from gmlx.capacity.table import KV_FLOAT_WHY, CapacityTable, attention_in_tiles, header_table
+from gmlx.capacity.table import KV_FLOAT_WHY, CapacityTable, attention_in_tiles
 from gmlx.cli.common import (
     EXIT_FAILED,
     EXIT_OK,
@@ -27,9 +27,9 @@ from gmlx.cli.common import (
     print_json,
 )
 from gmlx.default_model import DefaultModelMissing, resolve_model
-from gmlx.gguf.header import GGUFError, GGUFHeader, read_header
-from gmlx.models.weights_mode import choose_mode
-from gmlx.server.settings import Settings, SettingsError, resolve_settings
+from gmlx.deployment import Deployment
+from gmlx.gguf.header import GGUFError, GGUFHeader
+from gmlx.settings import Settings, SettingsError, resolve_settings
 
 EXIT_ERROR = 2  # plan and estimate promise a script 2 on any error, a bad model file included
 _HTTP_TIMEOUT_S = 60
@@ -55,6 +55,13 @@ MAX_KV_OPT = typer.Option(
     "--max-kv-size",
     min=1,
     help="Cap the context window, as `gmlx serve --max-kv-size` does.  [default: the GGUF's trained window]",
+    show_default=False,
+)
+BESIDE_OPT = typer.Option(
+    None,
+    "--beside",
+    help="A model resident beside it (repeat for more): its weights come off the budget, as in a server "
+    "serving several models.",
     show_default=False,
 )
 # The table's own fields in the capacity section of /v1/metrics (the rest is warm-up measurement).
@@ -91,8 +98,10 @@ def offline(
     prefill_step: int | None = None,
     kv_flags: dict[str, Any] | None = None,
     max_kv_size: int | None = None,
+    beside: list[str] | None = None,
 ) -> Offline:
-    """The table `gmlx serve` would build for this model, from its header and the server's own settings."""
+    """The table `gmlx serve` would build for this model, from its header and the server's own
+    settings, with the models of `beside` resident next to it (their weights off its budget)."""
     flags = {
         "model": model,
         "memory": memory,
@@ -105,13 +114,13 @@ def offline(
     with errors():
         s = resolve_settings(flags)
         path = resolve_model(s.model)
-        h = read_header(path)
-    mode = choose_mode(s.weights, h)  # type: ignore[arg-type]
-    total = s.memory or platform.total_memory_bytes()
-    fast_kernels = _fast_kernels()
-    host_memory = platform.backend() != "cuda"  # the budget is host memory: the process's own counts
-    table, kv_plan = header_table(h, s, mode=mode, memory=total, fast_kernels=fast_kernels, host_memory=host_memory)
-    tiled = attention_in_tiles(fast_kernels, kv_plan)
+        d = Deployment(path.stem, path, s)
+        others = [Deployment(p.stem, p, s) for p in map(resolve_model, beside or [])]
+        others_bytes = sum(o.planned_weight_bytes for o in others)
+        h, mode = d.header, d.mode
+    total = d.memory
+    table, kv_plan = d.planned_table(others_bytes)
+    tiled = attention_in_tiles(_fast_kernels(), kv_plan)
     if s.memory is not None:
         memory_from = _from(s, "memory")
     elif platform.backend() == "cuda":
@@ -152,6 +161,12 @@ def offline(
         "ceiling": {
             "value": table.budget.ceiling,
             "from": "the governor's orange threshold" if s.governor else "no governor: the whole budget",
+        },
+        "other_models_bytes": {
+            "value": others_bytes,
+            "from": f"the weights of {', '.join(o.model_id for o in others)} beside it (--beside)"
+            if others
+            else "no other model resident",
         },
     }
     return Offline(path, h, table, assumptions)
@@ -286,9 +301,13 @@ def plan_command(
     kv_value_bits: int = KV_VALUE_BITS_OPT,
     kv_tail_tokens: int = KV_TAIL_OPT,
     max_kv_size: int = MAX_KV_OPT,
+    beside: list[str] = BESIDE_OPT,
     json_out: bool = JSON_OPT,
     url: str = URL_OPT,
     api_key: str = API_KEY_OPT,
+    model_id: str = typer.Option(
+        None, "--model", help="With --url: the model to plan for.  [default: the preloaded one]", show_default=False
+    ),
 ) -> None:
     """Can W streams of D tokens fit, and start now? Exit 0 if ok, 1 if not, 2 on error."""
     kv_flags = {
@@ -302,7 +321,7 @@ def plan_command(
         if url:
             table, assumptions = served_table(url, api_key), _server_assumptions(url)
         else:
-            o = offline(model, memory, weights, decode_batch, prefill_step, kv_flags, max_kv_size)
+            o = offline(model, memory, weights, decode_batch, prefill_step, kv_flags, max_kv_size, beside)
             table, assumptions = o.table.to_json(), o.assumptions
         if json_out:
             print_json({"table": table, "assumptions": assumptions})
@@ -314,10 +333,11 @@ def plan_command(
     if width is None or depth is None:
         fail("--width and --depth are required (or --table for the whole table)", EXIT_ERROR)
     if url:
-        answer = ask_server("GET", url, "/v1/capacity/plan", api_key, params={"width": width, "depth": depth})
+        params = {"width": width, "depth": depth} | ({"model": model_id} if model_id else {})
+        answer = ask_server("GET", url, "/v1/capacity/plan", api_key, params=params)
         assumptions = _server_assumptions(url)
     else:
-        o = offline(model, memory, weights, decode_batch, prefill_step, kv_flags, max_kv_size)
+        o = offline(model, memory, weights, decode_batch, prefill_step, kv_flags, max_kv_size, beside)
         # Offline nothing runs: no stream in flight, none waiting, no governor, so admit_now follows memory alone.
         live = LiveState(o.table.decode_batch, in_flight=0, waiting=0, band=None)
         answer, assumptions = plan(o.table, width, depth, live, model=o.path.stem), o.assumptions

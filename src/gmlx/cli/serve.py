@@ -26,7 +26,7 @@ from gmlx.cli.common import (
     print_json,
 )
 from gmlx.cli.completions import complete_gguf
-from gmlx.server.settings import Settings, SettingsError, describe, resolve_settings
+from gmlx.settings import Settings, SettingsError, describe, resolve_settings
 
 log = logging.getLogger("gmlx.serve")
 _LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
@@ -101,7 +101,28 @@ def serve_command(
         show_default=False,
     ),
     models_dir: str = typer.Option(
-        None, "--models-dir", help="A folder whose GGUF files /system lists as available.", show_default=False
+        None,
+        "--models-dir",
+        help="A folder of GGUF files a request may name by file name (loaded on demand).",
+        show_default=False,
+    ),
+    models_preset: str = typer.Option(
+        None,
+        "--models-preset",
+        help="A TOML or YAML file of models: an id, a path and per-model settings each.",
+        show_default=False,
+    ),
+    max_resident: int = typer.Option(
+        None,
+        "--max-resident",
+        help="Models loaded at once; the least recently used idle one makes room.  [default: as memory holds]",
+        show_default=False,
+    ),
+    keep_alive: str = typer.Option(
+        None,
+        "--keep-alive",
+        help="Unload a model idle this long, e.g. 10m or 300.  [default: keep it]",
+        show_default=False,
     ),
     memory: str = typer.Option(
         None,
@@ -190,6 +211,9 @@ def serve_command(
         log_level=log_level,
         max_kv_size=max_kv_size,
         models_dir=models_dir,
+        models_preset=models_preset,
+        max_resident=max_resident,
+        keep_alive=keep_alive,
         memory=memory,
         prompt_cache_bytes=prompt_cache_bytes,
         prompt_cache_block=prompt_cache_block,
@@ -235,12 +259,14 @@ def exposure_warning(settings: Settings) -> str | None:
 
 def _serve(settings: Settings) -> int:
     from gmlx.capacity.memory import kv_bytes_after_prefill
+    from gmlx.deployment import deployments
     from gmlx.gguf.header import read_header
     from gmlx.gguf.tokenizer import check_tokenizer
     from gmlx.models.loader import architecture_for
+    from gmlx.presets import load_presets
     from gmlx.server.app import create_app
-    from gmlx.server.build import build_engine
     from gmlx.server.lifecycle import build_server
+    from gmlx.server.system import models_dir_files
 
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     path = model_path(settings.model)
@@ -256,10 +282,17 @@ def _serve(settings: Settings) -> int:
     for warning in (platform.blas_warning(gmlx.BLAS), exposure_warning(settings)):
         if warning:
             log.warning(warning)
+    try:
+        presets = load_presets(settings.models_preset) if settings.models_preset else {}
+        models = deployments(settings, path, presets, models_dir_files(settings.models_dir))
+    except SettingsError as e:
+        fail(str(e), 2)
 
-    engine = build_engine(settings, path)
-    app = create_app(settings, engine, path.stem)
+    app = create_app(settings, models)
+    state = app.state.gmlx
     server = build_server(app)
+    preloaded = state.default
+    engine = preloaded.engine
 
     def report_load() -> None:
         engine.ready.wait()
@@ -267,19 +300,19 @@ def _serve(settings: Settings) -> int:
             log.error("cannot serve %s: %s", path, engine.load_error)
             server.should_exit = True
             return
-        m = engine.loaded
+        m, s = engine.loaded, preloaded.settings
         log.info(
             "ready: %s (%s, %s weights, %s) loaded in %.1f s; decode batch %d, queue %d, context %d tokens",
-            m.model_id,
+            preloaded.model_id,
             m.geometry.architecture,
             m.mode,
             human_bytes(m.report.resident_bytes),
             m.load_seconds,
-            settings.decode_batch,
-            settings.queue_size,
+            s.decode_batch,
+            s.queue_size,
             m.context_length,
         )
-        table, measured = app.state.gmlx.table(), engine.measured
+        table, measured = preloaded.table(), engine.measured
         if table is not None and measured is not None:
             predicted = kv_bytes_after_prefill(m.geometry, measured.tokens, table.kv)
             log.info(
@@ -292,15 +325,17 @@ def _serve(settings: Settings) -> int:
             )
 
     log.info(
-        "serving %s on http://%s:%d (loading the model; /health?ready=1 says when it is ready)",
+        "serving %s on http://%s:%d (loading the model; /health?ready=1 says when it is ready)%s",
         path.name,
         settings.host,
         settings.port,
+        f"; {len(models) - 1} more model(s) load on demand" if len(models) > 1 else "",
     )
-    engine.start()
+    state.residency.preload()
     threading.Thread(target=report_load, name="load-report", daemon=True).start()
     server.run()
-    engine.stop()  # the app's lifespan stops it too; this covers a server that never started
+    for running in state.engines():  # the app's lifespan stops them too; this covers a server that never started
+        running.stop()
     return EXIT_BAD_MODEL if engine.load_error else 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import typer
 from rich.markup import escape
@@ -23,9 +24,20 @@ def top_command(
         "configuration); repeat for a fleet.",
     ),
     api_key: str = typer.Option(
-        None, "--api-key", envvar="GMLX_API_KEY", help="The servers' API key.", show_default=False
+        None,
+        "--api-key",
+        envvar="GMLX_API_KEY",
+        help="The API key of every server given without one (URL#KEY gives a server its own).",
+        show_default=False,
     ),
     interval: float = typer.Option(1.0, "--interval", min=0.05, help="Seconds between polls."),
+    screenshot_dir: Path = typer.Option(  # noqa: B008
+        None,
+        "--screenshot-dir",
+        file_okay=False,
+        help="Where the w key saves SVG screenshots (made if missing); the working directory if not given.",
+        show_default=False,
+    ),
     once: bool = typer.Option(
         False,
         "--once",
@@ -40,7 +52,7 @@ def top_command(
     if not once:
         from gmlx.tui.app import TopApp  # Textual loads only for the dashboard
 
-        TopApp(fleet, interval=interval).run()
+        TopApp(fleet, interval=interval, screenshot_dir=screenshot_dir).run()
         return
     pollers = asyncio.run(_poll_once(fleet, interval))
     typer.echo(plain_text(pollers), nl=False)

@@ -830,6 +830,8 @@ class Engine:
     def _finish(self, req: Request, event: Event) -> None:
         if isinstance(event, Finished):
             self.stats.record(req, event)
+        else:  # a failure is a finish too: the counts would otherwise hide every error
+            self.stats.finish_reasons["error"] += 1
         req.state = Phase.DONE
         self._active.pop(req.uid, None)
         with self._lock:

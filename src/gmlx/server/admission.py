@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections import Counter, deque
 from collections.abc import Callable
 
@@ -37,6 +38,7 @@ class AdmissionGate:
         self.rejections = 0
         self.rejections_by_code: Counter[str] = Counter()
         self.last_reject_reason: str | None = None
+        self.last_reject_at: float | None = None  # monotonic
         self.closed = False
         self.admission_allowed: Callable[[], bool] = lambda: True
 
@@ -86,9 +88,13 @@ class AdmissionGate:
     def close(self) -> None:
         """Shutting down: every waiter, and every request from now on, gets 503."""
         self.closed = True
+        self.refuse_waiting(self._shutting_down())
+
+    def refuse_waiting(self, error: APIError) -> None:
+        """Every waiter gets `error` (its model failed to load, or the server shuts down)."""
         for slot, _ in self._waiters:
             if not slot.done():
-                slot.set_exception(self._shutting_down())
+                slot.set_exception(error)
         self._waiters.clear()
 
     def _shutting_down(self) -> APIError:
@@ -110,7 +116,7 @@ class AdmissionGate:
     def _reject(self, code: str, message: str, retry_after: int) -> APIError:
         self.rejections += 1
         self.rejections_by_code[code] += 1
-        self.last_reject_reason = code
+        self.last_reject_reason, self.last_reject_at = code, time.monotonic()
         return APIError(503, f"server busy: {message}; retry after {retry_after} s", code, retry_after=retry_after)
 
 

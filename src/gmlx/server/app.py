@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import os
@@ -9,16 +10,17 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gmlx.engine.engine import Engine
+from gmlx.capacity.table import CapacityTable
+from gmlx.deployment import Deployment
 from gmlx.server.admission import RETRY_AFTER_FULL_S
 from gmlx.server.aliases import UnprefixedAliases
+from gmlx.server.build import build_engine
 from gmlx.server.capacity_routes import capacity_plan, estimate_route
 from gmlx.server.cors import CORS
 from gmlx.server.embeddings import embeddings
@@ -29,10 +31,12 @@ from gmlx.server.memory_governor import Governor
 from gmlx.server.messages import messages
 from gmlx.server.metrics import snapshot
 from gmlx.server.openapi import openapi_route
+from gmlx.server.prometheus import content_type
+from gmlx.server.residency import Build, Residency
 from gmlx.server.responses import ResponseStore, responses
-from gmlx.server.settings import Settings
-from gmlx.server.state import LOADING_RETRY_AFTER_S, ServerState
-from gmlx.server.system import system_info
+from gmlx.server.state import LOADING_RETRY_AFTER_S, ModelState, ServerState
+from gmlx.server.system import models_dir_files, system_info
+from gmlx.settings import Settings
 
 log = logging.getLogger("gmlx.server")
 OPEN_PATHS = frozenset({"/health", "/system"})
@@ -72,58 +76,100 @@ async def completions(request: Request) -> Response:
 
 
 async def models(request: Request) -> Response:
+    """Every model a request may name: resident, loading, or on disk (the models directory's
+    files, and presets), with its status."""
     state: ServerState = request.app.state.gmlx
-    state.require_ready()
-    return JSONResponse({"object": "list", "data": [_model_entry(state)]})
+    if state.residency is not None:
+        for model_id in models_dir_files(state.settings.models_dir):
+            if model_id not in state.models:
+                state.residency.discover(model_id)  # a file added since start is listed too
+    return JSONResponse({"object": "list", "data": [_model_entry(state, m) for m in state.models.values()]})
 
 
 async def model_retrieve(request: Request) -> Response:
-    """GET /v1/models/{id}: the openai client's `models.retrieve`; another id is a 404 `model_not_found`."""
+    """GET /v1/models/{id}: the openai client's `models.retrieve`; an unknown id is a 404 `model_not_found`."""
     state: ServerState = request.app.state.gmlx
-    state.require_ready()
-    model_id = request.path_params["model_id"]
-    state.check_model(model_id)
-    return JSONResponse(_model_entry(state))
+    return JSONResponse(_model_entry(state, state.find(request.path_params["model_id"])))
 
 
-def _model_entry(state: ServerState) -> dict[str, Any]:
+async def model_load(request: Request) -> Response:
+    """POST /v1/models/{id}/load: resident on return, or 503 `model_unavailable` saying why not."""
+    state: ServerState = request.app.state.gmlx
+    m = state.find(request.path_params["model_id"])
+    assert state.residency is not None
+    await state.residency.ensure(m)
+    engine = m.engine
+    if engine is not None:
+        await asyncio.to_thread(engine.ready.wait)
+    if not m.ready:
+        raise APIError(
+            503,
+            f"model {m.model_id!r} failed to load: {m.load_error}",
+            "model_unavailable",
+            retry_after=LOADING_RETRY_AFTER_S,
+        )
+    return JSONResponse(_model_entry(state, m))
+
+
+async def model_unload(request: Request) -> Response:
+    """POST /v1/models/{id}/unload: 404 when not loaded, 409 while it has work (docs/api.md)."""
+    state: ServerState = request.app.state.gmlx
+    m = state.find(request.path_params["model_id"])
+    assert state.residency is not None
+    await state.residency.unload(m)
+    return JSONResponse(_model_entry(state, m))
+
+
+def _model_entry(state: ServerState, m: ModelState) -> dict[str, Any]:
+    d = m.deployment
     entry: dict[str, Any] = {
-        "id": state.model_id,
+        "id": m.model_id,
         "object": "model",
-        "created": int(state.started_at),
+        "created": int(m.loaded_at or state.started_at),
         "owned_by": "gmlx",
+        "status": m.status,
     }
-    if (loaded := state.engine.loaded) is not None:
-        entry["context_length"] = loaded.context_length
-    table = state.table()
+    loaded = m.engine.loaded if m.engine is not None else None
+    entry["context_length"] = loaded.context_length if loaded is not None else None
+    table = m.table()
     entry["max_context_at_width_1"] = table.max_context_at_width(1) if table else None
-    if loaded is not None and (kv_quant := getattr(state.engine, "kv_quant", None)) is not None:
+    if loaded is not None and (kv_quant := getattr(m.engine, "kv_quant", None)) is not None:
         entry["kv_quant"] = kv_quant.to_json()
+    entry["preloaded"] = m is state.default
+    entry["source"] = d.origin
+    if m.load_error is not None:
+        entry["load_error"] = m.load_error
     return entry
 
 
 async def health(request: Request) -> Response:
+    """Ready while some model can take a request now: the preloaded one's reason otherwise."""
     state: ServerState = request.app.state.gmlx
     body: dict[str, Any] = {"status": "healthy", "pid": os.getpid()}
     if request.query_params.get("ready") not in ("1", "true", "yes"):
         return JSONResponse(body)
-    gate = state.gate
-    reason, retry = None, 0
-    if not state.ready:
-        reason, retry = "loading", LOADING_RETRY_AFTER_S
-    elif gate.closed:
-        reason, retry = "shutting_down", RETRY_AFTER_FULL_S
-    elif state.band in ("orange", "red"):
-        reason, retry = "pressure", gate.retry_after(waiting=max(1, gate.waiting))
-    elif gate.waiting:
-        reason, retry = "queue", gate.retry_after()
-    elif gate.running >= gate.width:
-        reason, retry = "busy", gate.retry_after(waiting=1)
-    if reason is None:
+    reasons = [_not_ready(state, m) for m in [state.default, *(m for m in state.resident() if m is not state.default)]]
+    if any(r is None for r in reasons):
         return JSONResponse({**body, "ready": True})
+    reason, retry = reasons[0]  # type: ignore[misc]
     return JSONResponse(
         {**body, "ready": False, "reason": reason}, status_code=503, headers={"Retry-After": str(retry)}
     )
+
+
+def _not_ready(state: ServerState, m: ModelState) -> tuple[str, int] | None:
+    gate = m.gate
+    if not m.ready:
+        return "loading", LOADING_RETRY_AFTER_S
+    if gate.closed:
+        return "shutting_down", RETRY_AFTER_FULL_S
+    if state.band in ("orange", "red"):
+        return "pressure", gate.retry_after(waiting=max(1, gate.waiting))
+    if gate.waiting:
+        return "queue", gate.retry_after()
+    if gate.running >= gate.width:
+        return "busy", gate.retry_after(waiting=1)
+    return None
 
 
 async def metrics_route(request: Request) -> Response:
@@ -133,14 +179,17 @@ async def metrics_route(request: Request) -> Response:
         raise APIError(400, f"'format' must be json or prometheus, not {fmt!r}", "invalid_request", param="format")
     snap = snapshot(state)
     if fmt == "prometheus":
-        return Response(state.histograms.render(snap), media_type=CONTENT_TYPE_LATEST)
+        accept = request.headers.get("accept")
+        return Response(state.histograms.render(snap, accept=accept), media_type=content_type(accept))
     return JSONResponse(snap)
 
 
 async def router_metrics(request: Request) -> Response:
     """GET /metrics: the Prometheus text of /v1/metrics?format=prometheus plus the vLLM series routers read."""
     state: ServerState = request.app.state.gmlx
-    return Response(state.histograms.render(snapshot(state), router=True), media_type=CONTENT_TYPE_LATEST)
+    accept = request.headers.get("accept")
+    text = state.histograms.render(snapshot(state), router=True, accept=accept)
+    return Response(text, media_type=content_type(accept))
 
 
 async def system_route(request: Request) -> Response:
@@ -176,24 +225,33 @@ async def _not_found(request: Request, exc: Exception) -> Response:
     return response
 
 
-def create_app(settings: Settings, engine: Engine, model_id: str) -> Starlette:
-    state = ServerState(settings, engine, model_id)
-    engine.on_token_gap = state.histograms.observe_gap  # on the engine thread; prometheus_client locks
+def create_app(settings: Settings, served: dict[str, Deployment], build: Build = build_engine) -> Starlette:
+    """The app for the models it serves, by id, the preloaded one first; `build` makes a model's engine
+    (the tests' scripted engines plug in here). The preloaded model's engine is built, and starts
+    loading at `state.residency.preload()`."""
+    state = ServerState(settings, {})
+    state.models = {mid: ModelState(d, state.histograms) for mid, d in served.items()}
 
     def publish_band(band: str) -> None:  # on the governor's thread; readers take the latest
         state.band = band
 
+    def any_table() -> CapacityTable | None:  # the budget: total and reserve are the server's
+        return next((t for m in state.resident() if (t := m.table()) is not None), None)
+
+    residency = state.residency = Residency(state, build, admits=lambda m: governor.admits(m))
     # Disabled by GMLX_GOVERNOR=0, but still reports so.
-    governor = state.governor = Governor(settings, state.table, engine, state.gate, publish_band)
+    governor = state.governor = Governor(settings, any_table, state.resident, publish_band, residency.relieve)
+    residency.prepare()
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         if not settings.api_key:
             log.warning("no API key set: every route is open (set --api-key or GMLX_API_KEY)")
+        residency.start()
         governor.start()
         yield
         governor.stop()
-        engine.stop(settings.shutdown_timeout)
+        residency.stop(settings.shutdown_timeout)
 
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
@@ -203,6 +261,8 @@ def create_app(settings: Settings, engine: Engine, model_id: str) -> Starlette:
         Route("/v1/messages", messages, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model_id}", model_retrieve, methods=["GET"]),
+        Route("/v1/models/{model_id}/load", model_load, methods=["POST"]),
+        Route("/v1/models/{model_id}/unload", model_unload, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/v1/capacity/plan", capacity_plan, methods=["GET"]),
         Route("/v1/estimate", estimate_route, methods=["POST"]),

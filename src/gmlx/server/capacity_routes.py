@@ -7,27 +7,23 @@ import functools
 import logging
 import re
 import threading
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gmlx import platform
 from gmlx.capacity.estimate import estimate, estimate_not_loaded, fit_prefill
 from gmlx.capacity.plan import LiveState, plan
-from gmlx.capacity.table import header_table
+from gmlx.capacity.table import CapacityTable
+from gmlx.engine.engine import Engine
 from gmlx.engine.prompt_cache import MISS
-from gmlx.gguf.header import GGUFError, GGUFHeader, read_header
+from gmlx.gguf.header import GGUFError, read_header
 from gmlx.gguf.tokenizer import load_tokenizer
-from gmlx.kernels import fast as kernels_fast
-from gmlx.models.weights_mode import choose_mode
 from gmlx.server import openai_api
 from gmlx.server.errors import APIError, bad_request
 from gmlx.server.http import read_json
-from gmlx.server.state import ServerState
-from gmlx.server.system import models_dir_files
+from gmlx.server.state import ModelState, ServerState
 
 log = logging.getLogger("gmlx.capacity")
 _READERS = 4  # other models' tokenizers kept in memory
@@ -49,19 +45,31 @@ def _positive_int(request: Request, name: str) -> int:
     return value
 
 
-def live_state(state: ServerState) -> LiveState:
-    not_ready = "model loading" if not state.ready else "shutting down" if state.gate.closed else None
-    return LiveState(
-        state.settings.decode_batch, state.gate.running, state.gate.waiting, band=state.band, not_ready=not_ready
-    )
+def live_state(state: ServerState, m: ModelState) -> LiveState:
+    not_ready = None
+    if m.status == "unloaded":
+        not_ready = "model not loaded (a request for it loads it)"
+    elif not m.ready:
+        not_ready = "model loading"
+    elif m.gate.closed:
+        not_ready = "shutting down"
+    return LiveState(m.settings.decode_batch, m.gate.running, m.gate.waiting, band=state.band, not_ready=not_ready)
+
+
+def planned_table(state: ServerState, m: ModelState) -> CapacityTable:
+    """The table `m` would build beside the models resident now, from its header (while it has
+    none of its own: it is not resident, or still loading)."""
+    assert state.residency is not None
+    return m.deployment.planned_table(state.residency.others_bytes(m))[0]
 
 
 async def capacity_plan(request: Request) -> Response:
+    """GET /v1/capacity/plan: for `model=` (the preloaded model without it)."""
     state: ServerState = request.app.state.gmlx
     width, depth = _positive_int(request, "width"), _positive_int(request, "depth")
-    return JSONResponse(
-        plan(state.table(), width, depth, live_state(state), state.model_id, overcommit=state.settings.overcommit)
-    )
+    m = state.find(request.query_params.get("model"))
+    table = m.table() or await asyncio.to_thread(planned_table, state, m)
+    return JSONResponse(plan(table, width, depth, live_state(state, m), m.model_id, overcommit=m.settings.overcommit))
 
 
 def _messages(body: Any) -> list:
@@ -93,24 +101,22 @@ def _text_only(body: dict) -> dict:
 
 async def estimate_body(state: ServerState, body: Any) -> dict:
     """The estimate for a chat-completions body; renders the prompt exactly as a real request would,
-    for the served model or for another in the models directory (from its header, never loading it)."""
+    for a resident model or for one not loaded (from its header, never loading it)."""
     media = media_parts(body)
     p = openai_api.parse(_text_only(body) if media else body, chat=True)
+    m = state.find(p.model)
     notes: list[str] = []
-    if p.model is None or p.model == state.model_id:
-        out = await _served_estimate(state, p)
+    if m.ready:
+        out = await _served_estimate(state, m, p)
     else:
-        path = _models_dir_file(state, p.model)
-        if path is None:
-            state.check_model(p.model)  # neither served nor in the models directory: model_not_found
-        assert path is not None
-        out = await asyncio.to_thread(_not_loaded_estimate, state, path, p)
+        out = await asyncio.to_thread(_not_loaded_estimate, state, m, p)
+        evicts = ", ".join(out["evicts"]) or "nothing"
         notes.append(
-            f"{p.model!r} is not loaded (this server serves {state.model_id!r} and does not switch "
-            "models): need_bytes and fits_drained assume it served alone on this machine with this "
-            "server's settings; fits_now and est_ttft_s are null: it holds no memory now and has no "
-            "measured prefill rate"
+            f"{m.model_id!r} is not loaded: need_bytes and fits_drained are for it beside the models "
+            f"resident now; loading it would unload {evicts}; fits_now and est_ttft_s are null: it "
+            "holds no memory now and has no measured prefill rate"
         )
+    out["resident"] = m.ready
     if media:
         # Rendered (prompt_tokens counts the text) but not estimated: this engine is text-only.
         out.update(
@@ -126,14 +132,14 @@ async def estimate_body(state: ServerState, body: Any) -> dict:
     return out | ({"note": "; ".join(notes)} if notes else {})
 
 
-async def _served_estimate(state: ServerState, p: openai_api.GenerationParams) -> dict:
-    prompt_ids = await asyncio.to_thread(state.tokenize, p)
-    loaded, table = state.engine.loaded, state.table()
-    assert loaded is not None and table is not None
-    budget = table.budget
-    stats, measured = state.engine.stats, state.engine.measured
+async def _served_estimate(state: ServerState, m: ModelState, p: openai_api.GenerationParams) -> dict:
+    prompt_ids = await asyncio.to_thread(m.tokenize, p)
+    engine, table = m.engine, m.table()
+    assert engine is not None and engine.loaded is not None and table is not None
+    loaded, budget = engine.loaded, table.budget
+    stats, measured = engine.stats, engine.measured
     prefill_rate = stats.prefill_tok_s() or (measured.prefill_tok_s if measured else None)
-    cache = state.engine.prompt_cache
+    cache = engine.prompt_cache
     free_now = budget.free_now_bytes(mx.get_active_memory(), cache.bytes if cache is not None else 0)
     out = estimate(
         loaded.geometry,
@@ -145,75 +151,65 @@ async def _served_estimate(state: ServerState, p: openai_api.GenerationParams) -
         free_drained_bytes=budget.drained_bytes,
         prefill_tok_s=prefill_rate,
         prefill_fit=fit_prefill(list(stats.recent_prefills)),
-        prefill_step=state.engine.prefill_step,
-        queue_wait_s=queue_wait_s(state),
+        prefill_step=engine.prefill_step,
+        queue_wait_s=queue_wait_s(m),
         first_step_s=1 / measured.decode_tok_s if measured else 0.0,
         kv=table.kv,
-        **_batch(state),
-        **_prompt_cache_hit(state, prompt_ids),
+        **_batch(engine),
+        **_prompt_cache_hit(engine, prompt_ids),
     )
-    return {**out, "model": state.model_id}
-
-
-def _models_dir_file(state: ServerState, model: str) -> Path | None:
-    """The models directory's `<model>.gguf`, matched by listing (as /system lists it), so a name
-    cannot reach outside the directory."""
-    return models_dir_files(state.settings.models_dir).get(model)
+    return {**out, "model": m.model_id}
 
 
 @functools.lru_cache(maxsize=_READERS)
-def _reader(path: str, mtime_ns: int, size: int) -> tuple[GGUFHeader, Any]:
-    """A file's header and tokenizer, kept per file version: building a tokenizer takes seconds."""
-    h = read_header(path)
-    return h, load_tokenizer(h)
+def _reader(path: str, mtime_ns: int, size: int) -> Any:
+    """A file's tokenizer, kept per file version: building one takes seconds."""
+    return load_tokenizer(read_header(path))
 
 
-def _not_loaded_estimate(state: ServerState, path: Path, p: openai_api.GenerationParams) -> dict:
-    """The estimate for a model that is not loaded: the table `gmlx estimate` builds for its header."""
+def _not_loaded_estimate(state: ServerState, m: ModelState, p: openai_api.GenerationParams) -> dict:
+    """The estimate for a model that is not loaded: the table it would build beside the resident
+    models, and the idle models its load would unload first."""
+    d = m.deployment
     try:
-        st = path.stat()
+        st = d.path.stat()
         with _readers_lock:  # one build per file; and fast tokenizers must not be shared across threads
-            h, tokenizer = _reader(str(path), st.st_mtime_ns, st.st_size)
-            ids = openai_api.prompt_token_ids(tokenizer, p, h.geometry.vocab_size)
+            tokenizer = _reader(str(d.path), st.st_mtime_ns, st.st_size)
+            ids = openai_api.prompt_token_ids(tokenizer, p, d.header.geometry.vocab_size)
     except (GGUFError, OSError) as e:
-        log.warning("cannot estimate for %s: %s", path, e)
-        raise APIError(404, f"model {p.model!r} in the models directory cannot be read", "model_not_found") from None
-    s = state.settings
-    table, _ = header_table(
-        h,
-        s,
-        mode=choose_mode(s.weights, h),
-        memory=s.memory or platform.total_memory_bytes(),
-        fast_kernels=kernels_fast.installed(),
-        host_memory=platform.backend() != "cuda",
-    )
+        log.warning("cannot estimate for %s: %s", d.path, e)
+        raise APIError(404, f"model {m.model_id!r} in the models directory cannot be read", "model_not_found") from None
+    assert state.residency is not None
+    fits, leaving = state.residency.room_for(m)
+    table = d.planned_table(state.residency.others_bytes(m, leaving))[0]
     return {
         **estimate_not_loaded(table, prompt_tokens=len(ids), max_tokens=p.max_tokens, free_now_bytes=None),
-        "model": p.model,
+        "model": m.model_id,
+        "loadable": fits,
+        "evicts": [r.model_id for r in leaving] if fits else [],
     }
 
 
-def _batch(state: ServerState) -> dict:
+def _batch(engine: Engine) -> dict:
     """The requests holding a batch row now, and the deepest of them (what a joining row pads to)."""
-    depths = [len(r.prompt_ids) + r.generated for r in state.engine.requests() if r.state in ("prefill", "decode")]
+    depths = [len(r.prompt_ids) + r.generated for r in engine.requests() if r.state in ("prefill", "decode")]
     return {"running": len(depths), "longest": max(depths, default=0)}
 
 
-def _prompt_cache_hit(state: ServerState, prompt_ids: list[int]) -> dict:
+def _prompt_cache_hit(engine: Engine, prompt_ids: list[int]) -> dict:
     """What the prompt cache would give this prompt now (it is only looked at, not changed)."""
-    cache = state.engine.prompt_cache
+    cache = engine.prompt_cache
     hit = cache.peek(prompt_ids) if cache is not None else MISS
     return {"warm_tokens": hit.warm_tokens, "cache_tier": hit.tier}
 
 
-def queue_wait_s(state: ServerState) -> float:
+def queue_wait_s(m: ModelState) -> float:
     """Expected wait for a slot: none when one is free and nobody queues, else the drain time
     of everyone ahead (the Retry-After arithmetic, unrounded)."""
-    gate = state.gate
+    gate = m.gate
     if gate.running < gate.width and not gate.waiting:
         return 0.0
-    stats = state.engine.stats
-    mean, rate = stats.mean_generated(), stats.decode_tok_s_recent() or stats.decode_tok_s_lifetime()
+    mean, rate = m.drain_rate()
     if not mean or not rate:
         return float(gate.retry_after())
     return round((gate.waiting + 1) * mean / rate, 3)
@@ -221,5 +217,4 @@ def queue_wait_s(state: ServerState) -> float:
 
 async def estimate_route(request: Request) -> Response:
     state: ServerState = request.app.state.gmlx
-    state.require_ready()
     return JSONResponse(await estimate_body(state, await read_json(request, state)))

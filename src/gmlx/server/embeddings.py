@@ -20,12 +20,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gmlx.engine.embeddings import pooling_for
+from gmlx.engine.engine import Engine
 from gmlx.server.admission import Slot
 from gmlx.server.errors import APIError, bad_request
 from gmlx.server.fields import check_embedding_fields
 from gmlx.server.http import ClientGone, read_json, unless_disconnected
 from gmlx.server.openai_api import is_integer
-from gmlx.server.state import ServerState
+from gmlx.server.state import ModelState, ServerState
 
 log = logging.getLogger("gmlx.server")
 MAX_INPUTS = 2048  # OpenAI's bound on one request's inputs
@@ -59,14 +60,14 @@ def _inputs(body: Any) -> list[str | list[int]]:
     return out
 
 
-def _tokenize(state: ServerState, inputs: list[str | list[int]]) -> list[list[int]]:
+def _tokenize(m: ModelState, inputs: list[str | list[int]]) -> list[list[int]]:
     """Each input's ids, checked against the vocabulary and the window (off the loop)."""
-    loaded = state.engine.loaded
+    loaded = m.engine.loaded if m.engine is not None else None
     assert loaded is not None
     vocab, context, out = loaded.geometry.vocab_size, loaded.context_length, []
     for i, item in enumerate(inputs):
         if isinstance(item, str):
-            with state._tokenizer_lock:  # the tokenizer is shared with the generation routes
+            with m.tokenizer_lock:  # the tokenizer is shared with the generation routes
                 ids = loaded.tokenizer.encode(item)
         else:
             ids = item
@@ -90,7 +91,7 @@ def _encoded(vector: list[float], fmt: str | None) -> list[float] | str:
     return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
 
 
-async def _run(state: ServerState, ids: list[list[int]], pooling: str) -> list[list[float]]:
+async def _run(engine: Engine, ids: list[list[int]], pooling: str) -> list[list[float]]:
     loop = asyncio.get_running_loop()
     answer: asyncio.Future[list[list[float]]] = loop.create_future()
 
@@ -102,27 +103,30 @@ async def _run(state: ServerState, ids: list[list[int]], pooling: str) -> list[l
         else:
             answer.set_result(vectors)
 
-    state.engine.embed(ids, pooling, lambda v, e: loop.call_soon_threadsafe(settle, v, e))
+    engine.embed(ids, pooling, lambda v, e: loop.call_soon_threadsafe(settle, v, e))
     return await answer
 
 
 async def embeddings(request: Request) -> Response:
     state: ServerState = request.app.state.gmlx
-    state.require_ready()
     body = await read_json(request, state)
     inputs = _inputs(body)
-    state.check_model(body.get("model"))
-    ids = await asyncio.to_thread(_tokenize, state, inputs)
-    loaded = state.engine.loaded
-    assert loaded is not None
-    pooling = pooling_for(loaded.header)
+    m = state.find(body.get("model"))
+    assert state.residency is not None
+    await state.residency.ensure(m)
+    # Checked before the queue when the model is there; while it loads, once it holds a slot.
+    ids = await asyncio.to_thread(_tokenize, m, inputs) if m.ready else None
     try:
-        await unless_disconnected(request, state.gate.acquire(1))
+        await unless_disconnected(request, m.gate.acquire(1))
     except ClientGone:
         return Response(status_code=499)
-    slot = Slot(state.gate)
+    slot = Slot(m.gate)
     try:
-        vectors = await unless_disconnected(request, _run(state, ids, pooling))
+        ids = ids or await asyncio.to_thread(_tokenize, m, inputs)
+        engine = m.engine
+        assert engine is not None and engine.loaded is not None  # its slot keeps it resident
+        pooling = pooling_for(engine.loaded.header)
+        vectors = await unless_disconnected(request, _run(engine, ids, pooling))
     except ClientGone:
         return Response(status_code=499)
     finally:
@@ -133,7 +137,7 @@ async def embeddings(request: Request) -> Response:
     return JSONResponse(
         {
             "object": "list",
-            "model": state.model_id,
+            "model": m.model_id,
             "data": [{"object": "embedding", "index": i, "embedding": _encoded(v, fmt)} for i, v in enumerate(vectors)],
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         }

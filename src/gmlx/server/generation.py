@@ -33,7 +33,7 @@ from gmlx.server.capacity_routes import estimate_body
 from gmlx.server.errors import APIError, bad_request
 from gmlx.server.fingerprint import system_fingerprint
 from gmlx.server.http import ClientGone, read_json, relay, unless_disconnected
-from gmlx.server.state import QueuedRow, ServerState
+from gmlx.server.state import ModelState, QueuedRow, ServerState
 
 log = logging.getLogger("gmlx.server")
 _PREFILL_POLL_S = 0.005  # how often the later choices look whether the first has prefilled
@@ -42,7 +42,6 @@ _PREFILL_POLL_S = 0.005  # how often the later choices look whether the first ha
 async def generate(request: Request, chat: bool) -> Response:
     arrived = time.monotonic()  # a client's TTFT counts from its request, so the server's does
     state: ServerState = request.app.state.gmlx
-    state.require_ready()
     body = await read_json(request, state)
     if chat and isinstance(body, dict) and body.get("dry_run") is True:
         return JSONResponse(await estimate_body(state, body))
@@ -61,43 +60,75 @@ def sse(events: AsyncIterator[str]) -> StreamingResponse:
     )
 
 
+@dataclass(frozen=True)
+class _Prepared:
+    """What a request needs from its model's tokenizer and vocabulary before it runs."""
+
+    prompt_ids: list[int]
+    anchor: int
+    max_tokens: int
+    decoding: Decoding
+
+
 async def admit(
     request: Request, state: ServerState, p: openai_api.GenerationParams, arrived: float
 ) -> Generation | Response:
-    """A parsed request, from its checks through the admission gate to its started Generation (or a
-    499 for a client gone meanwhile). The chat and completions routes and /v1/responses share it."""
-    chat = p.chat
-    state.check_model(p.model)
-    if p.n > state.gate.width:  # its choices decode side by side, each a row of the batch
-        raise bad_request(f"'n' must be at most {state.gate.width}, the server's decode batch", "n")
-    if p.sampling.top_k >= state.engine.loaded.geometry.vocab_size:  # type: ignore[union-attr]
+    """A parsed request, from its checks through its model's admission gate to its started
+    Generation (or a 499 for a client gone meanwhile). The chat and completions routes and
+    /v1/responses and /v1/messages share it. A request for a model that is not resident starts
+    its load and waits in its queue; its prompt is tokenized once the model is there."""
+    m = state.find(p.model)
+    if p.n > m.gate.width:  # its choices decode side by side, each a row of the batch
+        raise bad_request(f"'n' must be at most {m.gate.width}, the decode batch of {m.model_id!r}", "n")
+    assert state.residency is not None
+    await state.residency.ensure(m)
+    if p.sampling.top_k >= m.deployment.header.geometry.vocab_size:
         p = replace(p, sampling=replace(p.sampling, top_k=0))  # keeping every token is no top-k (mlx_lm refuses it)
-    prompt_ids, anchor = await asyncio.to_thread(state.tokenize_with_anchor, p)
-    context = state.engine.loaded.context_length  # type: ignore[union-attr]
-    max_tokens = openai_api.completion_budget(p, len(prompt_ids), context, state.settings.max_tokens_default)
-    decoding = await _decoding(state, p)
-
-    rid = openai_api.new_id(chat)
+    rid = openai_api.new_id(p.chat)
+    ready = m.ready
+    prepared = await _prepare(m, p) if ready else None
+    row_prompt = len(prepared.prompt_ids) if prepared else "-"  # for the log: unknown until its model loads
     if await request.is_disconnected():  # gone while its prompt was tokenized: no queue place, no rejection
-        log.info("%s prompt=%d generated=0 finish=client_gone (before the queue)", rid, len(prompt_ids))
+        log.info("%s prompt=%s generated=0 model=%s finish=client_gone (before the queue)", rid, row_prompt, m.model_id)
         return Response(status_code=499)
-    row = state.queued[rid] = QueuedRow(rid, len(prompt_ids), max_tokens, arrived)  # one row, however many choices
+    row = m.queued[rid] = QueuedRow(  # one row, however many choices
+        rid,
+        len(prepared.prompt_ids) if prepared else None,
+        prepared.max_tokens if prepared else p.max_tokens,
+        arrived,
+    )
     try:
-        await unless_disconnected(request, state.gate.acquire(p.n))
+        await unless_disconnected(request, m.gate.acquire(p.n))
     except ClientGone:
-        log.info("%s prompt=%d generated=0 finish=client_gone (while queued)", rid, len(prompt_ids))
+        log.info("%s prompt=%s generated=0 model=%s finish=client_gone (while queued)", rid, row_prompt, m.model_id)
         return Response(status_code=499)
     except APIError as e:
-        log.info("%s prompt=%d generated=0 finish=rejected:%s", rid, len(prompt_ids), e.code)
+        log.info("%s prompt=%s generated=0 model=%s finish=rejected:%s", rid, row_prompt, m.model_id, e.code)
         raise
     finally:
-        del state.queued[rid]
+        del m.queued[rid]
+    if prepared is None:  # its model loaded while it waited: it holds its slots, and gives them back on a 400
+        try:
+            prepared = await _prepare(m, p)
+        except BaseException:
+            m.gate.release(p.n)
+            raise
 
     queued_s = row.queued_s(time.monotonic())
-    state.histograms.observe_queue_wait(queued_s)
-    gen = Generation(state, p, rid, prompt_ids, anchor, max_tokens, decoding, row.arrived_at, queued_s)
+    state.histograms.observe_queue_wait(m.model_id, queued_s)
+    gen = Generation(m, p, rid, prepared, row.arrived_at, queued_s)
     gen.start()
     return gen
+
+
+async def _prepare(m: ModelState, p: openai_api.GenerationParams) -> _Prepared:
+    """The request against its loaded model: its prompt's ids, the tokens it may generate (a 400
+    `context_length_exceeded` up front), its logit bias checked and its grammar compiled."""
+    loaded = m.engine.loaded  # type: ignore[union-attr]
+    assert loaded is not None
+    prompt_ids, anchor = await asyncio.to_thread(m.tokenize_with_anchor, p)
+    max_tokens = openai_api.completion_budget(p, len(prompt_ids), loaded.context_length, m.settings.max_tokens_default)
+    return _Prepared(prompt_ids, anchor, max_tokens, await _decoding(m, p))
 
 
 async def complete(request: Request, gen: Generation) -> dict | Response:
@@ -123,10 +154,10 @@ async def complete(request: Request, gen: Generation) -> dict | Response:
     return gen.completion()
 
 
-async def _decoding(state: ServerState, p: openai_api.GenerationParams) -> Decoding:
+async def _decoding(m: ModelState, p: openai_api.GenerationParams) -> Decoding:
     """The request's Decoding: its logit_bias checked against the vocabulary, its grammar compiled
     for the model (off the loop: a model's first grammar reads its whole vocabulary, a second)."""
-    loaded = state.engine.loaded
+    loaded = m.engine.loaded  # type: ignore[union-attr]
     assert loaded is not None
     openai_api.check_logit_bias(p, loaded.geometry.vocab_size)
     if p.grammar is None:
@@ -178,34 +209,32 @@ class Generation:
 
     def __init__(
         self,
-        state: ServerState,
+        state: ModelState,
         p: openai_api.GenerationParams,
         rid: str,
-        prompt_ids: list[int],
-        anchor: int,
-        max_tokens: int,
-        decoding: Decoding,
+        prepared: _Prepared,
         arrived_at: float | None = None,
         queued_s: float = 0.0,
     ):
-        self.state, self.p, self.rid = state, p, rid
+        assert state.engine is not None  # its slots keep it resident until its choices end
+        self.state, self.engine, self.p, self.rid = state, state.engine, p, rid
         self.fingerprint = system_fingerprint(state.engine)
         self.prompt_for_log = p.messages if p.chat else p.prompt
         self._events: asyncio.Queue[tuple[Choice, Event]] = asyncio.Queue()
         self._rest: asyncio.Task[None] | None = None
         to_loop = relay(asyncio.get_running_loop())  # a step's events for every stream: one loop wake-up
-        template = state.engine.loaded.tokenizer.chat_template  # type: ignore[union-attr]
+        template = self.engine.loaded.tokenizer.chat_template  # type: ignore[union-attr]
         self.choices: list[Choice] = []
         for i in range(p.n):
             req = EngineRequest(
                 rid if i == 0 else f"{rid}-{i}",
-                prompt_ids,
-                max_tokens,
+                prepared.prompt_ids,
+                prepared.max_tokens,
                 _seeded(p.sampling, i),
                 p.stop,
-                anchor_tokens=anchor,
+                anchor_tokens=prepared.anchor,
                 logprobs=p.logprobs,
-                decoding=decoding,
+                decoding=prepared.decoding,
                 keep_prompt=i == 0 and p.n > 1,
                 arrived_at=arrived_at,
                 queued_s=queued_s,
@@ -221,10 +250,10 @@ class Generation:
 
     def start(self) -> None:
         first, *rest = self.choices
-        self.state.engine.submit(first.req)
-        if rest and self.state.engine.prompt_cache is None:  # nowhere to find the prompt: each prefills it
+        self.engine.submit(first.req)
+        if rest and self.engine.prompt_cache is None:  # nowhere to find the prompt: each prefills it
             for c in rest:
-                self.state.engine.submit(c.req)
+                self.engine.submit(c.req)
         elif rest:
             self._rest = asyncio.create_task(self._submit_after_prefill(rest))
 
@@ -233,7 +262,7 @@ class Generation:
         while first.state in ("queued", "prefill"):  # written by the engine thread
             await asyncio.sleep(_PREFILL_POLL_S)
         for c in rest:
-            self.state.engine.submit(c.req)
+            self.engine.submit(c.req)
 
     @property
     def running(self) -> bool:
@@ -258,7 +287,7 @@ class Generation:
             self._rest.cancel()
         for c in self.choices:
             if not c.closed:
-                self.state.engine.cancel(c.req.id)  # a row never submitted: the engine knows no such id
+                self.engine.cancel(c.req.id)  # a row never submitted: the engine knows no such id
                 c.slot.release()
                 self._log_end(c, None, finish)
 
@@ -361,19 +390,21 @@ class Generation:
         state, req = self.state, c.req
         c.closed = True
         if isinstance(end, Finished):
-            state.histograms.observe_ttft(end.ttft_s)
+            state.histograms.observe_ttft(state.model_id, end.ttft_s)
+            state.histograms.observe_e2e(state.model_id, time.monotonic() - req.arrival)
             generated, ttft, rate, finish = end.completion_tokens, end.ttft_s, end.decode_tok_s, end.finish_reason
         else:  # the engine's live figures for a row that did not finish
             generated, ttft, rate = req.generated, req.ttft_s, req.decode_tok_s()
             finish = gone if end is None else f"error:{end.code}"
         log.info(
-            "%s prompt=%d generated=%d queued=%.3fs ttft=%s decode=%s tok/s finish=%s",
+            "%s prompt=%d generated=%d queued=%.3fs ttft=%s decode=%s tok/s model=%s finish=%s",
             req.id,
             len(req.prompt_ids),
             generated,
             req.queued_s,
             "-" if ttft is None else f"{ttft:.3f}s",
             "-" if rate is None else f"{rate:.1f}",
+            state.model_id,
             finish,
         )
         if state.settings.log_input_text:

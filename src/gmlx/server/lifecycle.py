@@ -64,13 +64,15 @@ class DrainingServer(uvicorn.Server):
 
 
 async def drain(state: ServerState, timeout: float, hurried: Callable[[], bool] = lambda: False) -> None:
-    state.gate.close()
-    engine = state.engine
-    if engine.in_flight:
-        log.info("shutting down: waiting up to %g s for %d running request(s)", timeout, engine.in_flight)
+    for m in state.models.values():
+        m.gate.close()
+    running = sum(e.in_flight for e in state.engines())
+    if running:
+        log.info("shutting down: waiting up to %g s for %d running request(s)", timeout, running)
     if not await _until_idle(state, timeout, hurried):
-        log.warning("shutting down: cancelling %d request(s) still running", engine.in_flight)
-        engine.cancel_all()
+        log.warning("shutting down: cancelling %d request(s) still running", sum(e.in_flight for e in state.engines()))
+        for engine in state.engines():
+            engine.cancel_all()
         await _until_idle(state, _CANCEL_GRACE_S)
 
 
@@ -78,7 +80,7 @@ async def _until_idle(state: ServerState, timeout: float, stop_early: Callable[[
     """True once nothing runs; False when `timeout` passes or `stop_early()` says so first."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    while state.engine.in_flight or state.gate.running:
+    while any(e.in_flight for e in state.engines()) or any(m.gate.running for m in state.models.values()):
         if loop.time() >= deadline or stop_early():
             return False
         await asyncio.sleep(0.05)

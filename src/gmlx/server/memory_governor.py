@@ -30,6 +30,11 @@ Actions, each counted with the time of the last one (`snapshot()["actions"]`):
   include the first's).
 - `stop_stream` (red): the newest running stream ends with an error that says why, one at a time:
   the next only once the last has ended and memory is still red.
+- `unload_model` (orange or red for a second sample and more, with several models resident): the
+  least recently used idle model is unloaded (`relieve`: server/residency.py), once the prompt
+  caches have had their release.
+
+Every resident model's engine and gate is governed alike: the band is the server's, as memory is.
 
 Where the budget is host memory, the heap is also trimmed at most once a second in any band, so
 that what ended streams freed does not stay resident, and each sample reads the process's memory
@@ -49,7 +54,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import mlx.core as mx
 import psutil
@@ -63,10 +68,10 @@ if TYPE_CHECKING:
     from gmlx.capacity.table import CapacityTable
     from gmlx.engine.engine import Engine
     from gmlx.server.admission import AdmissionGate
-    from gmlx.server.settings import Settings
+    from gmlx.settings import Settings
 
 log = logging.getLogger("gmlx.governor")
-ACTIONS = ("single_admission", "hold_admission", "evict_prompt_cache", "clear_cache", "stop_stream")
+ACTIONS = ("single_admission", "hold_admission", "evict_prompt_cache", "clear_cache", "stop_stream", "unload_model")
 RELEASES = ("evict_prompt_cache", "clear_cache")  # the actions that report the bytes they freed
 STOP_MESSAGE = (
     "stopped under memory pressure: the server's memory governor is red and this was the newest "
@@ -171,23 +176,33 @@ class _Action:
         return out
 
 
+class Governed(Protocol):
+    """A model the governor watches: its engine (None while not resident) and its gate."""
+
+    @property
+    def engine(self) -> Engine | None: ...
+    @property
+    def gate(self) -> AdmissionGate: ...
+
+
 class Governor:
-    """What it reads: `table()` (the budget; None while loading), the engine's requests and the
-    gate's counts. What it changes: the band, through `publish_band`; the gate's admission, through
-    `gate.admission_allowed`; and, on the engine thread, memory (`engine.release_memory`) and the
-    newest stream under red (`engine.cancel`)."""
+    """What it reads: `table()` (the budget: any resident model's, as they share memory; None
+    while none is loaded), and each model's requests and gate counts (`models()`). What it
+    changes: the band, through `publish_band`; admission, through `admits` (each gate asks it);
+    on the engine threads, memory (`engine.release_memory`) and the newest stream under red
+    (`engine.cancel`); and the idle models resident (`relieve`: True when it unloads one)."""
 
     def __init__(
         self,
         s: Settings,
         table: Callable[[], CapacityTable | None],
-        engine: Engine,
-        gate: AdmissionGate,
+        models: Callable[[], list[Governed]],
         publish_band: Callable[[str], None],
+        relieve: Callable[[], bool] | None = None,
         probe: Callable[[], MemoryReading] = read_memory,
     ):
         """`probe` reads memory; tests swap in a fake to drive the bands."""
-        self._table, self._engine, self._gate, self._publish_band = table, engine, gate, publish_band
+        self._table, self._models, self._publish_band, self._relieve = table, models, publish_band, relieve
         self.probe = probe
         self.band: str | None = None  # None until the first sample
         self.enabled = s.governor
@@ -210,11 +225,10 @@ class Governor:
         self._last_error: str | None = None
 
     def start(self) -> None:
-        """Start sampling; call on the event loop the gate lives on. Does nothing when disabled."""
+        """Start sampling; call on the event loop the gates live on. Does nothing when disabled."""
         if not self.enabled:
             return
         self._loop = asyncio.get_running_loop()
-        self._gate.admission_allowed = self._admission_allowed
         self._thread = threading.Thread(target=self._run, name="gmlx-governor", daemon=True)
         self._thread.start()
 
@@ -239,13 +253,17 @@ class Governor:
 
     # --- on the event loop -----------------------------------------------------------------
 
-    def _admission_allowed(self) -> bool:
-        band = self.band
+    def admits(self, m: Governed) -> bool:
+        """Whether `m`'s gate may admit one more request now (always, when disabled)."""
+        band = self.band if self.enabled else None
         if band == "yellow":
             # Every slot holder has left prefill: one queued at the engine, in prefill, or between
             # the gate and the engine holds a slot without a decode row.
-            return self._engine.decoding >= self._gate.running
+            return (m.engine.decoding if m.engine is not None else 0) >= m.gate.running
         return band not in ("orange", "red")
+
+    def _engines(self) -> list[Engine]:
+        return [e for m in self._models() if (e := m.engine) is not None]
 
     # --- on the governor's thread ----------------------------------------------------------
 
@@ -286,7 +304,11 @@ class Governor:
                 self._idle_yellow = False
             if band != "green" and (stopped or now - self._last_release >= RELEASE_EVERY_S):
                 # Queued after the stop, so it frees that stream's buffers too.
-                self._engine.release_memory(self._to_evict(band, used, limit), self._released)
+                evict = self._to_evict(band, used, limit)
+                for engine in self._engines():
+                    engine.release_memory(evict, self._released)
+                if level >= _ORANGE and was >= _ORANGE and self._relieve is not None and self._relieve():
+                    self._record("unload_model", now)  # still orange after a release: an idle model goes
                 self._last_release = now
         if self._host_memory and now - self._last_trim >= RELEASE_EVERY_S:
             trim_heap()  # in any band: what ended streams freed would otherwise stay resident
@@ -300,29 +322,29 @@ class Governor:
                 100 * fraction,
                 limit >> 20,
             )
-        if self._gate.waiting:  # the band, or a stream leaving prefill, may let a waiter in
-            assert self._loop is not None
-            self._loop.call_soon_threadsafe(self._gate.poke)
+        for m in self._models():
+            if m.gate.waiting:  # the band, or a stream leaving prefill, may let a waiter in
+                assert self._loop is not None
+                self._loop.call_soon_threadsafe(m.gate.poke)
 
     def _to_evict(self, band: str, used: int, limit: int) -> int:
         """Prompt-cache bytes this release drops (see the module's docstring): under yellow, none
         until a release with nothing running has left it yellow; then what brings it to green."""
         if band != "yellow":
             return bytes_to_release(used, limit, self.thresholds)
-        idle = self._gate.running == 0 and self._engine.in_flight == 0
+        idle = not any(m.gate.running or (m.engine is not None and m.engine.in_flight) for m in self._models())
         evict, self._idle_yellow = idle and self._idle_yellow, idle
         return bytes_to_release(used, limit, self.thresholds, "yellow") if evict else 0
 
     def _stop_newest(self, now: float) -> bool:
-        engine = self._engine
-        rows = engine.requests()
-        if self._victim is not None and any(r.id == self._victim for r in rows):
+        rows = [(engine, r) for engine in self._engines() for r in engine.requests()]
+        if self._victim is not None and any(r.id == self._victim for _, r in rows):
             return False  # the last stop has not taken effect yet
-        running = [r for r in rows if r.state in ("prefill", "decode")]
+        running = [(engine, r) for engine, r in rows if r.state in ("prefill", "decode")]
         if not running:
             self._victim = None
             return False
-        victim = max(running, key=lambda r: r.submitted_at)
+        engine, victim = max(running, key=lambda er: er[1].submitted_at)
         log.warning("memory governor: red, stopping the newest running request %s", victim.id)
         engine.cancel(victim.id, Failed(STOP_MESSAGE, "memory_pressure"))
         self._victim = victim.id

@@ -184,14 +184,13 @@ def _tool_use(call: dict) -> dict:
 async def messages(request: Request) -> Response:
     arrived = time.monotonic()
     state: ServerState = request.app.state.gmlx
-    state.require_ready()
     body = await read_json(request, state)
     gen = await admit(request, state, openai_api.parse(chat_body(body), chat=True), arrived)
     if isinstance(gen, Response):
         return gen
     mid = "msg_" + uuid.uuid4().hex[:24]
     if gen.p.stream:
-        return sse(_events(gen, mid, state.model_id))
+        return sse(_events(gen, mid, gen.state.model_id))
     completion = await complete(request, gen)
     if isinstance(completion, Response):
         return completion
@@ -204,7 +203,7 @@ async def messages(request: Request) -> Response:
             "id": mid,
             "type": "message",
             "role": "assistant",
-            "model": state.model_id,
+            "model": gen.state.model_id,
             "content": content,
             "stop_reason": _STOP_REASONS.get(choice["finish_reason"], "end_turn"),
             "stop_sequence": None,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -15,8 +16,8 @@ import psutil
 from gmlx.capacity.memory import kv_bytes_after_prefill, kv_bytes_per_token, warmup_per_token
 from gmlx.capacity.table import CapacityTable
 from gmlx.engine.engine import drafting_refused
-from gmlx.server.admission import RETRY_AFTER_FULL_S
-from gmlx.server.state import ServerState
+from gmlx.server.admission import RETRY_AFTER_FULL_S, AdmissionGate
+from gmlx.server.state import ModelState, ServerState
 
 log = logging.getLogger("gmlx.metrics")
 
@@ -24,25 +25,35 @@ Probe = Callable[[ServerState], Any]
 ROUTER_SATURATION = 0.8  # where the Gateway API Inference Extension's picker calls a server saturated
 
 
+def _gates(s: ServerState) -> list[AdmissionGate]:
+    return [m.gate for m in s.models.values()]
+
+
 def _concurrency(s: ServerState) -> dict:
+    """Every model's together (each model's own are in resident_models)."""
+    resident, gates = s.resident(), _gates(s)
     return {
-        "decode_batch": s.gate.width,
-        "queue_cap": s.gate.cap,
-        "in_flight": s.gate.running,
-        "waiting": s.gate.waiting,
+        "decode_batch": sum(m.gate.width for m in resident),
+        "queue_cap": sum(m.gate.cap for m in resident),
+        "in_flight": sum(g.running for g in gates),
+        "waiting": sum(g.waiting for g in gates),
     }
 
 
 def _queue(s: ServerState) -> dict:
-    g = s.gate
+    gates = _gates(s)
+    by_reason: Counter[str] = sum((g.rejections_by_code for g in gates), Counter())
+    last = max(gates, key=lambda g: g.last_reject_at or 0.0)
     return {
-        "waiting": g.waiting,
-        "cap": g.cap,
-        "eta_s": g.retry_after(RETRY_AFTER_FULL_S),
-        "rejections": g.rejections,
-        "timeouts": g.rejections_by_code.get("queue_timeout", 0),
-        "rejections_by_reason": dict(g.rejections_by_code),
-        "last_reject_reason": g.last_reject_reason,
+        "waiting": sum(g.waiting for g in gates),
+        "cap": sum(m.gate.cap for m in s.resident()),
+        "eta_s": max(
+            (g.retry_after(RETRY_AFTER_FULL_S) for g in gates if g.waiting), default=s.default.gate.retry_after()
+        ),
+        "rejections": sum(g.rejections for g in gates),
+        "timeouts": by_reason.get("queue_timeout", 0),
+        "rejections_by_reason": dict(by_reason),
+        "last_reject_reason": last.last_reject_reason,
     }
 
 
@@ -57,9 +68,14 @@ def _governor(s: ServerState) -> dict:
 _PROCESS = psutil.Process()  # this server's process: looked up once, read at every snapshot
 
 
+def _table(s: ServerState) -> CapacityTable | None:
+    """The preloaded model's table, else any resident one's: total and reserve are the server's."""
+    return next((t for m in [s.default, *s.resident()] if (t := m.table()) is not None), None)
+
+
 def _memory(s: ServerState) -> dict:
     active, cache = mx.get_active_memory(), mx.get_cache_memory()
-    table = s.table()
+    table = _table(s)
     usable = table.budget.total_bytes - table.budget.reserve_bytes if table else None
     vm = psutil.virtual_memory()
     return {
@@ -74,18 +90,24 @@ def _memory(s: ServerState) -> dict:
     }
 
 
-_table_json: tuple[CapacityTable, dict] | None = None  # the last table and its JSON (a table never changes)
+_tables_json: dict[int, tuple[CapacityTable, dict]] = {}  # id(table) -> the table and its JSON (a table never changes)
 
 
-def _capacity(s: ServerState) -> dict | None:
-    global _table_json
-    table, measured = s.table(), s.engine.measured
-    if table is None:
+def _table_json(table: CapacityTable) -> dict:
+    cached = _tables_json.get(id(table))
+    if cached is None or cached[0] is not table:  # its binary searches cost more than the rest
+        if len(_tables_json) > 64:  # models come and go; their old tables need not stay
+            _tables_json.clear()
+        cached = _tables_json[id(table)] = (table, table.to_json())
+    return dict(cached[1])  # the warm-up is added to a copy; nothing changes the nested parts
+
+
+def _model_capacity(m: ModelState) -> dict | None:
+    table, engine = m.table(), m.engine
+    if table is None or engine is None:
         return None
-    if _table_json is None or _table_json[0] is not table:  # its binary searches cost more than the rest
-        _table_json = (table, table.to_json())
-    out = dict(_table_json[1])  # the warm-up is added below; nothing changes the nested parts
-    if measured is not None:
+    out = _table_json(table)
+    if (measured := engine.measured) is not None:
         out["warmup"] = {
             "tokens": measured.tokens,
             "kv_bytes_predicted": kv_bytes_after_prefill(table.geometry, measured.tokens, table.kv),
@@ -100,26 +122,45 @@ def _capacity(s: ServerState) -> dict | None:
     return out
 
 
+def _capacity(s: ServerState) -> dict | None:
+    """The preloaded model's table, as the plan route answers without `model=` (each resident
+    model's is in its resident_models entry)."""
+    return _model_capacity(s.default)
+
+
+def _mean(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else None
+
+
 def _rates(s: ServerState) -> dict:
-    st = s.engine.stats
-    decode_recent, prefill_recent = st.request_means()
+    """Rates now are summed over the models' engines; means over requests are the models' mean."""
+    engines = s.engines()
+    means = [e.stats.request_means() for e in engines]
+    rates = [e.stats.decode_tok_s_recent() for e in engines]
+    drafting = [e for e in engines if e.draft is not None]
     return {
-        "decode_tok_s": _round(st.decode_tok_s_recent()),
-        "decode_streams": s.engine.decoding,
-        "prefill_tok_s_recent": _round(prefill_recent),
-        "decode_tok_s_recent": _round(decode_recent),
-        "decode_tok_s_lifetime": _round(st.decode_tok_s_per_request_lifetime()),
+        "decode_tok_s": _round(sum(r for r in rates if r is not None) if any(r is not None for r in rates) else None),
+        "decode_streams": sum(e.decoding for e in engines),
+        "prefill_tok_s_recent": _round(_mean([p for _, p in means])),
+        "decode_tok_s_recent": _round(_mean([d for d, _ in means])),
+        "decode_tok_s_lifetime": _round(_mean([e.stats.decode_tok_s_per_request_lifetime() for e in engines])),
         # The drafter's share of proposals the served model kept, over every finished request.
-        "speculative_accept_rate": None if s.engine.draft is None else _round(st.speculative.accept_rate, 4),
+        "speculative_accept_rate": _round(_mean([e.stats.speculative.accept_rate for e in drafting]), 4)
+        if drafting
+        else None,
     }
 
 
 def _totals(s: ServerState) -> dict:
-    st = s.engine.stats
+    """Since start, over every model: a model's counts outlive its unloading (ModelState.stats)."""
+    finished: Counter[str] = Counter()
+    for m in s.models.values():
+        finished.update(m.stats.finish_reasons)
     return {
-        "requests_finished": dict(st.finish_reasons),
-        "prompt_tokens": st.prefill_tokens,
-        "generated_tokens": st.decode_tokens,
+        "requests_finished": dict(finished),
+        "prompt_tokens": sum(m.stats.prefill_tokens for m in s.models.values()),
+        "generated_tokens": sum(m.stats.decode_tokens for m in s.models.values()),
     }
 
 
@@ -129,7 +170,7 @@ def _requests(s: ServerState) -> list[dict]:
         {
             "id": q.id,
             "uid": None,
-            "model": s.model_id,
+            "model": m.model_id,
             "state": "queued",
             "prompt_tokens": q.prompt_tokens,
             "generated": 0,
@@ -140,28 +181,34 @@ def _requests(s: ServerState) -> list[dict]:
             "decode_tok_s": None,
             "cache": None,
             "speculative": None,
+            "kv_bytes": None,
         }
-        for q in list(s.queued.values())
+        for m in s.models.values()
+        for q in list(m.queued.values())
     ]
-    for r in s.engine.requests():
-        rows.append(
-            {
-                "id": r.id,
-                "uid": r.uid,
-                "model": s.model_id,
-                "state": r.state,
-                "prompt_tokens": len(r.prompt_ids),
-                "generated": r.generated,
-                "max_tokens": r.max_tokens,
-                "elapsed_s": round(now - r.arrival, 2),
-                "queued_s": round(r.queued_s, 2),
-                "ttft_s": _round(r.ttft_s, 3),
-                "decode_tok_s": _round(r.decode_tok_s(now)),
-                "cache": r.cache.to_json() if r.cache else None,
-                # With a drafter: its figures, and why this request never drafts (None: it may).
-                "speculative": {**r.speculative.to_json(), "off": drafting_refused(r)} if r.speculative else None,
-            }
-        )
+    for m in s.resident():
+        engine, table = m.engine, m.table()
+        for r in engine.requests() if engine is not None else []:
+            rows.append(
+                {
+                    "id": r.id,
+                    "uid": r.uid,
+                    "model": m.model_id,
+                    "state": r.state,
+                    "prompt_tokens": len(r.prompt_ids),
+                    "generated": r.generated,
+                    "max_tokens": r.max_tokens,
+                    "elapsed_s": round(now - r.arrival, 2),
+                    "queued_s": round(r.queued_s, 2),
+                    "ttft_s": _round(r.ttft_s, 3),
+                    "decode_tok_s": _round(r.decode_tok_s(now)),
+                    "cache": r.cache.to_json() if r.cache else None,
+                    # With a drafter: its figures, and why this request never drafts (None: it may).
+                    "speculative": {**r.speculative.to_json(), "off": drafting_refused(r)} if r.speculative else None,
+                    # Its KV cache as the table counts it (what it holds now, at its depth).
+                    "kv_bytes": table.stream_bytes(len(r.prompt_ids) + r.generated) if table is not None else None,
+                }
+            )
     return rows
 
 
@@ -180,16 +227,20 @@ def kv_usage(
 
 
 def _kv_cache(s: ServerState) -> dict:
-    """KV bytes the running streams hold (the table's arithmetic, at each one's prompt plus what it
-    generated) against the table's KV budget; the prompt cache's bound is already off that budget."""
-    table, cache = s.table(), s.engine.prompt_cache
+    """KV bytes the running streams hold (each model's table's arithmetic, at each stream's prompt
+    plus what it generated) against the smallest KV budget of the resident models' tables: memory
+    is shared, and each table already leaves out the other models' weights. The prompt caches'
+    bounds are off those budgets already. Blocks are the preloaded model's prompt cache's."""
     used = budget = table_usage = blocks = None
-    if table is not None:
-        used = sum(table.stream_bytes(len(r.prompt_ids) + r.generated) for r in s.engine.requests())
-        budget = table.budget.kv_bytes
+    tables = [(m, t) for m in s.resident() if (t := m.table()) is not None and m.engine is not None]
+    if tables:
+        used = sum(t.stream_bytes(len(r.prompt_ids) + r.generated) for m, t in tables for r in m.engine.requests())  # type: ignore[union-attr]
+        budget = min(t.budget.kv_bytes for _, t in tables)
         table_usage = round(used / budget, 4) if budget else 1.0
-        if cache is not None and cache.enabled:
-            blocks = int(cache.max_bytes // (cache.block_tokens * kv_bytes_per_token(table.geometry, table.kv)))
+    cache = s.default.engine.prompt_cache if s.default.engine is not None else None
+    table = s.default.table()
+    if table is not None and cache is not None and cache.enabled:
+        blocks = int(cache.max_bytes // (cache.block_tokens * kv_bytes_per_token(table.geometry, table.kv)))
     gov = s.governor.snapshot() if s.governor is not None and s.governor.enabled else {}
     yellow = (gov.get("thresholds") or {}).get("yellow", ROUTER_SATURATION)
     return {
@@ -204,25 +255,39 @@ def _kv_cache(s: ServerState) -> dict:
 
 
 def _prompt_cache(s: ServerState) -> dict:
-    cache = s.engine.prompt_cache
+    """The preloaded model's prompt cache (each model has its own; a reload starts it afresh)."""
+    engine = s.default.engine
+    cache = engine.prompt_cache if engine is not None else None
     return cache.snapshot() if cache is not None else {"enabled": False}
 
 
 def _resident_models(s: ServerState) -> list[dict]:
-    loaded = s.engine.loaded
-    if loaded is None:
-        return []
-    return [
-        {
-            "model": s.model_id,
-            "kind": "chat",
-            "in_flight": s.engine.in_flight,
-            "decode_batch": s.gate.width,
-            "weight_mode": loaded.mode,
-            "weight_bytes": loaded.report.resident_bytes,
-            "context_length": loaded.context_length,
-        }
-    ]
+    """Each model with an engine (loading or loaded), its own figures and capacity table."""
+    out = []
+    for m in s.resident():
+        engine = m.engine
+        assert engine is not None
+        loaded = engine.loaded
+        rate = engine.stats.decode_tok_s_recent()
+        out.append(
+            {
+                "model": m.model_id,
+                "kind": "chat",
+                "status": m.status,
+                "in_flight": engine.in_flight,
+                "waiting": m.gate.waiting,
+                "decode_batch": m.gate.width,
+                "weight_mode": loaded.mode if loaded is not None else m.deployment.mode,
+                "weight_bytes": m.weight_bytes(),
+                "context_length": loaded.context_length if loaded is not None else None,
+                "load_seconds": round(loaded.load_seconds, 2) if loaded is not None else None,
+                "loaded_at": m.loaded_at,
+                "last_used_at": m.last_used,
+                "decode_tok_s": _round(rate),
+                "capacity": _model_capacity(m),
+            }
+        )
+    return out
 
 
 # Section -> (probe, the fields it reports null when the probe fails).
@@ -281,6 +346,11 @@ SECTIONS: dict[str, tuple[Probe, tuple[str, ...]]] = {
     ),
     "requests": (_requests, ()),
     "resident_models": (_resident_models, ()),
+    # Percentiles over the last 300 s of what the latency histograms observe (server/latency.py): `gmlx top`.
+    "latency": (
+        lambda s: s.histograms.latency(),
+        ("window_s", "ttft_seconds", "inter_token_seconds", "e2e_seconds", "queue_wait_seconds"),
+    ),
 }
 
 

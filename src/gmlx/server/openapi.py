@@ -52,11 +52,12 @@ _ERRORS = {
     "string that is not valid Unicode, a prompt over the context window or max_tokens past what it leaves "
     "(context_length_exceeded).",
     401: "A missing or wrong API key.",
-    404: "The model is not served here.",
+    404: "The model is not served here (`model_not_found`), or not loaded (`model_not_loaded`).",
     408: "The body did not arrive within the server's body timeout (`body_timeout`).",
+    409: "The model has requests in flight or queued, or is loading (`model_busy`).",
     413: "The request body is over the server's limit.",
-    503: "Load (`queue_full`, `queue_timeout`, `memory_pressure`, `too_many_connections`), loading or shutting "
-    "down; see Retry-After.",
+    503: "Load (`queue_full`, `queue_timeout`, `memory_pressure`, `too_many_connections`), a model that cannot "
+    "be loaded now (`model_unavailable`), loading or shutting down; see Retry-After.",
 }
 
 
@@ -662,9 +663,13 @@ SCHEMAS: dict[str, dict] = {
             "object": {"const": "model"},
             "created": {"type": "integer"},
             "owned_by": {"type": "string"},
-            "context_length": {"type": "integer"},
+            "status": {"enum": ["unloaded", "loading", "loaded"]},
+            "context_length": {"type": ["integer", "null"]},
             "max_context_at_width_1": {"type": ["integer", "null"]},
             "kv_quant": {"type": "object"},
+            "preloaded": {"type": "boolean"},
+            "source": {"enum": ["argument", "preset", "models_dir"]},
+            "load_error": {"type": "string"},
         },
     },
     "ModelList": {
@@ -708,9 +713,28 @@ SCHEMAS: dict[str, dict] = {
     "Metrics": {"type": "object", "required": ["server"], "properties": {"server": {"type": "object"}}},
     "System": {
         "type": "object",
-        "required": ["version", "state", "uptime_s", "device", "compute_type", "model", "gpu", "activity", "models"],
+        "required": [
+            "version",
+            "state",
+            "uptime_s",
+            "device",
+            "compute_type",
+            "model",
+            "gpu",
+            "host",
+            "activity",
+            "models",
+        ],
         "properties": {
             "version": {"type": "string"},
+            "host": {
+                "type": "object",
+                "properties": {
+                    "cpu_pct_per_core": {"type": ["array", "null"], "items": {"type": "number"}},
+                    "process_cpu_pct": {"type": ["number", "null"]},
+                    "process_rss_bytes": {"type": "integer"},
+                },
+            },
             "state": {"enum": ["loading", "ready", "draining"]},
             "uptime_s": {"type": "number", "minimum": 0},
             "gpu": {"type": ["array", "null"]},
@@ -736,6 +760,8 @@ def _op(summary: str, ok: dict, *errors: int, body: str | None = None, params: l
 def _query(name: str, schema: dict, required: bool = False, description: str = "") -> dict:
     return {"name": name, "in": "query", "required": required, "schema": schema, "description": description}
 
+
+_MODEL_ID = {"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}
 
 # One server-sent event: `data` is a JSON chunk (or an error object) and the last is `[DONE]`.
 _SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
@@ -807,14 +833,36 @@ PATHS: dict[str, dict[str, dict]] = {
             body="MessagesRequest",
         )
     },
-    "/v1/models": {"get": _op("The served model", {"description": "One entry", "content": _json(_ref("ModelList"))})},
+    "/v1/models": {
+        "get": _op(
+            "Every model a request may name, with its status",
+            {"description": "One entry per model", "content": _json(_ref("ModelList"))},
+        )
+    },
     "/v1/models/{model_id}": {
         "get": _op(
-            "One model (the openai client's models.retrieve); any id but the served one is a 404 model_not_found",
+            "One model (the openai client's models.retrieve); an id not served is a 404 model_not_found",
             {"description": "The model", "content": _json(_ref("Model"))},
             404,
+            params=[_MODEL_ID],
+        )
+    },
+    "/v1/models/{model_id}/load": {
+        "post": _op(
+            "Load a model now (requests load it on demand too); 503 model_unavailable when it cannot be",
+            {"description": "The model, loaded", "content": _json(_ref("Model"))},
+            404,
             503,
-            params=[{"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+            params=[_MODEL_ID],
+        )
+    },
+    "/v1/models/{model_id}/unload": {
+        "post": _op(
+            "Unload a model: 404 model_not_loaded when it is not, 409 model_busy while it has requests",
+            {"description": "The model, unloaded", "content": _json(_ref("Model"))},
+            404,
+            409,
+            params=[_MODEL_ID],
         )
     },
     "/health": {
@@ -843,9 +891,13 @@ PATHS: dict[str, dict[str, dict]] = {
             "Do `width` streams of `depth` tokens fit, and can they start now?",
             {"description": "The plan", "content": _json(_ref("Plan"))},
             400,
+            404,
             params=[
                 _query("width", {"type": "integer", "minimum": 1}, True, "Concurrent streams"),
                 _query("depth", {"type": "integer", "minimum": 1}, True, "Tokens per stream"),
+                _query(
+                    "model", {"type": "string"}, description="A model id (GET /v1/models); the preloaded one without it"
+                ),
             ],
         )
     },
@@ -942,7 +994,8 @@ def document(api_key: bool, vocab_size: int | None = None, decode_batch: int | N
 
 async def openapi_route(request: Request) -> Response:
     state = request.app.state.gmlx
-    loaded = state.engine.loaded  # None while loading: the bound is left out until it is known
+    m = state.default  # the bounds a request without `model` meets
+    loaded = m.engine.loaded if m.engine is not None else None  # None while loading: left out until known
     return JSONResponse(
-        document(bool(state.settings.api_key), loaded.geometry.vocab_size if loaded else None, state.gate.width)
+        document(bool(state.settings.api_key), loaded.geometry.vocab_size if loaded else None, m.gate.width)
     )

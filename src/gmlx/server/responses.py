@@ -272,14 +272,13 @@ def _part(text: str) -> dict:
 async def responses(request: Request) -> Response:
     arrived = time.monotonic()
     state: ServerState = request.app.state.gmlx
-    state.require_ready()
     store: ResponseStore = request.app.state.responses
     body = await read_json(request, state)
     chat, conversation = chat_body(body, store)
     gen = await admit(request, state, openai_api.parse(chat, chat=True), arrived)
     if isinstance(gen, Response):
         return gen
-    answer = _Answer(body, state.model_id)
+    answer = _Answer(body, gen.state.model_id)
     if gen.p.stream:
         return sse(_events(gen.stream(), answer, store, conversation))
     completion = await complete(request, gen)

@@ -1,16 +1,18 @@
-"""What the routes share: settings, the engine, the admission gate, and the capacity table."""
+"""What the routes share: the server's settings and figures (`ServerState`), and for each model it
+may serve, its deployment, engine, admission gate and capacity table (`ModelState`)."""
 
 from __future__ import annotations
 
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from gmlx import platform
 from gmlx.capacity.memory import KVFormat
 from gmlx.capacity.table import CapacityTable, attention_in_tiles, capacity_table, governor_terms
-from gmlx.engine.engine import Engine
+from gmlx.deployment import Deployment
+from gmlx.engine.engine import Engine, EngineStats
 from gmlx.gguf.vocab import token_bytes
 from gmlx.kernels import fast as kernels_fast
 from gmlx.server import openai_api
@@ -18,12 +20,14 @@ from gmlx.server.admission import AdmissionGate
 from gmlx.server.connections import ConnectionStats
 from gmlx.server.errors import APIError
 from gmlx.server.prometheus import Histograms
-from gmlx.server.settings import Settings
+from gmlx.settings import Settings
 
 if TYPE_CHECKING:
     from gmlx.server.memory_governor import Governor
+    from gmlx.server.residency import Residency
 
 LOADING_RETRY_AFTER_S = 5
+Status = Literal["unloaded", "loading", "loaded"]
 
 
 @dataclass(frozen=True)
@@ -31,8 +35,8 @@ class QueuedRow:
     """A request waiting at the gate, as the metrics snapshot lists it."""
 
     id: str
-    prompt_tokens: int
-    max_tokens: int
+    prompt_tokens: int | None  # None while its model loads: its tokenizer comes with it
+    max_tokens: int | None
     arrived_at: float  # when the server received the request: its elapsed and TTFT count from here
     since: float = field(default_factory=time.monotonic)  # in the queue since
 
@@ -41,71 +45,92 @@ class QueuedRow:
 
 
 @dataclass
-class ServerState:
-    settings: Settings
-    engine: Engine
-    model_id: str
+class ModelState:
+    """One model the server may serve: resident while it has an engine. Its gate and queued rows
+    outlive its engine, so requests that arrive while it loads wait in its own queue."""
+
+    deployment: Deployment
+    histograms: Histograms
+    engine: Engine | None = None
     gate: AdmissionGate = field(init=False)
-    connections: ConnectionStats = field(init=False)  # its cap set to what the file limit allows at start
-    started_at: float = field(default_factory=time.time)
+    queued: dict[str, QueuedRow] = field(default_factory=dict)  # id -> row, in arrival order
+    last_used: float = field(default_factory=time.time)  # unix time a request last named it
+    loaded_at: float | None = None  # unix time its engine became ready
+    load_error: str | None = None  # why its last load failed, until the next one
+    failed_file: tuple[int, int] | None = None  # the file's (mtime, size) then: a changed file is tried again
+    others_bytes: int = 0  # the other models' weights beside it when it loaded: its table's
+    stats: EngineStats = field(default_factory=EngineStats)  # every engine it has had records here
     # transformers' fast tokenizers may reconfigure the shared Rust object per call
     # ("Already borrowed" when two threads meet), so encoding takes turns.
-    _tokenizer_lock: threading.Lock = field(default_factory=threading.Lock)
+    tokenizer_lock: threading.Lock = field(default_factory=threading.Lock)
     _table: CapacityTable | None = None
     _token_bytes: list[bytes] | None = None
-    queued: dict[str, QueuedRow] = field(default_factory=dict)  # id -> row, in arrival order
-    governor: Governor | None = None  # set by create_app; with GMLX_GOVERNOR=0 it runs disabled and says so
-    histograms: Histograms = field(default_factory=lambda: Histograms())
-    # The memory governor's band; None until a governor runs (a test may set it meanwhile).
-    band: str | None = None
 
     def __post_init__(self) -> None:
-        s, stats = self.settings, self.engine.stats
-        rate = lambda: stats.decode_tok_s_recent() or stats.decode_tok_s_lifetime()  # noqa: E731
-        self.gate = AdmissionGate(
-            s.decode_batch, s.queue_size, s.queue_timeout, lambda: (stats.mean_generated(), rate())
-        )
-        self.connections = ConnectionStats(s.max_connections)
+        s = self.settings
+        self.gate = AdmissionGate(s.decode_batch, s.queue_size, s.queue_timeout, self.drain_rate)
+
+    def drain_rate(self) -> tuple[float | None, float | None]:
+        """(mean generated tokens per request, aggregate decode tok/s) for its queue's wait, or Nones."""
+        if self.engine is None:
+            return None, None
+        stats = self.engine.stats
+        return stats.mean_generated(), stats.decode_tok_s_recent() or stats.decode_tok_s_lifetime()
+
+    @property
+    def model_id(self) -> str:
+        return self.deployment.model_id
+
+    @property
+    def settings(self) -> Settings:
+        return self.deployment.settings
+
+    @property
+    def status(self) -> Status:
+        if self.engine is None:
+            return "unloaded"
+        return "loaded" if self.ready else "loading"
 
     @property
     def ready(self) -> bool:
-        return self.engine.ready.is_set() and self.engine.loaded is not None
+        return self.engine is not None and self.engine.ready.is_set() and self.engine.loaded is not None
 
-    def require_ready(self) -> None:
-        if not self.ready:
-            raise APIError(503, "the model is still loading", "model_loading", retry_after=LOADING_RETRY_AFTER_S)
-
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_id:
-            raise APIError(
-                404, f"model {model!r} is not served here (this server serves {self.model_id!r})", "model_not_found"
-            )
+    @property
+    def idle(self) -> bool:
+        """Nothing in flight, queued or holding a slot: it may be unloaded without anyone noticing."""
+        engine = self.engine
+        return not self.gate.running and not self.gate.waiting and (engine is None or not engine.in_flight)
 
     def weight_bytes(self) -> int:
-        """Resident weights: the served model's, and its drafter's when one drafts for it."""
-        loaded, draft = self.engine.loaded, self.engine.draft
-        assert loaded is not None
-        return loaded.report.resident_bytes + (draft.report.resident_bytes if draft is not None else 0)
+        """Resident weights, its drafter's included: measured once loaded, planned before."""
+        engine = self.engine
+        if engine is None or engine.loaded is None:
+            return self.deployment.planned_weight_bytes
+        draft = engine.draft
+        return engine.loaded.report.resident_bytes + (draft.report.resident_bytes if draft is not None else 0)
 
     def table(self) -> CapacityTable | None:
         """The capacity table, built once the model is loaded (None before)."""
-        loaded, measured = self.engine.loaded, self.engine.measured
+        engine = self.engine
+        if engine is None:
+            return None
+        loaded, measured = engine.loaded, engine.measured
         if self._table is None and loaded is not None and measured is not None:
-            s = self.settings
-            memory = s.memory or platform.total_memory_bytes()
+            s, d = self.settings, self.deployment
             self._table = capacity_table(
                 loaded.geometry,
                 weight_bytes=self.weight_bytes(),
                 decode_batch=s.decode_batch,
                 prefill_step=s.prefill_step,
                 kv=self.kv_format(measured.kv_dtype_bytes),
-                memory=memory,
+                memory=d.memory,
                 reserve_fraction=s.reserve_fraction,
                 reserve_floor=s.reserve_floor,
                 context_length=loaded.context_length,
-                prompt_cache_bytes=s.prompt_cache_limit(memory),
-                tiled_attention=attention_in_tiles(kernels_fast.installed(), getattr(self.engine, "kv_quant", None)),
+                prompt_cache_bytes=s.prompt_cache_limit(d.memory),
+                tiled_attention=attention_in_tiles(kernels_fast.installed(), getattr(engine, "kv_quant", None)),
                 governor=governor_terms(s, measured.host_bytes, platform.backend() != "cuda"),
+                others_bytes=self.others_bytes,
             )
         return self._table
 
@@ -114,28 +139,101 @@ class ServerState:
         plan = getattr(self.engine, "kv_quant", None)
         return plan.kv_format(float_bytes) if plan is not None else KVFormat(float_bytes=float_bytes)
 
+    def attach(self, engine: Engine, others_bytes: int) -> None:
+        """A new engine for it (loading), beside `others_bytes` of the other models' weights."""
+        self.engine, self.others_bytes, self.load_error, self.loaded_at = engine, others_bytes, None, None
+        self._table = self._token_bytes = None
+        engine.stats = self.stats  # its counts go on across loads (Prometheus counters never fall)
+        engine.on_token_gap = lambda seconds: self.histograms.observe_gap(self.model_id, seconds)
+
+    def detach(self) -> Engine | None:
+        """Drop its engine (unloaded, or failed to load): nothing here keeps its arrays alive."""
+        engine, self.engine = self.engine, None
+        self._table = self._token_bytes = None
+        return engine
+
     def tokenize_with_anchor(self, p: openai_api.GenerationParams) -> tuple[list[int], int]:
         """The prompt's ids, and where its shared system prompt ends (for the prompt cache)."""
         ids = self.tokenize(p)
-        if not p.chat or self.engine.prompt_cache is None:
+        engine = self._engine()
+        if not p.chat or engine.prompt_cache is None:
             return ids, 0
-        with self._tokenizer_lock:
-            return ids, openai_api.system_prefix_tokens(
-                self.engine.loaded.tokenizer,
-                p.messages,
-                ids,  # type: ignore[union-attr]
-                p.tools,
-            )
+        with self.tokenizer_lock:
+            return ids, openai_api.system_prefix_tokens(engine.loaded.tokenizer, p.messages, ids, p.tools)  # type: ignore[union-attr]
 
     def token_bytes(self) -> list[bytes]:
-        """Every token's bytes, by id (for logprobs), read from the vocabulary once."""
+        """Every token's bytes, by id (for logprobs), read from the vocabulary once per load."""
         if self._token_bytes is None:
-            assert self.engine.loaded is not None
-            self._token_bytes = token_bytes(self.engine.loaded.header)
+            loaded = self._engine().loaded
+            assert loaded is not None
+            self._token_bytes = token_bytes(loaded.header)
         return self._token_bytes
 
     def tokenize(self, p: openai_api.GenerationParams) -> list[int]:
-        loaded = self.engine.loaded
+        loaded = self._engine().loaded
         assert loaded is not None
-        with self._tokenizer_lock:
+        with self.tokenizer_lock:
             return openai_api.prompt_token_ids(loaded.tokenizer, p, loaded.geometry.vocab_size)
+
+    def _engine(self) -> Engine:
+        """Its engine while it serves; a request that holds a slot keeps it from being unloaded."""
+        engine = self.engine
+        assert engine is not None, f"{self.model_id} is not loaded"
+        return engine
+
+
+@dataclass
+class ServerState:
+    """The server: its own settings (a model's come from its deployment), its models by id, the
+    preloaded one first (a request that names no model gets it), and what they all share."""
+
+    settings: Settings
+    models: dict[str, ModelState]
+    connections: ConnectionStats = field(init=False)  # its cap set to what the file limit allows at start
+    started_at: float = field(default_factory=time.time)
+    histograms: Histograms = field(default_factory=lambda: Histograms())
+    governor: Governor | None = None  # set by create_app; with GMLX_GOVERNOR=0 it runs disabled and says so
+    residency: Residency | None = None  # set by create_app: loads and unloads models
+    # The memory governor's band; None until a governor runs (a test may set it meanwhile).
+    band: str | None = None
+
+    def __post_init__(self) -> None:
+        self.connections = ConnectionStats(self.settings.max_connections)
+
+    @property
+    def default(self) -> ModelState:
+        """The preloaded model: the positional one of `gmlx serve`."""
+        return next(iter(self.models.values()))
+
+    @property
+    def model_id(self) -> str:
+        return self.default.model_id
+
+    def resident(self) -> list[ModelState]:
+        return [m for m in self.models.values() if m.engine is not None]
+
+    def engines(self) -> list[Engine]:
+        return [m.engine for m in self.models.values() if m.engine is not None]
+
+    def find(self, model: str | None) -> ModelState:
+        """The model a request names (None: the preloaded one); 404 `model_not_found` otherwise."""
+        if model is None:
+            return self.default
+        found = self.models.get(model) or (self.residency.discover(model) if self.residency else None)
+        if found is None:
+            raise APIError(
+                404,
+                f"model {model!r} is not served here (GET /v1/models lists those that are)",
+                "model_not_found",
+                param="model",
+            )
+        return found
+
+    @property
+    def ready(self) -> bool:
+        """Some model can take work."""
+        return any(m.ready for m in self.models.values())
+
+    @property
+    def closed(self) -> bool:
+        return self.default.gate.closed

@@ -10,6 +10,7 @@ from typing import Any
 
 import gmlx
 from gmlx import platform
+from gmlx.server import host
 from gmlx.server.state import ServerState
 
 log = logging.getLogger("gmlx.system")
@@ -57,8 +58,9 @@ def _best_effort(read: Any) -> Any:
 
 
 def system_info(state: ServerState) -> dict:
-    loaded = state.engine.loaded
-    if state.gate.closed:
+    serving = next((m for m in [state.default, *state.resident()] if m.ready), state.default)
+    loaded = serving.engine.loaded if serving.engine is not None else None
+    if state.closed:
         status = "draining"
     elif state.ready:
         status = "ready"
@@ -73,6 +75,7 @@ def system_info(state: ServerState) -> dict:
 
             dtype += f"-{kernels.isa()}"
         compute += f"/{dtype}" + (f"+{gmlx.BLAS.name}" if platform.backend() == "cpu" else "")
+    gates = [m.gate for m in state.models.values()]
     return {
         "version": gmlx.__version__,
         "state": status,
@@ -81,20 +84,28 @@ def system_info(state: ServerState) -> dict:
         "compute_type": compute,
         "model": state.model_id,
         "gpu": gpu_telemetry(),
-        "activity": {"active": state.gate.running, "waiting": state.gate.waiting},
-        "models": {"active": state.model_id, "available": available_models(state)},
+        "host": host.telemetry(),  # CPU per core and RSS: what a console shows without a GPU
+        "activity": {"active": sum(g.running for g in gates), "waiting": sum(g.waiting for g in gates)},
+        "models": {
+            "active": state.model_id,
+            "loaded": [m.model_id for m in state.resident() if m.ready],
+            "available": available_models(state),
+        },
     }
 
 
 def available_models(state: ServerState) -> list[dict]:
-    """The served model, then each other *.gguf in the models directory: name (as a model id)
-    and size. No paths: /system is open to anyone who can reach the server."""
-    loaded = state.engine.loaded
-    served = loaded.header.path if loaded is not None else None
-    models = [{"name": state.model_id, "size_bytes": _size(served) if served else None}]
-    others = models_dir_files(state.settings.models_dir)
-    models += [{"name": name, "size_bytes": _size(f)} for name, f in sorted(others.items()) if name != state.model_id]
-    return models
+    """Every model a request may name, the preloaded one first: name (its id), size, status and
+    whether a preset names it. No paths: /system is open to anyone who can reach the server."""
+    return [
+        {
+            "name": m.model_id,
+            "size_bytes": _size(m.deployment.path),
+            "status": m.status,
+            "preset": m.deployment.origin == "preset",
+        }
+        for m in state.models.values()
+    ]
 
 
 def models_dir_files(folder: str | None) -> dict[str, Path]:

@@ -14,7 +14,8 @@ import httpx
 
 from gmlx.tui.format import dict_of, num
 
-HISTORY = 300  # samples kept for the sparklines: five minutes at the default interval
+HISTORY_S = 300.0  # what the sparklines span: a fixed five minutes, whatever the interval
+RATE_WINDOW_S = 10.0  # token rates are the counters' growth over this long (a prefill chunk lands at once)
 MAX_BACKOFF_S = 30.0
 
 
@@ -27,9 +28,34 @@ class Status(Enum):
 
 @dataclass
 class History:
-    decode: deque[float] = field(default_factory=lambda: deque(maxlen=HISTORY))
-    prefill: deque[float] = field(default_factory=lambda: deque(maxlen=HISTORY))
-    queue: deque[float] = field(default_factory=lambda: deque(maxlen=HISTORY))
+    """(monotonic time, value) samples of the last HISTORY_S: aggregate token rates, and queue depth."""
+
+    decode: deque[tuple[float, float]] = field(default_factory=deque)
+    prefill: deque[tuple[float, float]] = field(default_factory=deque)
+    queue: deque[tuple[float, float]] = field(default_factory=deque)
+
+    def add(self, series: deque[tuple[float, float]], now: float, value: float) -> None:
+        series.append((now, value))
+        while series[0][0] < now - HISTORY_S:
+            series.popleft()
+
+    @staticmethod
+    def last(series: deque[tuple[float, float]]) -> float | None:
+        return series[-1][1] if series else None
+
+
+def window(series: deque[tuple[float, float]], now: float, cells: int) -> list[float]:
+    """The last HISTORY_S as `cells` values, oldest first: the largest sample in each slice of time,
+    0 where none landed (before the first poll, or while the server was down), so the time axis
+    stays fixed instead of stretching as history fills."""
+    out = [0.0] * cells
+    for t, v in series:
+        i = int((t - (now - HISTORY_S)) / HISTORY_S * cells)
+        if 0 <= i < cells:
+            out[i] = max(out[i], v)
+        elif i == cells:  # sampled at `now` exactly
+            out[-1] = max(out[-1], v)
+    return out
 
 
 class Poller:
@@ -48,7 +74,8 @@ class Poller:
         self.ready: dict[str, Any] = {}
         self.history = History()
         self.polled_at: float | None = None  # monotonic time of the last poll that reached the server
-        self._totals: tuple[float, float, float] | None = None  # (time, prompt tokens, generated tokens)
+        # (time, prompt tokens, generated tokens) of the polls in the last RATE_WINDOW_S, and one before
+        self._totals: deque[tuple[float, float, float]] = deque()
 
     @property
     def delay(self) -> float:
@@ -84,21 +111,31 @@ class Poller:
     def _fail(self, status: Status, error: str) -> None:
         self.status, self.error = status, error
         self.failures += 1
-        self._totals = None
+        self._totals.clear()
 
     def _sample(self, now: float) -> None:
-        """Token rates from the growth of the totals between two polls; queue depth as it is."""
+        """Aggregate token rates: the growth of the server's totals over the last RATE_WINDOW_S (the
+        engine adds a prefill chunk's tokens when the chunk ends, so a shorter span would show bursts).
+        Queue depth as it is."""
         totals = dict_of(self.metrics.get("totals"))
         prompt, generated = num(totals.get("prompt_tokens")), num(totals.get("generated_tokens"))
         if prompt is not None and generated is not None:
-            if self._totals is not None and now > self._totals[0]:
-                dt = now - self._totals[0]
-                self.history.prefill.append(max(0.0, (prompt - self._totals[1]) / dt))
-                self.history.decode.append(max(0.0, (generated - self._totals[2]) / dt))
-            self._totals = (now, prompt, generated)
+            if self._totals and (prompt < self._totals[-1][1] or generated < self._totals[-1][2]):
+                self._totals.clear()  # the server restarted between two polls
+            self._totals.append((now, prompt, generated))
+            while len(self._totals) > 2 and self._totals[1][0] <= now - RATE_WINDOW_S:
+                self._totals.popleft()
+            t0, p0, g0 = self._totals[0]
+            if now - t0 >= min(RATE_WINDOW_S, 10 * self.interval):  # a shorter span shows a chunk as a burst
+                self.history.add(self.history.prefill, now, (prompt - p0) / (now - t0))
+                self.history.add(self.history.decode, now, (generated - g0) / (now - t0))
         waiting = num(dict_of(self.metrics.get("queue")).get("waiting"))
         if waiting is not None:
-            self.history.queue.append(waiting)
+            self.history.add(self.history.queue, now, waiting)
+
+    def rate(self, series: deque[tuple[float, float]]) -> float | None:
+        """The latest rate while the server answers; None while what is shown is stale."""
+        return History.last(series) if self.status is Status.UP else None
 
     async def aclose(self) -> None:
         await self._http.aclose()

@@ -76,3 +76,28 @@ def percent(x: Any) -> str:
     """A fraction (0.8) as 80 %."""
     n = num(x)
     return DASH if n is None else f"{n * 100:.0f} %"
+
+
+def latency(x: Any) -> str:
+    """Latencies: 4.2 ms, 85 ms, then as durations (1.7 s)."""
+    s = num(x)
+    if s is None or s >= 1:
+        return duration(s)
+    return f"{s * 1000:.1f} ms" if s < 0.01 else f"{s * 1000:.0f} ms"
+
+
+def short_duration(x: Any) -> str:
+    """A table cell's duration: 0.80s, 11.4s, 3m20s, 2h05m."""
+    return duration(x).replace(" s", "s").replace(" m ", "m").replace(" h ", "h").replace(" m", "m")
+
+
+def short_size(x: Any) -> str:
+    """A table cell's size: 288M, 1.2G."""
+    n = num(x)
+    if n is None:
+        return DASH
+    for unit in ("B", "K", "M", "G", "T"):
+        if abs(n) < 1000 or unit == "T":
+            return f"{n:.0f}{unit}" if unit == "B" or abs(n) >= 10 else f"{n:.1f}{unit}"
+        n /= 1024
+    raise AssertionError("unreachable")

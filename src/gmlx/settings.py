@@ -1,4 +1,5 @@
 """Settings for `gmlx serve`, resolved once: flag, then environment, then config file, then default.
+A model's own settings are the server's with its preset's keys over them (`for_model`).
 
 Each field is declared once, in `Settings`, with its default, converter, environment names (highest
 priority first) and range check, so resolution, validation and `--print-config` share one table.
@@ -119,6 +120,31 @@ def _directory(v: Any) -> str | None:
     return str(path)
 
 
+_DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600}
+
+
+def _duration(v: Any) -> float:
+    """Seconds, as a number or with a unit: 300, "300s", "10m", "1.5h"."""
+    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+        raise ValueError("is not a duration (such as 300, 10m or 1h)")
+    text = str(v).strip().lower()
+    unit = text[-1] if text[-1:] in ("s", "m", "h") else ""
+    try:
+        seconds = _float(text[: len(text) - len(unit)]) * _DURATION_UNITS[unit]
+    except ValueError:
+        raise ValueError("is not a duration (such as 300, 10m or 1h)") from None
+    return seconds
+
+
+def _file(v: Any) -> str | None:
+    if not _str(v):
+        return None
+    path = Path(v).expanduser()
+    if not path.is_file():
+        raise ValueError("is not a file")
+    return str(path)
+
+
 def _origins(v: Any) -> tuple[str, ...]:
     """Origins separated by commas or spaces, in one string (environment) or several (a repeated flag, a list)."""
     items = v if isinstance(v, (list, tuple)) else [v]
@@ -201,8 +227,14 @@ class Settings:
     log_input_text: bool = _f(False, _bool, "GMLX_LOG_INPUT_TEXT", "LOG_INPUT_TEXT")
     shutdown_timeout: float = _f(10.0, _float, "GMLX_SHUTDOWN_TIMEOUT", check=_at_least(0))
     log_level: str = _f("info", _lower, "GMLX_LOG_LEVEL", check=_one_of(*_LOG_LEVELS))
-    # GGUF files /system lists as available (models.available); None: only the served model.
+    # Models a request may name besides the positional one (server/residency.py): every GGUF in
+    # models_dir by its file name, and the presets file's models by their ids, each with its own
+    # settings; at most max_resident loaded at once (None: as many as memory holds), each unloaded
+    # once idle for keep_alive seconds (None: kept until memory or max_resident needs its room).
     models_dir: str | None = _f(None, _directory, "GMLX_MODELS_DIR")
+    models_preset: str | None = _f(None, _file, "GMLX_MODELS_PRESET")
+    max_resident: int | None = _f(None, _int, "GMLX_MAX_RESIDENT", check=_at_least(1))
+    keep_alive: float | None = _f(None, _duration, "GMLX_KEEP_ALIVE", check=_above(0))
     # The context window is the GGUF's trained one, or this when smaller (None: the GGUF's).
     max_kv_size: int | None = _f(None, _int, "GMLX_MAX_KV_SIZE", check=_at_least(1))
     # Capacity: the memory the table plans with (None: device or system memory) and what it keeps back.
@@ -246,8 +278,8 @@ class Settings:
 _SPECS: dict[str, _Spec] = {f.name: f.metadata["spec"] for f in fields(Settings) if "spec" in f.metadata}
 
 
-def _load_config(path: Path) -> dict[str, Any]:
-    where = f"config {path}"
+def load_table(path: Path, where: str) -> dict[str, Any]:
+    """A TOML or YAML file's top-level table (by its suffix); any problem is one SettingsError line."""
     if not path.is_file():
         raise SettingsError(f"{where}: file not found")
     try:
@@ -265,6 +297,12 @@ def _load_config(path: Path) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise SettingsError(f"{where}: expected a table of settings, got {type(data).__name__}")
+    return data
+
+
+def _load_config(path: Path) -> dict[str, Any]:
+    where = f"config {path}"
+    data = load_table(path, where)
     out = {str(k).replace("-", "_"): v for k, v in data.items()}
     if len(out) < len(data):
         raise SettingsError(f"{where}: a key is given both with dashes and with underscores")
@@ -291,17 +329,63 @@ def resolve_settings(
             raw, source = env[var], f"env {var}"
         elif cfg.get(name) is not None:  # YAML `key:` (null) = unset
             raw, source = cfg[name], f"config {config}"
-        if source == "default":
-            values[name] = spec.default
-        else:
-            try:
-                values[name] = spec.convert(raw)
-                if spec.check is not None and values[name] is not None:
-                    spec.check(values[name])
-            except ValueError as e:
-                raise SettingsError(f"{name}: {raw!r} from {source} {e}") from None
+        values[name] = spec.default if source == "default" else _convert(name, raw, source)
         sources[name] = source
+    return _combined(values, sources)
 
+
+# What a preset may set for its model: what belongs to one model and its engine. The rest (the
+# listener, keys, limits on connections, memory and the governor) is the server's, shared by all.
+MODEL_KEYS = (
+    "weights",
+    "decode_batch",
+    "queue_size",
+    "queue_timeout",
+    "prefill_step",
+    "max_tokens_default",
+    "max_kv_size",
+    "prompt_cache_bytes",
+    "prompt_cache_block",
+    "prompt_cache_checkpoint",
+    "kv_bits",
+    "kv_group_size",
+    "kv_scheme",
+    "kv_value_bits",
+    "kv_tail_tokens",
+    "draft",
+    "num_draft",
+)
+
+
+def for_model(s: Settings, overrides: Mapping[str, Any], source: str) -> Settings:
+    """A model's settings: the server's `s` with a preset's `overrides` over them, each checked as
+    a flag is; a decode batch of its own brings its own default queue size."""
+    if unknown := sorted(k for k in overrides if k not in MODEL_KEYS):
+        raise SettingsError(
+            f"{source}: not a per-model setting: {', '.join(unknown)} (one of: {', '.join(MODEL_KEYS)})"
+        )
+    values = {name: getattr(s, name) for name in _SPECS}
+    sources = dict(s.sources)
+    for name, raw in overrides.items():
+        values[name], sources[name] = _convert(name, raw, source), source
+    if "decode_batch" in overrides and "queue_size" not in overrides and sources["queue_size"].startswith("default"):
+        values["queue_size"] = None
+    return _combined(values, sources)
+
+
+def _convert(name: str, raw: Any, source: str) -> Any:
+    spec = _SPECS[name]
+    try:
+        value = spec.convert(raw)
+        if spec.check is not None and value is not None:
+            spec.check(value)
+    except ValueError as e:
+        raise SettingsError(f"{name}: {raw!r} from {source} {e}") from None
+    return value
+
+
+def _combined(values: dict[str, Any], sources: dict[str, str]) -> Settings:
+    """Settings from checked values, once the checks that span fields pass."""
     try:  # the governor's own checks, so a bad combination is a settings error, not a traceback at start
         Thresholds(*(values[f"governor_{b}"] for b in ("yellow", "orange", "red", "hysteresis")))
     except ValueError as e:
