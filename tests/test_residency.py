@@ -186,6 +186,12 @@ def test_a_memory_for_one_model_swaps_them_only_when_idle(tmp_path: Path) -> Non
         # And asking for it swaps back.
         assert c.post(CHAT, json=ask(None)).json()["model"] == "main"
         assert statuses(c)["twin"] == "unloaded"
+        # A request readying for the gate (tokenizing, say) keeps its model as a running one does.
+        first.pins += 1
+        try:
+            assert c.post(CHAT, json=ask("twin")).json()["error"]["code"] == "model_unavailable"
+        finally:
+            first.pins -= 1
 
 
 def test_the_plan_beside_another_model_is_the_offline_plan_beside_it(

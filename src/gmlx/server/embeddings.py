@@ -113,13 +113,13 @@ async def embeddings(request: Request) -> Response:
     inputs = _inputs(body)
     m = state.find(body.get("model"))
     assert state.residency is not None
-    await state.residency.ensure(m)
-    # Checked before the queue when the model is there; while it loads, once it holds a slot.
-    ids = await asyncio.to_thread(_tokenize, m, inputs) if m.ready else None
-    try:
-        await unless_disconnected(request, m.gate.acquire(1))
-    except ClientGone:
-        return Response(status_code=499)
+    async with state.residency.pinned(m):  # resident until its slot keeps it so
+        # Checked before the queue when the model is there; while it loads, once it holds a slot.
+        ids = await asyncio.to_thread(_tokenize, m, inputs) if m.ready else None
+        try:
+            await unless_disconnected(request, m.gate.acquire(1))
+        except ClientGone:
+            return Response(status_code=499)
     slot = Slot(m.gate)
     try:
         ids = ids or await asyncio.to_thread(_tokenize, m, inputs)

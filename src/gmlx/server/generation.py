@@ -81,12 +81,28 @@ async def admit(
     if p.n > m.gate.width:  # its choices decode side by side, each a row of the batch
         raise bad_request(f"'n' must be at most {m.gate.width}, the decode batch of {m.model_id!r}", "n")
     assert state.residency is not None
-    await state.residency.ensure(m)
-    if p.sampling.top_k >= m.deployment.header.geometry.vocab_size:
-        p = replace(p, sampling=replace(p.sampling, top_k=0))  # keeping every token is no top-k (mlx_lm refuses it)
-    rid = openai_api.new_id(p.chat)
-    ready = m.ready
-    prepared = await _prepare(m, p) if ready else None
+    async with state.residency.pinned(m):  # resident until its slots keep it so
+        if p.sampling.top_k >= m.deployment.header.geometry.vocab_size:
+            p = replace(p, sampling=replace(p.sampling, top_k=0))  # keeping every token is no top-k (mlx_lm refuses it)
+        rid = openai_api.new_id(p.chat)
+        admitted = await _queue(request, m, p, rid, arrived)
+    if isinstance(admitted, Response):
+        return admitted
+    row, prepared = admitted
+
+    queued_s = row.queued_s(time.monotonic())
+    state.histograms.observe_queue_wait(m.model_id, queued_s)
+    gen = Generation(m, p, rid, prepared, row.arrived_at, queued_s)
+    gen.start()
+    return gen
+
+
+async def _queue(
+    request: Request, m: ModelState, p: openai_api.GenerationParams, rid: str, arrived: float
+) -> tuple[QueuedRow, _Prepared] | Response:
+    """A request through its model's gate: tokenized first when the model is there, else once it
+    has loaded (it holds its slots meanwhile, and gives them back on a 400)."""
+    prepared = await _prepare(m, p) if m.ready else None
     row_prompt = len(prepared.prompt_ids) if prepared else "-"  # for the log: unknown until its model loads
     if await request.is_disconnected():  # gone while its prompt was tokenized: no queue place, no rejection
         log.info("%s prompt=%s generated=0 model=%s finish=client_gone (before the queue)", rid, row_prompt, m.model_id)
@@ -113,12 +129,7 @@ async def admit(
         except BaseException:
             m.gate.release(p.n)
             raise
-
-    queued_s = row.queued_s(time.monotonic())
-    state.histograms.observe_queue_wait(m.model_id, queued_s)
-    gen = Generation(m, p, rid, prepared, row.arrived_at, queued_s)
-    gen.start()
-    return gen
+    return row, prepared
 
 
 async def _prepare(m: ModelState, p: openai_api.GenerationParams) -> _Prepared:

@@ -18,7 +18,8 @@ import asyncio
 import gc
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from typing import Any
 
 from gmlx.deployment import Deployment
@@ -67,7 +68,7 @@ class Residency:
 
     # --- deciding ----------------------------------------------------------------------------
 
-    def others_bytes(self, m: ModelState, leaving: list[ModelState] = ()) -> int:  # type: ignore[assignment]
+    def others_bytes(self, m: ModelState, leaving: Sequence[ModelState] = ()) -> int:
         """The weights resident beside `m`, but those of `leaving`."""
         return sum(r.weight_bytes() for r in self._state.resident() if r is not m and r not in leaving)
 
@@ -117,7 +118,7 @@ class Residency:
             except (GGUFError, OSError) as e:
                 log.error("cannot serve %s: %s", m.model_id, e)
                 m.load_error, m.failed_file = _private(m, str(e)), _file_version(m)
-                raise _unavailable(m, f"it failed to load: {e}") from None
+                raise _unavailable(m, f"it failed to load: {m.load_error}") from None
             if not ok:
                 busy = [r.model_id for r in self._state.resident() if r is not m and r not in leaving]
                 why = "it does not fit in memory" + (f" beside {', '.join(busy)}, which are busy" if busy else "")
@@ -131,8 +132,20 @@ class Residency:
                     time.time() - r.last_used,
                     m.model_id,
                 )
-                await self._unload(r)
+                if not await self._unload_if_idle(r, locked=True):  # a request took it up meanwhile
+                    raise _unavailable(m, f"{r.model_id}, whose room it needs, is busy", LOADING_RETRY_AFTER_S)
             self._start(m)
+
+    @asynccontextmanager
+    async def pinned(self, m: ModelState) -> AsyncIterator[None]:
+        """`m` resident (or loading), and kept so while the caller readies its request for the
+        gate (tokenizing, queueing): once a slot is held, the gate's count keeps it."""
+        await self.ensure(m)
+        m.pins += 1  # no await since ensure: nothing can unload it in between
+        try:
+            yield
+        finally:
+            m.pins -= 1
 
     async def unload(self, m: ModelState) -> None:
         """POST /v1/models/{id}/unload: 404 if not loaded, 409 if anything is in flight or queued."""
@@ -200,10 +213,15 @@ class Residency:
         m.loaded_at = time.time()
         m.gate.poke()
 
-    async def _unload_if_idle(self, m: ModelState) -> None:
-        async with self._lock:
-            if m.engine is not None and m.status == "loaded" and m.idle:
-                await self._unload(m)
+    async def _unload_if_idle(self, m: ModelState, locked: bool = False) -> bool:
+        """Unload `m` if it is still loaded and idle now (the decision may be an await old)."""
+        if not locked:
+            async with self._lock:
+                return await self._unload_if_idle(m, locked=True)
+        if m.engine is None or m.status != "loaded" or not m.idle:
+            return False
+        await self._unload(m)
+        return True
 
     async def _unload(self, m: ModelState) -> None:
         engine = m.detach()

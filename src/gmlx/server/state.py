@@ -60,6 +60,7 @@ class ModelState:
     failed_file: tuple[int, int] | None = None  # the file's (mtime, size) then: a changed file is tried again
     others_bytes: int = 0  # the other models' weights beside it when it loaded: its table's
     stats: EngineStats = field(default_factory=EngineStats)  # every engine it has had records here
+    pins: int = 0  # requests readying for its gate (Residency.pinned): it stays resident meanwhile
     # transformers' fast tokenizers may reconfigure the shared Rust object per call
     # ("Already borrowed" when two threads meet), so encoding takes turns.
     tokenizer_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -97,9 +98,10 @@ class ModelState:
 
     @property
     def idle(self) -> bool:
-        """Nothing in flight, queued or holding a slot: it may be unloaded without anyone noticing."""
+        """Nothing in flight, queued, holding a slot or readying for one: it may be unloaded unnoticed."""
         engine = self.engine
-        return not self.gate.running and not self.gate.waiting and (engine is None or not engine.in_flight)
+        busy = self.pins or self.gate.running or self.gate.waiting or (engine is not None and engine.in_flight)
+        return not busy
 
     def weight_bytes(self) -> int:
         """Resident weights, its drafter's included: measured once loaded, planned before."""
