@@ -22,12 +22,15 @@ class APIError(Exception):
         self.type = type_ or _TYPES.get(status, "server_error")
         self.retry_after, self.close = retry_after, close
 
+    def body(self) -> dict:
+        """OpenAI's error shape (`retry_after` too, for an error sent inside a stream, where no header can go)."""
+        return {"error": {"message": self.message, "type": self.type, "code": self.code, "param": self.param}}
+
     def response(self) -> JSONResponse:
         headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else {}
         if self.close:
             headers["Connection"] = "close"
-        body = {"error": {"message": self.message, "type": self.type, "code": self.code, "param": self.param}}
-        return JSONResponse(body, status_code=self.status, headers=headers)
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 _TYPES = {

@@ -37,6 +37,9 @@ from gmlx.server.state import ModelState, QueuedRow, ServerState
 
 log = logging.getLogger("gmlx.server")
 _PREFILL_POLL_S = 0.005  # how often the later choices look whether the first has prefilled
+# A client asking for queue events (docs/api.md) gets an SSE comment this often while its request waits.
+QUEUE_EVENTS_HEADER = "x-gmlx-queue-events"
+QUEUE_EVENT_EVERY_S = 1.0
 
 
 async def generate(request: Request, chat: bool) -> Response:
@@ -45,13 +48,68 @@ async def generate(request: Request, chat: bool) -> Response:
     body = await read_json(request, state)
     if chat and isinstance(body, dict) and body.get("dry_run") is True:
         return JSONResponse(await estimate_body(state, body))
-    gen = await admit(request, state, openai_api.parse(body, chat), arrived)
+    p, prepared = openai_api.parse(body, chat), None
+    if _wants_queue_events(request, state, p):
+        m = state.find(p.model)
+        # Refusals it can meet now are answered with their status; it streams once it must wait.
+        prepared = await _prepare(m, p) if m.ready else None
+        if _must_wait(m, p):
+            return sse(_queued_stream(request, state, p, arrived, prepared))
+    gen = await admit(request, state, p, arrived, prepared=prepared)
     if isinstance(gen, Response):
         return gen
     if gen.p.stream:
         return sse(gen.stream())
     answer = await complete(request, gen)
     return answer if isinstance(answer, Response) else JSONResponse(answer)
+
+
+def _wants_queue_events(request: Request, state: ServerState, p: openai_api.GenerationParams) -> bool:
+    """A stream that will wait for its slot, from a client that asked for queue events."""
+    wants = request.headers.get(QUEUE_EVENTS_HEADER, "").lower() in ("1", "true", "yes")
+    return p.stream and wants and _must_wait(state.find(p.model), p)
+
+
+def _must_wait(m: ModelState, p: openai_api.GenerationParams) -> bool:
+    """Its model loading, or every slot taken or promised; and room in the queue (a full one
+    refuses it at once, with a 503), and no more choices than slots (a 400)."""
+    gate = m.gate
+    busy = not m.ready or gate.waiting > 0 or gate.running + p.n > gate.width
+    return busy and gate.waiting < gate.cap and p.n <= gate.width
+
+
+async def _queued_stream(
+    request: Request, state: ServerState, p: openai_api.GenerationParams, arrived: float, prepared: _Prepared | None
+) -> AsyncIterator[str]:
+    """The stream starts at once, and while the request waits it carries an SSE comment (which
+    clients skip) every second: its place in its model's queue and the drain time ahead of it,
+    `: queued position=2 waiting=3 eta_s=8`. Then it goes on as any stream; a refusal that would
+    have been a 503 (queue_timeout, a model that failed to load) is an error event, Retry-After in
+    it, as is a 400 only its loading model could find (a prompt longer than its window)."""
+    m, rid = state.find(p.model), openai_api.new_id(p.chat)
+    task = asyncio.ensure_future(admit(request, state, p, arrived, rid, prepared))
+    try:
+        told = False
+        while not task.done():
+            if rid in m.queued:
+                ahead = list(m.queued).index(rid) + 1
+                eta = m.gate.retry_after(waiting=ahead)
+                yield f": queued position={ahead} waiting={m.gate.waiting} eta_s={eta}\n\n"
+                told = True
+            await asyncio.wait({task}, timeout=QUEUE_EVENT_EVERY_S if told else _PREFILL_POLL_S)
+        try:
+            gen = task.result()
+        except APIError as e:
+            event = e.body()
+            event["error"]["retry_after"] = e.retry_after
+            yield _sse_data(event)
+            yield "data: [DONE]\n\n"
+            return
+        if isinstance(gen, Generation):
+            async for data in gen.stream():
+                yield data
+    finally:
+        task.cancel()  # the client left while it waited: its place goes back (a done task ignores this)
 
 
 def sse(events: AsyncIterator[str]) -> StreamingResponse:
@@ -71,7 +129,12 @@ class _Prepared:
 
 
 async def admit(
-    request: Request, state: ServerState, p: openai_api.GenerationParams, arrived: float
+    request: Request,
+    state: ServerState,
+    p: openai_api.GenerationParams,
+    arrived: float,
+    rid: str | None = None,
+    prepared: _Prepared | None = None,
 ) -> Generation | Response:
     """A parsed request, from its checks through its model's admission gate to its started
     Generation (or a 499 for a client gone meanwhile). The chat and completions routes and
@@ -84,8 +147,8 @@ async def admit(
     async with state.residency.pinned(m):  # resident until its slots keep it so
         if p.sampling.top_k >= m.deployment.header.geometry.vocab_size:
             p = replace(p, sampling=replace(p.sampling, top_k=0))  # keeping every token is no top-k (mlx_lm refuses it)
-        rid = openai_api.new_id(p.chat)
-        admitted = await _queue(request, m, p, rid, arrived)
+        rid = rid or openai_api.new_id(p.chat)
+        admitted = await _queue(request, m, p, rid, arrived, prepared)
     if isinstance(admitted, Response):
         return admitted
     row, prepared = admitted
@@ -98,11 +161,17 @@ async def admit(
 
 
 async def _queue(
-    request: Request, m: ModelState, p: openai_api.GenerationParams, rid: str, arrived: float
+    request: Request,
+    m: ModelState,
+    p: openai_api.GenerationParams,
+    rid: str,
+    arrived: float,
+    prepared: _Prepared | None = None,
 ) -> tuple[QueuedRow, _Prepared] | Response:
-    """A request through its model's gate: tokenized first when the model is there, else once it
-    has loaded (it holds its slots meanwhile, and gives them back on a 400)."""
-    prepared = await _prepare(m, p) if m.ready else None
+    """A request through its model's gate: tokenized first when the model is there (unless the
+    caller did), else once it has loaded (it holds its slots meanwhile, and gives them back on a 400)."""
+    if prepared is None and m.ready:
+        prepared = await _prepare(m, p)
     row_prompt = len(prepared.prompt_ids) if prepared else "-"  # for the log: unknown until its model loads
     if await request.is_disconnected():  # gone while its prompt was tokenized: no queue place, no rejection
         log.info("%s prompt=%s generated=0 model=%s finish=client_gone (before the queue)", rid, row_prompt, m.model_id)
