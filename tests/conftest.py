@@ -161,15 +161,19 @@ class ServeProcess:
     def __enter__(self) -> ServeProcess:
         self._out = self._log.open("wb")
         self.proc = subprocess.Popen(self._args, stdout=self._out, stderr=subprocess.STDOUT, env=self._env)
-        deadline = time.monotonic() + 120
+        deadline, last = time.monotonic() + 120, "nothing yet"
         try:
             while True:
-                assert self.proc.poll() is None and time.monotonic() < deadline, f"no server:\n{self.log()}"
+                # The last poll's outcome tells a slow start (503 loading) from a silent one (timeouts).
+                alive = self.proc.poll() is None
+                assert alive and time.monotonic() < deadline, f"no server (last poll: {last}):\n{self.log()}"
                 try:
-                    if httpx.get(f"{self.url}/health", params={"ready": 1}, timeout=5).status_code == 200:
+                    r = httpx.get(f"{self.url}/health", params={"ready": 1}, timeout=5)
+                    if r.status_code == 200:
                         return self
-                except httpx.TransportError:
-                    pass
+                    last = f"{r.status_code} {r.text[:200]}"
+                except httpx.TransportError as e:
+                    last = repr(e)
                 time.sleep(0.2)
         except BaseException:
             self.__exit__()
