@@ -18,6 +18,9 @@ from tiny_models import write_model
 from gmlx.engine.engine import Failed
 
 CHAT = "/v1/chat/completions"
+# Choices that run until stopped: the tiny model's end tokens (<eos>, <end_of_turn>) are banned, or
+# sampling may end one after a few tokens, before the test sees all three decode.
+LONG = {"max_tokens": 10_000, "logit_bias": {"1": -100, "5": -100}}
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +163,7 @@ def test_every_choice_is_one_log_line_and_one_engine_row(server: LiveServer, cap
 
 def test_a_client_leaving_an_n3_stream_frees_every_slot(server: LiveServer, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="gmlx.server")
-    sock = raw_post(server, json.dumps({"messages": messages(), "n": 3, "max_tokens": 10_000, "stream": True}).encode())
+    sock = raw_post(server, json.dumps({"messages": messages(), "n": 3, **LONG, "stream": True}).encode())
     server.wait_until(lambda: server.engine.decoding == 3, timeout=20)
     assert server.model.gate.running == 3
     sock.close()
@@ -171,7 +174,7 @@ def test_a_client_leaving_an_n3_stream_frees_every_slot(server: LiveServer, capl
 
 
 def test_a_client_leaving_a_non_streamed_n3_frees_every_slot(server: LiveServer) -> None:
-    sock = raw_post(server, json.dumps({"messages": messages(), "n": 3, "max_tokens": 10_000}).encode())
+    sock = raw_post(server, json.dumps({"messages": messages(), "n": 3, **LONG}).encode())
     server.wait_until(lambda: server.engine.decoding == 3, timeout=20)
     sock.close()
     server.wait_until(lambda: server.model.gate.running == 0, timeout=1.5)
@@ -188,14 +191,14 @@ def _fail_second_choice(s: LiveServer) -> None:
 def test_one_choice_failing_fails_the_request_and_ends_the_others(server: LiveServer) -> None:
     threading.Thread(target=_fail_second_choice, args=(server,), daemon=True).start()
     with server.client() as c:
-        r = c.post(CHAT, json={"messages": messages(), "n": 3, "max_tokens": 10_000})
+        r = c.post(CHAT, json={"messages": messages(), "n": 3, **LONG})
     assert r.status_code == 503 and r.json()["error"]["code"] == "memory_pressure" and "Retry-After" in r.headers
     server.wait_until(lambda: server.model.gate.running == 0 and server.engine.in_flight == 0, timeout=10)
 
     threading.Thread(target=_fail_second_choice, args=(server,), daemon=True).start()
     with (
         server.client() as c,
-        c.stream("POST", CHAT, json={"messages": messages(), "n": 3, "max_tokens": 10_000, "stream": True}) as r,
+        c.stream("POST", CHAT, json={"messages": messages(), "n": 3, **LONG, "stream": True}) as r,
     ):
         lines = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "[DONE]" and json.loads(lines[-2])["error"]["code"] == "memory_pressure"

@@ -17,7 +17,8 @@ from gmlx.deployment import Deployment
 from gmlx.engine.engine import Engine, Event, Failed, Finished, Request
 from gmlx.engine.heap import trim_heap
 from gmlx.server.build import build_engine
-from gmlx.server.state import ServerState
+from gmlx.server.prometheus import Histograms
+from gmlx.server.state import ModelState
 from gmlx.settings import resolve_settings
 
 PROMPT_TOKENS = 2000
@@ -77,11 +78,13 @@ def fan_out(engine: Engine, width: int, salt: int) -> list[Event]:
 @pytest.mark.slow
 def test_a_fan_out_peaks_where_the_capacity_table_says(default_model: Path) -> None:
     settings = resolve_settings({"decode_batch": 8}, env={})
-    engine = build_engine(Deployment(default_model.stem, default_model, settings))
+    model = ModelState(Deployment(default_model.stem, default_model, settings), Histograms())
+    engine = build_engine(model.deployment)
+    model.attach(engine, others_bytes=0)
     engine.start()
     try:
         assert engine.ready.wait(300) and engine.loaded is not None, engine.load_error
-        table = ServerState(settings, engine, default_model.stem).table()
+        table = model.table()
         assert table is not None
         for width in (8, 4, 1):  # the widest first: what it touches once is no part of the narrower ones
             mx.synchronize()

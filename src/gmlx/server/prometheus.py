@@ -25,7 +25,7 @@ from gmlx.server.latency import WINDOW_S, Window
 
 BANDS = ("green", "yellow", "orange", "red")
 REJECT_REASONS = ("queue_full", "queue_timeout")  # AdmissionGate._reject's codes
-FINISH_REASONS = ("stop", "length", "cancelled")  # engine.Finished.finish_reason
+FINISH_REASONS = ("stop", "length", "cancelled", "error")  # engine.Finished.finish_reason; error: a Failed
 REQUEST_STATES = ("queued", "prefill", "decode")
 MODEL_STATUSES = ("loading", "loaded")  # a resident model's (state.Status, less "unloaded")
 _EOF = b"# EOF\n"  # OpenMetrics' last line: once, after the capacity table's text
