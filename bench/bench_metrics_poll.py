@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import httpx
-from bench_poll import machine
+from bench_poll import machine, write_result
 from bench_serve import PROMPTS, one_stream, wait_ready
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -250,11 +250,7 @@ def main() -> None:
         "latency_under_load": latency([r for r in rows if r["phase"] != "idle"]),
         "kv_usage": fold(rows),
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"metrics-poll-{out['model']}{'-' + args.memory if args.memory else ''}.json"
-    path.write_text(json.dumps(out, indent=2) + "\n")
-    print(json.dumps(out, indent=2))
-    print(f"wrote {path}", file=sys.stderr)
+    write_result(out, args.out, f"metrics-poll-{out['model']}{'-' + args.memory if args.memory else ''}.json")
 
 
 if __name__ == "__main__":

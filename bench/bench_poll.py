@@ -87,6 +87,15 @@ def machine() -> dict:
     }
 
 
+def write_result(out: dict, folder: Path, name: str) -> None:
+    """The run's JSON into `folder`/`name`, and on stdout; where it went on stderr."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print(json.dumps(out, indent=2))
+    print(f"wrote {path}", file=sys.stderr)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--url", help="a running server (else one is started here)")
@@ -136,11 +145,7 @@ def main() -> None:
         "machine": at_start,
         **result,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"poll-{out['model']}.json"
-    path.write_text(json.dumps(out, indent=2) + "\n")
-    print(json.dumps(out, indent=2))
-    print(f"wrote {path}", file=sys.stderr)
+    write_result(out, args.out, f"poll-{out['model']}.json")
 
 
 if __name__ == "__main__":

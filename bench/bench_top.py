@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import fcntl
-import json
 import os
 import pty
 import struct
@@ -30,7 +29,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from bench_poll import machine
+from bench_poll import machine, write_result
 from bench_serve import PROMPTS, one_stream, wait_ready
 
 RESULTS = Path(__file__).parent / "results"
@@ -160,11 +159,7 @@ def main() -> None:
         "top_rss_bytes": rss,
         "machine": at_start,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"top-{out['model']}.json"
-    path.write_text(json.dumps(out, indent=2) + "\n")
-    print(json.dumps(out, indent=2))
-    print(f"wrote {path}", file=sys.stderr)
+    write_result(out, args.out, f"top-{out['model']}.json")
 
 
 if __name__ == "__main__":

@@ -193,6 +193,21 @@ class ServeProcess:
 
 
 @pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+def fake():
+    """A fake gmlx server answering `gmlx top`'s polls with a recorded snapshot (test_tui.FakeServer)."""
+    from test_tui import FakeServer
+
+    server = FakeServer("idle_green")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
 def no_settings_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """The CLI commands read the server's settings from the environment; the tests start from defaults."""
     for name in os.environ:

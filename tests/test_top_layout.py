@@ -5,7 +5,6 @@ the server's latency percentiles and finish counts, sparklines over a fixed time
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,18 +17,6 @@ from gmlx.tui import render
 from gmlx.tui.app import TopApp
 from gmlx.tui.client import HISTORY_S, RATE_WINDOW_S, History, Poller, Status, window
 from gmlx.tui.render import plain_text
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
-def fake() -> Iterator[FakeServer]:
-    server = FakeServer("idle_green")
-    yield server
-    server.stop()
 
 
 def polled(name: str) -> Poller:

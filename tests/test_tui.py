@@ -81,18 +81,6 @@ class FakeServer:
         return f"http://127.0.0.1:{self.port}"
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
-def fake() -> Iterator[FakeServer]:
-    server = FakeServer("idle_green")
-    yield server
-    server.stop()
-
-
 async def until(pilot: Pilot, predicate: Callable[[], bool], timeout: float = 5.0) -> None:
     for _ in range(int(timeout / 0.02)):
         if predicate():

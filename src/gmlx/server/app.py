@@ -16,7 +16,6 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gmlx.capacity.table import CapacityTable
 from gmlx.deployment import Deployment
 from gmlx.server.admission import RETRY_AFTER_FULL_S
 from gmlx.server.aliases import UnprefixedAliases
@@ -235,12 +234,9 @@ def create_app(settings: Settings, served: dict[str, Deployment], build: Build =
     def publish_band(band: str) -> None:  # on the governor's thread; readers take the latest
         state.band = band
 
-    def any_table() -> CapacityTable | None:  # the budget: total and reserve are the server's
-        return next((t for m in state.resident() if (t := m.table()) is not None), None)
-
     residency = state.residency = Residency(state, build, admits=lambda m: governor.admits(m))
     # Disabled by GMLX_GOVERNOR=0, but still reports so.
-    governor = state.governor = Governor(settings, any_table, state.resident, publish_band, residency.relieve)
+    governor = state.governor = Governor(settings, state.budget_table, state.resident, publish_band, residency.relieve)
     residency.prepare()
 
     @asynccontextmanager

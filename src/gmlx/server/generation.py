@@ -49,12 +49,12 @@ async def generate(request: Request, chat: bool) -> Response:
     if chat and isinstance(body, dict) and body.get("dry_run") is True:
         return JSONResponse(await estimate_body(state, body))
     p, prepared = openai_api.parse(body, chat), None
-    if _wants_queue_events(request, state, p):
+    if p.stream and request.headers.get(QUEUE_EVENTS_HEADER, "").lower() in ("1", "true", "yes"):
         m = state.find(p.model)
         # Refusals it can meet now are answered with their status; it streams once it must wait.
         prepared = await _prepare(m, p) if m.ready else None
         if _must_wait(m, p):
-            return sse(_queued_stream(request, state, p, arrived, prepared))
+            return sse(_queued_stream(request, state, m, p, arrived, prepared))
     gen = await admit(request, state, p, arrived, prepared=prepared)
     if isinstance(gen, Response):
         return gen
@@ -62,12 +62,6 @@ async def generate(request: Request, chat: bool) -> Response:
         return sse(gen.stream())
     answer = await complete(request, gen)
     return answer if isinstance(answer, Response) else JSONResponse(answer)
-
-
-def _wants_queue_events(request: Request, state: ServerState, p: openai_api.GenerationParams) -> bool:
-    """A stream that will wait for its slot, from a client that asked for queue events."""
-    wants = request.headers.get(QUEUE_EVENTS_HEADER, "").lower() in ("1", "true", "yes")
-    return p.stream and wants and _must_wait(state.find(p.model), p)
 
 
 def _must_wait(m: ModelState, p: openai_api.GenerationParams) -> bool:
@@ -79,14 +73,19 @@ def _must_wait(m: ModelState, p: openai_api.GenerationParams) -> bool:
 
 
 async def _queued_stream(
-    request: Request, state: ServerState, p: openai_api.GenerationParams, arrived: float, prepared: _Prepared | None
+    request: Request,
+    state: ServerState,
+    m: ModelState,
+    p: openai_api.GenerationParams,
+    arrived: float,
+    prepared: _Prepared | None,
 ) -> AsyncIterator[str]:
     """The stream starts at once, and while the request waits it carries an SSE comment (which
     clients skip) every second: its place in its model's queue and the drain time ahead of it,
     `: queued position=2 waiting=3 eta_s=8`. Then it goes on as any stream; a refusal that would
     have been a 503 (queue_timeout, a model that failed to load) is an error event, Retry-After in
     it, as is a 400 only its loading model could find (a prompt longer than its window)."""
-    m, rid = state.find(p.model), openai_api.new_id(p.chat)
+    rid = openai_api.new_id(p.chat)
     task = asyncio.ensure_future(admit(request, state, p, arrived, rid, prepared))
     try:
         told = False

@@ -14,7 +14,6 @@ import mlx.core as mx
 import psutil
 
 from gmlx.capacity.memory import kv_bytes_after_prefill, kv_bytes_per_token, warmup_per_token
-from gmlx.capacity.table import CapacityTable
 from gmlx.engine.engine import drafting_refused
 from gmlx.server.admission import RETRY_AFTER_FULL_S, AdmissionGate
 from gmlx.server.state import ModelState, ServerState
@@ -68,14 +67,9 @@ def _governor(s: ServerState) -> dict:
 _PROCESS = psutil.Process()  # this server's process: looked up once, read at every snapshot
 
 
-def _table(s: ServerState) -> CapacityTable | None:
-    """The preloaded model's table, else any resident one's: total and reserve are the server's."""
-    return next((t for m in [s.default, *s.resident()] if (t := m.table()) is not None), None)
-
-
 def _memory(s: ServerState) -> dict:
     active, cache = mx.get_active_memory(), mx.get_cache_memory()
-    table = _table(s)
+    table = s.budget_table()
     usable = table.budget.total_bytes - table.budget.reserve_bytes if table else None
     vm = psutil.virtual_memory()
     return {
@@ -90,23 +84,10 @@ def _memory(s: ServerState) -> dict:
     }
 
 
-_tables_json: dict[int, tuple[CapacityTable, dict]] = {}  # id(table) -> the table and its JSON (a table never changes)
-
-
-def _table_json(table: CapacityTable) -> dict:
-    cached = _tables_json.get(id(table))
-    if cached is None or cached[0] is not table:  # its binary searches cost more than the rest
-        if len(_tables_json) > 64:  # models come and go; their old tables need not stay
-            _tables_json.clear()
-        cached = _tables_json[id(table)] = (table, table.to_json())
-    return dict(cached[1])  # the warm-up is added to a copy; nothing changes the nested parts
-
-
 def _model_capacity(m: ModelState) -> dict | None:
-    table, engine = m.table(), m.engine
-    if table is None or engine is None:
+    table, engine, out = m.table(), m.engine, m.table_json()
+    if table is None or engine is None or out is None:
         return None
-    out = _table_json(table)
     if (measured := engine.measured) is not None:
         out["warmup"] = {
             "tokens": measured.tokens,

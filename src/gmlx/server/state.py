@@ -65,6 +65,7 @@ class ModelState:
     # ("Already borrowed" when two threads meet), so encoding takes turns.
     tokenizer_lock: threading.Lock = field(default_factory=threading.Lock)
     _table: CapacityTable | None = None
+    _table_json: dict | None = None
     _token_bytes: list[bytes] | None = None
 
     def __post_init__(self) -> None:
@@ -136,6 +137,16 @@ class ModelState:
             )
         return self._table
 
+    def table_json(self) -> dict | None:
+        """The table as JSON, made once per table (its binary searches cost more than a snapshot's
+        rest); a copy, so a caller may add to it."""
+        table = self.table()
+        if table is None:
+            return None
+        if self._table_json is None:
+            self._table_json = table.to_json()
+        return dict(self._table_json)
+
     def kv_format(self, float_bytes: int) -> KVFormat:
         """The KV cache's format: the engine's quantization plan, or float."""
         plan = getattr(self.engine, "kv_quant", None)
@@ -144,14 +155,14 @@ class ModelState:
     def attach(self, engine: Engine, others_bytes: int) -> None:
         """A new engine for it (loading), beside `others_bytes` of the other models' weights."""
         self.engine, self.others_bytes, self.load_error, self.loaded_at = engine, others_bytes, None, None
-        self._table = self._token_bytes = None
+        self._table = self._table_json = self._token_bytes = None
         engine.stats = self.stats  # its counts go on across loads (Prometheus counters never fall)
         engine.on_token_gap = lambda seconds: self.histograms.observe_gap(self.model_id, seconds)
 
     def detach(self) -> Engine | None:
         """Drop its engine (unloaded, or failed to load): nothing here keeps its arrays alive."""
         engine, self.engine = self.engine, None
-        self._table = self._token_bytes = None
+        self._table = self._table_json = self._token_bytes = None
         return engine
 
     def tokenize_with_anchor(self, p: openai_api.GenerationParams) -> tuple[list[int], int]:
@@ -215,7 +226,12 @@ class ServerState:
         return [m for m in self.models.values() if m.engine is not None]
 
     def engines(self) -> list[Engine]:
-        return [m.engine for m in self.models.values() if m.engine is not None]
+        return [m.engine for m in self.resident()]  # type: ignore[misc]
+
+    def budget_table(self) -> CapacityTable | None:
+        """The preloaded model's table, else any resident one's: the memory budget (total, reserve)
+        is the server's, whichever model's table states it. None while none is loaded."""
+        return next((t for m in [self.default, *self.resident()] if (t := m.table()) is not None), None)
 
     def find(self, model: str | None) -> ModelState:
         """The model a request names (None: the preloaded one); 404 `model_not_found` otherwise."""
