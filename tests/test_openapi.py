@@ -170,7 +170,9 @@ def test_what_the_fuzz_found_stays_fixed(open_server: LiveServer) -> None:
             {"messages": hi, "stream_options": {"include_usage": "yes"}},
             {"messages": hi, "max_completion_tokens": 2, "max_tokens": 0},
             {"messages": hi, "max_completion_tokens": 2, "max_tokens": "many"},
+            {"messages": hi, "response_format": {}},
         ],
+        ("POST", "/v1/estimate"): [{"messages": hi, "response_format": {}}],
         ("GET", "/v1/metrics"): [{"format": "xml"}, {"format": "null"}],
         ("GET", "/v1/capacity/plan"): [
             {"width": w, "depth": "1"} for w in (" 2", "+2", "1_000", "\u0663", "--2", "9" * 5000)

@@ -285,9 +285,11 @@ def test_bad_model_input(folder: Path, tmp_path: Path) -> None:
         again = c.post(CHAT, json=ask("broken"))  # the same file is not loaded again
         assert again.status_code == 503 and "failed to load" in again.json()["error"]["message"]
         assert c.post(CHAT, json=ask(None)).status_code == 200  # the others keep serving
-        with c.stream("POST", "/v1/completions", json=LONG) as stream:
-            next(stream.iter_lines())
+        server.model.pins += 1  # a request readying for its slot: the model is busy
+        try:
             refused = c.post(f"/v1/models/{server.model_id}/unload")
+        finally:
+            server.model.pins -= 1
         assert refused.status_code == 409 and refused.json()["error"]["code"] == "model_busy"
 
 

@@ -245,6 +245,8 @@ def check_logit_bias(p: GenerationParams, vocab_size: int) -> None:
 def _response_format(body: dict) -> str | None:
     """response_format as a grammar (None for text); a schema that cannot be used is a 400 here."""
     fmt = _typed(body, "response_format", dict, "an object")
+    if fmt is not None and "type" not in fmt:  # the schema requires it: {} is no request for text
+        raise bad_request("response_format.type is required (text, json_object or json_schema)", "response_format")
     kind = None if fmt is None else fmt.get("type")
     if kind in (None, "text"):
         return None
