@@ -69,3 +69,32 @@ def test_typer_writes_each_shells_completion_script() -> None:
     for shell, marker in (("bash", "complete -o"), ("zsh", "compdef"), ("fish", "complete --command")):
         script = upstream.completion_script("gmlx", "_GMLX_COMPLETE", shell)
         assert marker in script and "_GMLX_COMPLETE" in script, shell
+
+
+def test_the_generation_batch_takes_gmlxs_decode_step_and_keeps_only_the_rows_asked(
+    tiny_models: dict[str, Path],
+) -> None:
+    from mlx_lm.generate import BatchGenerator
+
+    from gmlx.engine.sampling import greedy
+    from gmlx.models.loader import load
+
+    model = load(tiny_models["llama"], "float").model
+
+    def run(own_step: bool) -> tuple[dict[int, list[int]], dict[int, list[bool]]]:
+        gen = BatchGenerator(model, stop_tokens=[], completion_batch_size=2, prefill_batch_size=2)
+        if own_step:
+            upstream.decode_on_logits(gen, lambda uid: uid == 0)
+        uids = gen.insert([[1, 7, 9], [1, 4]], [6, 6], samplers=[greedy, greedy])
+        tokens: dict[int, list[int]] = {u: [] for u in uids}
+        kept: dict[int, list[bool]] = {u: [] for u in uids}
+        while any(len(t) < 6 for t in tokens.values()):
+            for r in gen.next()[1]:
+                tokens[r.uid].append(r.token)
+                kept[r.uid].append(r.logprobs is not None)
+        return tokens, kept
+
+    tokens, kept = run(own_step=True)
+    assert tokens == run(own_step=False)[0]
+    # Each row's first token is mlx_lm's (sampled as it joins); after that only row 0 keeps its logits.
+    assert kept == {0: [True] * 6, 1: [True] + [False] * 5}

@@ -2,8 +2,10 @@
 
 Requests come in through a thread-safe command queue; their tokens go out through each
 request's `emit` callback, called on this thread (the server hands them to its event loop).
-Scheduling is mlx_lm's BatchGenerator: up to `decode_batch` streams decode together and new
-prompts are prefilled in `prefill_step`-token chunks between decode steps.
+Scheduling is mlx_lm's BatchGenerator: up to `decode_batch` streams decode together, and each
+step prefills a chunk of every new prompt after the decode rows' token, the chunk sized each
+step by engine/budget.py so that decoding never waits long behind a prefill. Its decode step
+samples from the logits unnormalised (gmlx.upstream.decode_on_logits).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import StreamingDetokenizer
 
+from gmlx import upstream
+from gmlx.engine.budget import PrefillBudget
 from gmlx.engine.embeddings import embed
 from gmlx.engine.heap import map_large_buffers, trim_heap
 from gmlx.engine.logprobs import TokenLogprob, score_logprobs
@@ -353,6 +357,7 @@ class Engine:
         self.ready = threading.Event()
         self.decode_batch = decode_batch
         self.prefill_step = prefill_step
+        self._budget = PrefillBudget(prefill_step)
         self.stats = EngineStats()
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._active: dict[int, _Stream] = {}  # batch uid -> stream, owned by the engine thread
@@ -428,13 +433,19 @@ class Engine:
     def _new_generator(self) -> BatchGenerator:
         assert self.loaded is not None
         eos = [[t] for t in sorted(self.loaded.tokenizer.eos_token_ids)]
-        return BatchGenerator(
+        gen = BatchGenerator(
             self.loaded.model,
             stop_tokens=eos,
             completion_batch_size=self.decode_batch,
             prefill_batch_size=self.decode_batch,
             prefill_step_size=self.prefill_step,
         )
+        upstream.decode_on_logits(gen, self._keeps_logits)
+        return gen
+
+    def _keeps_logits(self, uid: int) -> bool:
+        stream = self._active.get(uid)
+        return stream is not None and stream.req.logprobs is not None
 
     def _run(self) -> None:
         try:
@@ -445,6 +456,9 @@ class Engine:
                 if self._no_lane:
                     log.warning("the drafter stays idle: %s", self._no_lane)
             self.measured = warm_up(self.loaded, make_cache=self._make_cache)
+            # First guesses for the prefill budget, until steps beside decoding are measured.
+            self._budget.decode_s = 1 / self.measured.decode_tok_s
+            self._budget.token_s = 1 / self.measured.prefill_tok_s
             windows = [w for c in self._make_cache(self.loaded.model) if (w := getattr(c, "max_size", None))]
             self._trim_limit = min(windows, default=float("inf"))
         except Exception as e:
@@ -731,8 +745,14 @@ class Engine:
         req.speculative.batched = True
 
     def _step(self, gen: BatchGenerator) -> None:
+        phases = Counter(stream.req.state for stream in self._active.values())
+        decoding, prefilling = phases[Phase.DECODE], phases[Phase.PREFILL]
+        # Prompts join the batch only while it has room (mlx_lm's completion_batch_size).
+        gen.prefill_step_size = self._budget.chunk(decoding, min(prefilling, self.decode_batch - decoding))
+        start = time.perf_counter()
         with gen.stats() as s:
             prompt_responses, generation_responses = gen.next()
+        self._budget.observe(len(generation_responses), s.prompt_tokens, time.perf_counter() - start)
         while self._sampling_failed:  # before the responses, so no placeholder token goes out
             req, why = self._sampling_failed.pop()
             if req.uid in self._active:

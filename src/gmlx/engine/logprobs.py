@@ -1,9 +1,10 @@
 """Log-probabilities of generated tokens, for the requests that ask (OpenAI's `logprobs`).
 
-They are what mlx_lm hands the sampler: the log-softmax of a row's logits after its logits
+They are the log-softmax of the row the sampler drew from: the logits after the row's logits
 processors (penalties, logit bias, a grammar's mask), before temperature and top-k/p/min-p.
-Every row that asks is scored in one batched pass, so a step costs one top-k over the
-vocabulary per row, not a Python loop.
+The engine's decode step samples from the logits unnormalised (gmlx.upstream.decode_on_logits),
+so only the rows that ask are normalised, here. Every row that asks is scored in one batched
+pass, so a step costs one top-k over the vocabulary per row, not a Python loop.
 """
 
 from __future__ import annotations
@@ -26,11 +27,12 @@ class TokenLogprob:
 
 
 def score_logprobs(rows: list[mx.array], tokens: list[int], tops: list[int]) -> list[TokenLogprob]:
-    """`rows[i]` is the log-probability vector `tokens[i]` was drawn from; `tops[i]` how many
-    alternatives that request wants (0 to MAX_TOP)."""
+    """`rows[i]` is the logits (or log-probability) vector `tokens[i]` was drawn from; `tops[i]`
+    how many alternatives that request wants (0 to MAX_TOP)."""
     if not rows:
         return []
     lp = mx.stack(rows)
+    lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
     chosen = mx.take_along_axis(lp, mx.array(tokens)[:, None], axis=-1)[:, 0]
     k = min(max(tops), lp.shape[-1])
     if k == 0:

@@ -34,7 +34,8 @@ class SamplingParams:
 
 
 def greedy(logprobs: mx.array) -> mx.array:
-    """The most likely token of each row (over the last axis)."""
+    """The most likely token of each row (over the last axis). Samplers take logits or
+    log-probabilities alike: each gives the same draw for a row shifted by a constant."""
     if kernels.available():
         return kernels.extension().argmax(logprobs, stream=mx.cpu)
     return mx.argmax(logprobs, axis=-1)
@@ -57,8 +58,8 @@ def make_sampler(p: SamplingParams) -> Sampler:
             return kernels.extension().sample(
                 logprobs, u, temperature=p.temperature, top_p=p.top_p, min_p=p.min_p, top_k=p.top_k, stream=mx.cpu
             )
-        if 0 < p.top_p < 1:
-            logprobs = apply_top_p(logprobs, p.top_p)
+        if 0 < p.top_p < 1:  # mlx_lm's top_p sums exp(row): it must be normalised
+            logprobs = apply_top_p(logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True), p.top_p)
         if p.min_p > 0:
             logprobs = apply_min_p(logprobs, p.min_p)
         if p.top_k > 0:

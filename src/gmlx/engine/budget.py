@@ -1,0 +1,52 @@
+"""How many prompt tokens each engine step prefills, per prompt (docs/ARCHITECTURE.md, "Scheduling").
+
+mlx_lm's BatchGenerator runs one decode step for the decoding rows, then one chunk of every
+prompt being prefilled, `prefill_step_size` tokens a row padded to the longest. Left at one
+size, a few long prompts stop every stream for seconds, and a short prompt arriving beside
+them waits for their whole chunk. The engine sets the size before each step from a budget:
+
+- with no stream decoding, `max_tokens` shared among the prompts, so a short prompt ends in
+  the first steps while long ones go on, and the machine still prefills `max_tokens` a step;
+- with streams decoding, what fits in `share` of a decode step's time, from the measured
+  time of a decode step and of a prefilled token beside one, so no stream's gap between two
+  tokens grows past about (1 + share) times its usual.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_SMOOTHING = 0.3  # weight of each new measurement in the moving averages
+
+
+def _moving(old: float | None, new: float) -> float:
+    return new if old is None else old + _SMOOTHING * (new - old)
+
+
+@dataclass
+class PrefillBudget:
+    max_tokens: int  # a step's prompt tokens with nothing decoding: the engine's prefill_step
+    share: float = 0.7  # a decoding step's prefill takes at most this many decode steps' time
+    floor: int = 16  # the least a prompt advances a step, so a long one always moves
+    decode_s: float | None = None  # a step that only decodes
+    token_s: float | None = None  # one prompt token prefilled in a step beside decoding
+
+    def chunk(self, decoding: int, prefilling: int) -> int:
+        """Tokens each prompt being prefilled takes this step."""
+        budget = self.max_tokens
+        if decoding and self.decode_s is not None and self.token_s:
+            budget = min(budget, round(self.share * self.decode_s / self.token_s))
+        return max(self.floor, min(self.max_tokens, budget // max(1, prefilling)))
+
+    def observe(self, decoded: int, prompt_tokens: int, seconds: float) -> None:
+        """Learn from a step that sampled `decoded` tokens and prefilled `prompt_tokens` in `seconds`."""
+        if prompt_tokens == 0:
+            if decoded:
+                self.decode_s = _moving(self.decode_s, seconds)
+        elif decoded and self.decode_s is not None:
+            # What the prompt tokens added to a decode step (never less than a tenth of it:
+            # a noisy step must not make prefill look free).
+            extra = max(seconds - self.decode_s, 0.1 * self.decode_s)
+            self.token_s = _moving(self.token_s, extra / prompt_tokens)
+        elif self.token_s is None:  # no decode beside: the first guess, cheaper per token than beside one
+            self.token_s = seconds / prompt_tokens
