@@ -82,7 +82,10 @@ def serve_command(
         show_default=False,
     ),
     prefill_step: int = typer.Option(
-        None, "--prefill-step", help="Prompt tokens per prefill chunk between decode steps.", show_default=False
+        None,
+        "--prefill-step",
+        help="Prompt tokens a step prefills while nothing decodes (shared among the prompts waiting).",
+        show_default=False,
     ),
     max_tokens: int = typer.Option(
         None, "--max-tokens", help="max_tokens for a request that sets none.", show_default=False
