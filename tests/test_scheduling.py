@@ -1,5 +1,5 @@
-"""engine/budget.py in the engine: a short prompt is not held behind a long one's prefill, and
-streams decode on while a long prompt prefills."""
+"""engine/budget.py in the engine: while streams decode, a short prompt is not held behind a long
+one's prefill, and the streams decode on while a long prompt prefills."""
 
 from __future__ import annotations
 
@@ -42,8 +42,11 @@ def wait(condition, timeout: float = 60) -> None:
 
 
 def test_a_short_prompt_gets_its_first_token_before_a_long_prompts_prefill_ends(engine: Engine) -> None:
-    # Both arrive at once. Each padded to 512 tokens a step, the short one's first token would
-    # come as the long one's prefill ends, its second step.
+    # Both arrive at once, while a stream decodes. Each padded to 512 tokens a step, the short
+    # one's first token would come as the long one's prefill ends, its second step.
+    stream, _ = request("decoding", [2, 3], 100_000)
+    engine.submit(stream)
+    wait(lambda: stream.generated > 0)
     long, long_events = request("long", [2 + i % 50 for i in range(1000)], 2)
     short, _ = request("short", [2, 3, 4], 2)
     seen: list[Phase] = []
@@ -56,6 +59,8 @@ def test_a_short_prompt_gets_its_first_token_before_a_long_prompts_prefill_ends(
     wait(lambda: long_events and isinstance(long_events[-1], Finished))
     assert seen and seen[0] == Phase.PREFILL, seen  # the long one was still prefilling
     assert short.first_token_at < long.first_token_at
+    engine.cancel("decoding")
+    wait(lambda: engine.in_flight == 0)
 
 
 def test_a_stream_decodes_on_while_a_long_prompt_prefills(engine: Engine) -> None:
@@ -72,11 +77,12 @@ def test_a_stream_decodes_on_while_a_long_prompt_prefills(engine: Engine) -> Non
     wait(lambda: engine.in_flight == 0)
 
 
-def test_the_budget_shares_a_step_among_prompts_and_fits_beside_a_decode_step() -> None:
+def test_the_budget_fits_beside_a_decode_step_shared_among_the_prompts() -> None:
     b = PrefillBudget(512)
     assert b.chunk(decoding=0, prefilling=1) == 512
-    assert b.chunk(decoding=0, prefilling=8) == 64  # a short prompt ends in its first step or two
+    assert b.chunk(decoding=0, prefilling=8) == 512  # nothing decoding: each prompt as mlx_lm would
     b.observe(decoded=8, prompt_tokens=0, seconds=0.050)  # a decode step: 50 ms
     b.observe(decoded=8, prompt_tokens=100, seconds=0.100)  # 100 prompt tokens added 50 ms
     assert b.chunk(decoding=8, prefilling=1) == 70  # 0.7 of a decode step's time at 0.5 ms a token
+    assert b.chunk(decoding=4, prefilling=2) == 35  # shared: a short prompt ends in its first steps
     assert b.chunk(decoding=8, prefilling=7) == 16  # never below the floor: a long prompt still moves

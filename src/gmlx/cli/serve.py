@@ -84,7 +84,7 @@ def serve_command(
     prefill_step: int = typer.Option(
         None,
         "--prefill-step",
-        help="Prompt tokens a step prefills while nothing decodes (shared among the prompts waiting).",
+        help="Prompt tokens a step prefills of each prompt while nothing decodes.",
         show_default=False,
     ),
     max_tokens: int = typer.Option(

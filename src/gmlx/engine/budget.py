@@ -2,14 +2,15 @@
 
 mlx_lm's BatchGenerator runs one decode step for the decoding rows, then one chunk of every
 prompt being prefilled, `prefill_step_size` tokens a row padded to the longest. Left at one
-size, a few long prompts stop every stream for seconds, and a short prompt arriving beside
-them waits for their whole chunk. The engine sets the size before each step from a budget:
+size, a few long prompts stop every stream for seconds. The engine sets the size before each
+step:
 
-- with no stream decoding, `max_tokens` shared among the prompts, so a short prompt ends in
-  the first steps while long ones go on, and the machine still prefills `max_tokens` a step;
-- with streams decoding, what fits in `share` of a decode step's time, from the measured
-  time of a decode step and of a prefilled token beside one, so no stream's gap between two
-  tokens grows past about (1 + share) times its usual.
+- with no stream decoding, `max_tokens` a prompt, as mlx_lm would (the capacity table's
+  fan-out peak is measured for that: capacity/table.py);
+- with streams decoding, what fits in `share` of a decode step's time, from the measured time
+  of a decode step and of a prefilled token beside one, shared among the prompts, so no
+  stream's gap between two tokens grows past about (1 + share) times its usual, and a short
+  prompt arriving beside a long one ends in its first steps.
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ class PrefillBudget:
 
     def chunk(self, decoding: int, prefilling: int) -> int:
         """Tokens each prompt being prefilled takes this step."""
-        budget = self.max_tokens
-        if decoding and self.decode_s is not None and self.token_s:
-            budget = min(budget, round(self.share * self.decode_s / self.token_s))
+        if not decoding or self.decode_s is None or not self.token_s:
+            return self.max_tokens
+        budget = min(self.max_tokens, round(self.share * self.decode_s / self.token_s))
         return max(self.floor, min(self.max_tokens, budget // max(1, prefilling)))
 
     def observe(self, decoded: int, prompt_tokens: int, seconds: float) -> None:
