@@ -1,4 +1,4 @@
-"""How many prompt tokens each engine step prefills, per prompt (docs/ARCHITECTURE.md, "Scheduling").
+"""How many prompt tokens each engine step prefills, per prompt (docs/ARCHITECTURE.md, decision 21).
 
 mlx_lm's BatchGenerator runs one decode step for the decoding rows, then one chunk of every
 prompt being prefilled, `prefill_step_size` tokens a row padded to the longest. Left at one
@@ -26,11 +26,13 @@ def _moving(old: float | None, new: float) -> float:
 
 @dataclass
 class PrefillBudget:
-    max_tokens: int  # a step's prompt tokens with nothing decoding: the engine's prefill_step
+    max_tokens: int  # each prompt's tokens a step with nothing decoding: the engine's prefill_step
     share: float = 0.7  # a decoding step's prefill takes at most this many decode steps' time
     floor: int = 16  # the least a prompt advances a step, so a long one always moves
-    decode_s: float | None = None  # a step that only decodes
-    token_s: float | None = None  # one prompt token prefilled in a step beside decoding
+    # Seconds of a step that only decodes, and of one prompt token prefilled beside decoding
+    # (the engine seeds both from its warm-up).
+    decode_s: float | None = None
+    token_s: float | None = None
 
     def chunk(self, decoding: int, prefilling: int) -> int:
         """Tokens each prompt being prefilled takes this step."""
@@ -44,10 +46,8 @@ class PrefillBudget:
         if prompt_tokens == 0:
             if decoded:
                 self.decode_s = _moving(self.decode_s, seconds)
-        elif decoded and self.decode_s is not None:
+        elif decoded and self.decode_s is not None:  # a prefill-only step says nothing of the share
             # What the prompt tokens added to a decode step (never less than a tenth of it:
             # a noisy step must not make prefill look free).
             extra = max(seconds - self.decode_s, 0.1 * self.decode_s)
             self.token_s = _moving(self.token_s, extra / prompt_tokens)
-        elif self.token_s is None:  # no decode beside: the first guess, cheaper per token than beside one
-            self.token_s = seconds / prompt_tokens
