@@ -33,8 +33,8 @@ SHORT = 16
 
 
 async def stream_arrivals(client: httpx.AsyncClient, p: Peer, prompt: str, max_tokens: int) -> list[tuple[float, int]]:
-    """When each text event came, and how many tokens it carries: gmlx sends a word's tokens as one
-    event once the word is complete, so each event asks for its tokens' logprobs to count them."""
+    """When each text event came, and how many tokens it carries: a server may hold text back until
+    it decodes whole and send several tokens in one event, so each event's logprobs count them."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "logprobs": 0, **p.body}
     events: list[tuple[float, int]] = []
     async with client.stream("POST", "/v1/completions", json=body) as r:
