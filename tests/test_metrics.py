@@ -32,6 +32,7 @@ SECTIONS = [
     "capacity",
     "rates",
     "totals",
+    "embeddings",
     "kv_cache",
     "prompt_cache",
     "requests",
@@ -285,6 +286,7 @@ NOT_DRIVEN = [
     ("prompt_cache", "hits_by_tier", "ckpt"),
     ("prompt_cache", "hits_by_tier", "anchor"),  # test_prompt_cache
     ("rates", "speculative_accept_rate"),  # null without a drafter: test_speculative_engine
+    ("embeddings",),  # test_embeddings_metrics
     ("connections", "refused"),
     ("connections", "evicted"),
     ("connections", "header_timeouts"),

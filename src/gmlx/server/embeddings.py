@@ -5,7 +5,9 @@ shapes); each is tokenized as a completions prompt is (with the vocabulary's BOS
 and fit the context window. The vectors are pooled and normalised as llama.cpp's server does
 (engine/embeddings.py), and come back as floats or, with `encoding_format: base64`, as the base64 of
 little-endian float32 (what the openai client asks for by default). A request takes one admission
-slot while the engine computes, so embeddings queue with generation rather than beside it.
+slot while the engine computes, so embeddings queue with generation rather than beside it. The
+metrics list it as a request row of kind `embedding` from its arrival to its answer, and count it
+in their `embeddings` section.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import time
+import uuid
 from typing import Any
 
 import numpy as np
@@ -26,7 +30,7 @@ from gmlx.server.errors import APIError, bad_request
 from gmlx.server.fields import check_embedding_fields
 from gmlx.server.http import ClientGone, read_json, unless_disconnected
 from gmlx.server.openai_api import is_integer
-from gmlx.server.state import ModelState, ServerState
+from gmlx.server.state import EmbeddingRow, ModelState, ServerState
 
 log = logging.getLogger("gmlx.server")
 MAX_INPUTS = 2048  # OpenAI's bound on one request's inputs
@@ -109,31 +113,55 @@ async def _run(engine: Engine, ids: list[list[int]], pooling: str) -> list[list[
 
 async def embeddings(request: Request) -> Response:
     state: ServerState = request.app.state.gmlx
+    arrived = time.monotonic()
     body = await read_json(request, state)
     inputs = _inputs(body)
     m = state.find(body.get("model"))
     assert state.residency is not None
+    row = EmbeddingRow("embd-" + uuid.uuid4().hex[:24], len(inputs), arrived)
+    m.embeddings[row.id] = row  # listed from here to its answer (metrics' requests rows)
+    try:
+        return await _answer(request, state, m, row, inputs, body.get("encoding_format"))
+    finally:
+        del m.embeddings[row.id]
+
+
+def _tokenized(row: EmbeddingRow, ids: list[list[int]]) -> list[list[int]]:
+    row.tokens, row.longest = sum(len(x) for x in ids), max(len(x) for x in ids)
+    return ids
+
+
+async def _answer(
+    request: Request, state: ServerState, m: ModelState, row: EmbeddingRow, inputs: list, fmt: str | None
+) -> Response:
+    assert state.residency is not None
     async with state.residency.pinned(m):  # resident until its slot keeps it so
         # Checked before the queue when the model is there; while it loads, once it holds a slot.
-        ids = await asyncio.to_thread(_tokenize, m, inputs) if m.ready else None
+        ids = _tokenized(row, await asyncio.to_thread(_tokenize, m, inputs)) if m.ready else None
         try:
             await unless_disconnected(request, m.gate.acquire(1))
         except ClientGone:
             return Response(status_code=499)
     slot = Slot(m.gate)
     try:
-        ids = ids or await asyncio.to_thread(_tokenize, m, inputs)
+        ids = ids or _tokenized(row, await asyncio.to_thread(_tokenize, m, inputs))
         engine = m.engine
         assert engine is not None and engine.loaded is not None  # its slot keeps it resident
         pooling = pooling_for(engine.loaded.header)
-        vectors = await unless_disconnected(request, _run(engine, ids, pooling))
+        row.state, row.since = "prefill", time.monotonic()
+        try:
+            vectors = await unless_disconnected(request, _run(engine, ids, pooling))
+        except APIError:
+            m.embedding_stats.failed += 1
+            raise
     except ClientGone:
         return Response(status_code=499)
     finally:
         slot.release()
     tokens = sum(len(x) for x in ids)
-    log.info("embeddings inputs=%d tokens=%d pooling=%s", len(ids), tokens, pooling)
-    fmt = body.get("encoding_format")
+    m.embedding_stats.requests += 1
+    m.embedding_stats.input_tokens += tokens
+    log.info("%s embeddings inputs=%d tokens=%d pooling=%s model=%s", row.id, len(ids), tokens, pooling, m.model_id)
     return JSONResponse(
         {
             "object": "list",

@@ -145,11 +145,45 @@ def _totals(s: ServerState) -> dict:
     }
 
 
+def _embedding_rows(s: ServerState, now: float) -> list[dict]:
+    """Embeddings requests, in the generation rows' shape: they decode nothing, and a running one
+    holds one input's cache at a time, counted at its longest input."""
+    rows = []
+    for m in s.models.values():
+        table = m.table() if m.engine is not None else None
+        for e in list(m.embeddings.values()):
+            running = e.state == "prefill"
+            rows.append(
+                {
+                    "id": e.id,
+                    "kind": "embedding",
+                    "uid": None,
+                    "model": m.model_id,
+                    "state": e.state,
+                    "prompt_tokens": e.tokens,
+                    "inputs": e.inputs,
+                    "generated": 0,
+                    "max_tokens": None,
+                    "elapsed_s": round(now - e.arrived_at, 2),
+                    "queued_s": round((e.since if running else now) - e.arrived_at, 2),
+                    "ttft_s": None,
+                    "decode_tok_s": None,
+                    "cache": None,
+                    "speculative": None,
+                    "kv_bytes": table.stream_bytes(e.longest) if running and table and e.longest else None,
+                }
+            )
+    return rows
+
+
 def _requests(s: ServerState) -> list[dict]:
+    """Queued rows first (generation, then embeddings), then what the engines run."""
     now = time.monotonic()
+    embedding = _embedding_rows(s, now)
     rows = [
         {
             "id": q.id,
+            "kind": "generation",
             "uid": None,
             "model": m.model_id,
             "state": "queued",
@@ -167,12 +201,14 @@ def _requests(s: ServerState) -> list[dict]:
         for m in s.models.values()
         for q in list(m.queued.values())
     ]
+    rows += [r for r in embedding if r["state"] == "queued"]
     for m in s.resident():
         engine, table = m.engine, m.table()
         for r in engine.requests() if engine is not None else []:
             rows.append(
                 {
                     "id": r.id,
+                    "kind": "generation",
                     "uid": r.uid,
                     "model": m.model_id,
                     "state": r.state,
@@ -190,7 +226,20 @@ def _requests(s: ServerState) -> list[dict]:
                     "kv_bytes": table.stream_bytes(len(r.prompt_ids) + r.generated) if table is not None else None,
                 }
             )
-    return rows
+    return rows + [r for r in embedding if r["state"] != "queued"]
+
+
+def _embeddings(s: ServerState) -> dict:
+    """Since start, over every model; and those queued or running now."""
+    rows = [e for m in s.models.values() for e in list(m.embeddings.values())]
+    stats = [m.embedding_stats for m in s.models.values()]
+    return {
+        "requests": sum(x.requests for x in stats),
+        "failed": sum(x.failed for x in stats),
+        "input_tokens": sum(x.input_tokens for x in stats),
+        "running": sum(1 for e in rows if e.state == "prefill"),
+        "waiting": sum(1 for e in rows if e.state == "queued"),
+    }
 
 
 def kv_usage(
@@ -209,13 +258,20 @@ def kv_usage(
 
 def _kv_cache(s: ServerState) -> dict:
     """KV bytes the running streams hold (each model's table's arithmetic, at each stream's prompt
-    plus what it generated) against the smallest KV budget of the resident models' tables: memory
-    is shared, and each table already leaves out the other models' weights. The prompt caches'
-    bounds are off those budgets already. Blocks are the preloaded model's prompt cache's."""
+    plus what it generated, and each running embedding's at its longest input) against the smallest
+    KV budget of the resident models' tables: memory is shared, and each table already leaves out the
+    other models' weights. The prompt caches' bounds are off those budgets already. Blocks are the
+    preloaded model's prompt cache's."""
     used = budget = table_usage = blocks = None
     tables = [(m, t) for m in s.resident() if (t := m.table()) is not None and m.engine is not None]
     if tables:
         used = sum(t.stream_bytes(len(r.prompt_ids) + r.generated) for m, t in tables for r in m.engine.requests())  # type: ignore[union-attr]
+        used += sum(
+            t.stream_bytes(e.longest)
+            for m, t in tables
+            for e in list(m.embeddings.values())
+            if e.state == "prefill" and e.longest
+        )
         budget = min(t.budget.kv_bytes for _, t in tables)
         table_usage = round(used / budget, 4) if budget else 1.0
     cache = s.default.engine.prompt_cache if s.default.engine is not None else None
@@ -306,6 +362,7 @@ SECTIONS: dict[str, tuple[Probe, tuple[str, ...]]] = {
         ),
     ),
     "totals": (_totals, ("requests_finished", "prompt_tokens", "generated_tokens")),
+    "embeddings": (_embeddings, ("requests", "failed", "input_tokens", "running", "waiting")),
     "kv_cache": (
         _kv_cache,
         ("used_bytes", "budget_bytes", "table_usage", "governor_fraction", "usage", "block_tokens", "blocks"),

@@ -211,6 +211,7 @@ class _Snapshot:
         yield from _governor(s.get("governor") or {})
         yield from _rates(s.get("rates") or {})
         yield from _totals(s.get("totals") or {})
+        yield from _embeddings(s.get("embeddings") or {})
         yield _requests(s)
         yield from _prompt_cache(s.get("prompt_cache") or {})
         yield from _models(s.get("resident_models") or [])
@@ -324,6 +325,17 @@ def _totals(totals: dict) -> Iterator[Metric]:
     )
     yield _counter("gmlx_prompt_tokens", "Prompt tokens prefilled", totals.get("prompt_tokens"))
     yield _counter("gmlx_generated_tokens", "Tokens generated", totals.get("generated_tokens"))
+
+
+def _embeddings(e: dict) -> Iterator[Metric]:
+    """Since start, over every model; those running or waiting are in gmlx_requests too."""
+    yield _counter("gmlx_embeddings_requests", "Embeddings requests answered", e.get("requests"))
+    yield _counter("gmlx_embeddings_failed", "Embeddings requests the engine failed", e.get("failed"))
+    yield _counter(
+        "gmlx_embeddings_input_tokens", "Input tokens of the answered embeddings requests", e.get("input_tokens")
+    )
+    yield _gauge("gmlx_embeddings_running", "Embeddings requests the engines run now", e.get("running"))
+    yield _gauge("gmlx_embeddings_waiting", "Embeddings requests waiting for a slot", e.get("waiting"))
 
 
 def _requests(s: dict) -> Metric:

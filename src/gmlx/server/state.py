@@ -45,6 +45,30 @@ class QueuedRow:
 
 
 @dataclass
+class EmbeddingRow:
+    """An embeddings request from its arrival to its answer, as the metrics snapshot lists it: queued
+    at the gate, then `prefill` while the engine runs its inputs (an embedding is a prefill that
+    keeps no cache and decodes nothing)."""
+
+    id: str
+    inputs: int
+    arrived_at: float
+    tokens: int | None = None  # all its inputs' tokens; None until tokenized (its model loading)
+    longest: int | None = None  # its longest input: the one cache the engine holds at once
+    state: Literal["queued", "prefill"] = "queued"
+    since: float = field(default_factory=time.monotonic)  # in its state since
+
+
+@dataclass
+class EmbeddingStats:
+    """Embeddings requests since start (a model's outlive its unloading, as its EngineStats do)."""
+
+    requests: int = 0  # answered
+    failed: int = 0  # the engine raised
+    input_tokens: int = 0  # over the answered ones
+
+
+@dataclass
 class ModelState:
     """One model the server may serve: resident while it has an engine. Its gate and queued rows
     outlive its engine, so requests that arrive while it loads wait in its own queue."""
@@ -60,6 +84,8 @@ class ModelState:
     failed_file: tuple[int, int] | None = None  # the file's (mtime, size) then: a changed file is tried again
     others_bytes: int = 0  # the other models' weights beside it when it loaded: its table's
     stats: EngineStats = field(default_factory=EngineStats)  # every engine it has had records here
+    embeddings: dict[str, EmbeddingRow] = field(default_factory=dict)  # id -> row, queued or running
+    embedding_stats: EmbeddingStats = field(default_factory=EmbeddingStats)
     pins: int = 0  # requests readying for its gate (Residency.pinned): it stays resident meanwhile
     # transformers' fast tokenizers may reconfigure the shared Rust object per call
     # ("Already borrowed" when two threads meet), so encoding takes turns.
