@@ -117,7 +117,6 @@ async def embeddings(request: Request) -> Response:
     body = await read_json(request, state)
     inputs = _inputs(body)
     m = state.find(body.get("model"))
-    assert state.residency is not None
     row = EmbeddingRow("embd-" + uuid.uuid4().hex[:24], len(inputs), arrived)
     m.embeddings[row.id] = row  # listed from here to its answer (metrics' requests rows)
     try:
@@ -126,29 +125,24 @@ async def embeddings(request: Request) -> Response:
         del m.embeddings[row.id]
 
 
-def _tokenized(row: EmbeddingRow, ids: list[list[int]]) -> list[list[int]]:
-    row.tokens, row.longest = sum(len(x) for x in ids), max(len(x) for x in ids)
-    return ids
-
-
 async def _answer(
     request: Request, state: ServerState, m: ModelState, row: EmbeddingRow, inputs: list, fmt: str | None
 ) -> Response:
     assert state.residency is not None
     async with state.residency.pinned(m):  # resident until its slot keeps it so
         # Checked before the queue when the model is there; while it loads, once it holds a slot.
-        ids = _tokenized(row, await asyncio.to_thread(_tokenize, m, inputs)) if m.ready else None
+        ids = row.tokenized(await asyncio.to_thread(_tokenize, m, inputs)) if m.ready else None
         try:
             await unless_disconnected(request, m.gate.acquire(1))
         except ClientGone:
             return Response(status_code=499)
     slot = Slot(m.gate)
     try:
-        ids = ids or _tokenized(row, await asyncio.to_thread(_tokenize, m, inputs))
+        ids = ids or row.tokenized(await asyncio.to_thread(_tokenize, m, inputs))
         engine = m.engine
         assert engine is not None and engine.loaded is not None  # its slot keeps it resident
         pooling = pooling_for(engine.loaded.header)
-        row.state, row.since = "prefill", time.monotonic()
+        row.started_at = time.monotonic()
         try:
             vectors = await unless_disconnected(request, _run(engine, ids, pooling))
         except APIError:
@@ -158,7 +152,7 @@ async def _answer(
         return Response(status_code=499)
     finally:
         slot.release()
-    tokens = sum(len(x) for x in ids)
+    tokens = row.tokens or 0
     m.embedding_stats.requests += 1
     m.embedding_stats.input_tokens += tokens
     log.info("%s embeddings inputs=%d tokens=%d pooling=%s model=%s", row.id, len(ids), tokens, pooling, m.model_id)

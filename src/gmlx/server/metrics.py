@@ -152,7 +152,7 @@ def _embedding_rows(s: ServerState, now: float) -> list[dict]:
     for m in s.models.values():
         table = m.table() if m.engine is not None else None
         for e in list(m.embeddings.values()):
-            running = e.state == "prefill"
+            depth = e.cache_tokens
             rows.append(
                 {
                     "id": e.id,
@@ -165,12 +165,12 @@ def _embedding_rows(s: ServerState, now: float) -> list[dict]:
                     "generated": 0,
                     "max_tokens": None,
                     "elapsed_s": round(now - e.arrived_at, 2),
-                    "queued_s": round((e.since if running else now) - e.arrived_at, 2),
+                    "queued_s": round((e.started_at or now) - e.arrived_at, 2),
                     "ttft_s": None,
                     "decode_tok_s": None,
                     "cache": None,
                     "speculative": None,
-                    "kv_bytes": table.stream_bytes(e.longest) if running and table and e.longest else None,
+                    "kv_bytes": table.stream_bytes(depth) if table is not None and depth else None,
                 }
             )
     return rows
@@ -266,12 +266,7 @@ def _kv_cache(s: ServerState) -> dict:
     tables = [(m, t) for m in s.resident() if (t := m.table()) is not None and m.engine is not None]
     if tables:
         used = sum(t.stream_bytes(len(r.prompt_ids) + r.generated) for m, t in tables for r in m.engine.requests())  # type: ignore[union-attr]
-        used += sum(
-            t.stream_bytes(e.longest)
-            for m, t in tables
-            for e in list(m.embeddings.values())
-            if e.state == "prefill" and e.longest
-        )
+        used += sum(t.stream_bytes(n) for m, t in tables for e in list(m.embeddings.values()) if (n := e.cache_tokens))
         budget = min(t.budget.kv_bytes for _, t in tables)
         table_usage = round(used / budget, 4) if budget else 1.0
     cache = s.default.engine.prompt_cache if s.default.engine is not None else None

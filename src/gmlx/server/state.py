@@ -55,8 +55,20 @@ class EmbeddingRow:
     arrived_at: float
     tokens: int | None = None  # all its inputs' tokens; None until tokenized (its model loading)
     longest: int | None = None  # its longest input: the one cache the engine holds at once
-    state: Literal["queued", "prefill"] = "queued"
-    since: float = field(default_factory=time.monotonic)  # in its state since
+    started_at: float | None = None  # when the engine was handed its inputs
+
+    def tokenized(self, ids: list[list[int]]) -> list[list[int]]:
+        self.tokens, self.longest = sum(len(x) for x in ids), max(len(x) for x in ids)
+        return ids
+
+    @property
+    def state(self) -> Literal["queued", "prefill"]:
+        return "queued" if self.started_at is None else "prefill"
+
+    @property
+    def cache_tokens(self) -> int | None:
+        """The depth of the cache it holds now: its longest input's while it runs, else none."""
+        return self.longest if self.started_at is not None else None
 
 
 @dataclass
