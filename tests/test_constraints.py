@@ -209,16 +209,24 @@ def test_json_object_parses(live_server: LiveServer) -> None:
         {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}},
         {"type": "json_schema", "json_schema": {"name": "x", "schema": "object"}},
         {"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "strict": "yes"}},
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": True}},
+        {"type": "json_schema", "json_schema": {"name": "x", "description": 3}},
+        {"type": "json_schema"},
+        {"type": "text", "json_schema": 5},  # the schema checks json_schema whatever the type
+        {"type": "json_object", "json_schema": {"name": 1}},
         {"type": "yaml"},
+        {},
         "json",
     ],
 )
 def test_bad_response_format_is_400(live_server: LiveServer, fmt: object) -> None:
+    body = {"messages": [{"role": "user", "content": "x"}], "response_format": fmt}
     with live_server.client() as c:
-        r = c.post(CHAT, json={"messages": [{"role": "user", "content": "x"}], "response_format": fmt})
-        assert r.status_code == 400, r.text
-        error = r.json()["error"]
-        assert error["param"] == "response_format" and error["code"] == "invalid_request"
+        for route in (CHAT, "/v1/estimate"):  # an estimate refuses what the request itself would
+            r = c.post(route, json=body)
+            assert r.status_code == 400, (route, r.text)
+            error = r.json()["error"]
+            assert error["param"] == "response_format" and error["code"] == "invalid_request"
         assert c.post(CHAT, json=structured(temperature=0)).status_code == 200  # the engine keeps serving
     assert live_server.engine.alive
 

@@ -87,6 +87,7 @@ def estimate(
     )
     ttft = round(queue_wait_s + prefill_s + first_step_s, 3) if prefill_s is not None else None
     return {
+        "kind": "generation",
         "prompt_tokens": prompt_tokens,
         "warm_tokens": warm_tokens,
         "cache_tier": cache_tier,
@@ -101,6 +102,51 @@ def estimate(
     }
 
 
+def estimate_embedding(
+    g: ModelGeometry,
+    *,
+    input_tokens: list[int],
+    context_limit: int,
+    prefill_bytes: int,
+    free_now_bytes: int | None,
+    free_drained_bytes: int | None,
+    prefill_tok_s: float | None,
+    queue_wait_s: float,
+    prefill_fit: PrefillFit | None = None,
+    prefill_step: int = 512,
+    resident: bool = True,
+    kv: KVFormat = FP16,
+) -> dict:
+    """The fields of POST /v1/estimate for an embeddings body (kind `embedding`).
+
+    The engine embeds one input at a time through a cache of its own, beside the batch rather than
+    padded into it, so need_bytes is a prefill chunk's working set plus the longest input's cache
+    (as the metrics count a running embedding), now as once drained. context_ok: every input fits
+    the window. est_ttft_s is the time to the answer, which an embedding gives all at once: the
+    queue wait plus each input's prefill, as for a prompt; null without a measured rate.
+    """
+    need = prefill_bytes + stream_bytes(g, max(input_tokens), kv)
+    if prefill_fit is not None:
+        prefill_s: float | None = sum(prefill_fit.seconds(n, prefill_step) for n in input_tokens)
+    else:
+        prefill_s = sum(input_tokens) / prefill_tok_s if prefill_tok_s else None
+    return {
+        "kind": "embedding",
+        "inputs": len(input_tokens),
+        "prompt_tokens": sum(input_tokens),
+        "warm_tokens": 0,  # embeddings do not use the prompt cache
+        "cache_tier": "miss",
+        "need_bytes": need,
+        "need_now_bytes": need,
+        "fits_now": None if free_now_bytes is None else need <= free_now_bytes,
+        "fits_drained": None if free_drained_bytes is None else need <= free_drained_bytes,
+        "context_ok": max(input_tokens) <= context_limit,
+        "context_limit": context_limit,
+        "est_ttft_s": round(queue_wait_s + prefill_s, 3) if prefill_s is not None else None,
+        "resident": resident,
+    }
+
+
 def estimate_not_loaded(
     table: CapacityTable, *, prompt_tokens: int, max_tokens: int | None, free_now_bytes: int | None
 ) -> dict:
@@ -111,6 +157,23 @@ def estimate_not_loaded(
         table.geometry,
         prompt_tokens=prompt_tokens,
         max_tokens=max_tokens,
+        context_limit=table.context_length,
+        prefill_bytes=b.prefill_bytes,
+        free_now_bytes=free_now_bytes,
+        free_drained_bytes=b.drained_bytes,
+        prefill_tok_s=None,
+        queue_wait_s=0.0,
+        resident=False,
+        kv=table.kv,
+    )
+
+
+def estimate_embedding_not_loaded(table: CapacityTable, *, input_tokens: list[int], free_now_bytes: int | None) -> dict:
+    """estimate_not_loaded for an embeddings body."""
+    b = table.budget
+    return estimate_embedding(
+        table.geometry,
+        input_tokens=input_tokens,
         context_limit=table.context_length,
         prefill_bytes=b.prefill_bytes,
         free_now_bytes=free_now_bytes,

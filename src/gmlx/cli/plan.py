@@ -13,7 +13,7 @@ import typer
 from rich.table import Table
 
 from gmlx import platform
-from gmlx.capacity.estimate import estimate_not_loaded
+from gmlx.capacity.estimate import estimate_embedding_not_loaded, estimate_not_loaded
 from gmlx.capacity.plan import LiveState, plan
 from gmlx.capacity.table import KV_FLOAT_WHY, CapacityTable, attention_in_tiles
 from gmlx.cli.common import (
@@ -39,7 +39,9 @@ API_KEY_OPT = typer.Option(None, "--api-key", envvar="GMLX_API_KEY", help="The s
 MEMORY_OPT = typer.Option(
     None, "--memory", help="Memory to plan with, such as 64GiB.  [default: this machine's]", show_default=False
 )
-BODY_OPT = typer.Option(None, "--body", help="A chat-completions request body (JSON file).", show_default=False)
+BODY_OPT = typer.Option(
+    None, "--body", help="A chat-completions or embeddings request body (JSON file).", show_default=False
+)
 WEIGHTS_OPT = typer.Option(
     None, help="Weight mode to assume: auto, gguf, native or float.  [default: auto]", show_default=False
 )
@@ -345,7 +347,8 @@ def plan_command(
 
 
 def _request_body(body_file: Path | None, prompt: str | None, max_tokens: int | None) -> dict[str, Any]:
-    """The chat-completions body to estimate: the file's, or one user message; --max-tokens overrides."""
+    """The body to estimate (chat completions, or embeddings): the file's, or one user message;
+    --max-tokens overrides."""
     if (body_file is None) == (prompt is None):
         fail("give exactly one of --body and --prompt", EXIT_ERROR)
     if body_file is not None:
@@ -364,19 +367,22 @@ def _estimate_offline(o: Offline, body: dict[str, Any]) -> dict[str, Any]:
     """The server's estimate for this body, with nothing running and no measured prefill rate."""
     # Imported here: the tokenizer and the request parser pull in mlx_lm, transformers and starlette.
     from gmlx.gguf.tokenizer import load_tokenizer
-    from gmlx.server import openai_api
+    from gmlx.server import embeddings, openai_api
     from gmlx.server.errors import APIError
 
+    free = o.table.budget.drained_bytes  # nothing runs, so free now is free once drained
+    vocab_size = o.header.geometry.vocab_size
     try:
         with errors():
-            p = openai_api.parse(body, chat=True)
-            ids = openai_api.prompt_token_ids(load_tokenizer(o.header), p, o.header.geometry.vocab_size)
+            if "input" in body and "messages" not in body:  # an embeddings body, as the route tells them apart
+                inputs = embeddings.input_ids(load_tokenizer(o.header), vocab_size, embeddings.parse_inputs(body))
+                out = estimate_embedding_not_loaded(o.table, input_tokens=[len(i) for i in inputs], free_now_bytes=free)
+            else:
+                p = openai_api.parse(body, chat=True)
+                ids = openai_api.prompt_token_ids(load_tokenizer(o.header), p, vocab_size)
+                out = estimate_not_loaded(o.table, prompt_tokens=len(ids), max_tokens=p.max_tokens, free_now_bytes=free)
     except APIError as e:
         fail(e.message, EXIT_ERROR)
-    # Nothing runs, so free now is free once drained.
-    out = estimate_not_loaded(
-        o.table, prompt_tokens=len(ids), max_tokens=p.max_tokens, free_now_bytes=o.table.budget.drained_bytes
-    )
     return {**out, "model": o.path.stem}
 
 

@@ -11,7 +11,9 @@ L2-normalised (llama.cpp's default `embd_normalize` 2).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 
@@ -21,6 +23,30 @@ from gmlx.models.loader import LoadedModel
 POOLINGS = ("mean", "cls", "last")
 _GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}  # llama_pooling_type; 0 is none, 4 rank (a reranker's)
 DEFAULT_POOLING = "last"
+
+
+@dataclass(eq=False)
+class EmbedJob:
+    """One embeddings request on the engine thread. Its inputs run one per engine iteration, so the
+    batch's decode steps go on between them; `cancel()` (any thread: its client left) drops the
+    inputs not yet run, and `done` is then never called."""
+
+    inputs: list[list[int]]
+    pooling: str
+    done: Callable[[list[list[float]] | None, str | None], None]  # (vectors, None) or (None, why it failed)
+    vectors: list[list[float]] = field(default_factory=list)
+    _cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    @property
+    def next_input(self) -> list[int] | None:
+        return self.inputs[len(self.vectors)] if len(self.vectors) < len(self.inputs) else None
 
 
 def pooling_for(header: GGUFHeader) -> str:

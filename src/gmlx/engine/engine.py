@@ -27,7 +27,7 @@ from mlx_lm.tokenizer_utils import StreamingDetokenizer
 
 from gmlx import upstream
 from gmlx.engine.budget import PrefillBudget
-from gmlx.engine.embeddings import embed
+from gmlx.engine.embeddings import EmbedJob, embed
 from gmlx.engine.heap import map_large_buffers, trim_heap
 from gmlx.engine.logprobs import TokenLogprob, score_logprobs
 from gmlx.engine.processors import Decoding, LogitsProcessor
@@ -161,9 +161,7 @@ class _ReleaseMemory:
 
 @dataclass(frozen=True)
 class _Embed:
-    inputs: list[list[int]]
-    pooling: str
-    done: Callable[[list[list[float]] | None, str | None], None]  # (vectors, None) or (None, why it failed)
+    job: EmbedJob
 
 
 @dataclass(frozen=True)
@@ -361,6 +359,7 @@ class Engine:
         self.stats = EngineStats()
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._active: dict[int, _Stream] = {}  # batch uid -> stream, owned by the engine thread
+        self._embedding: deque[EmbedJob] = deque()  # waiting embeddings, first served first; engine thread
         self._requests: dict[str, Request] = {}  # id -> request, for snapshots and cancels
         self._lock = threading.Lock()
         self._sampling_failed: list[tuple[Request, str]] = []  # this step's, engine thread only
@@ -399,10 +398,12 @@ class Engine:
 
     def embed(
         self, inputs: list[list[int]], pooling: str, done: Callable[[list[list[float]] | None, str | None], None]
-    ) -> None:
-        """Embed each token list (engine/embeddings.py) between two steps; `done` is called on this
-        thread. The batch waits meanwhile, as it waits for a prefill chunk."""
-        self._commands.put(_Embed(inputs, pooling, done))
+    ) -> EmbedJob:
+        """Embed each token list (engine/embeddings.py), one per engine iteration between decode
+        steps; `done` is called on this thread once all are, unless the job is cancelled first."""
+        job = EmbedJob(inputs, pooling, done)
+        self._commands.put(_Embed(job))
+        return job
 
     def cancel_all(self) -> None:
         self._commands.put(_CancelAll())
@@ -471,7 +472,7 @@ class Engine:
         gen = self._new_generator()
         while True:
             try:
-                if not self._take_commands(gen, block=not self._active):
+                if not self._take_commands(gen, block=not (self._active or self._embedding)):
                     break
                 if self._lane is None and self._may_speculate():
                     self._enter_lane(gen)
@@ -479,6 +480,8 @@ class Engine:
                     self._lane_round(gen)
                 elif self._active:
                     self._step(gen)
+                if self._embedding:
+                    self._embed_next()
             except Exception as e:  # the thread must outlive any one request's failure
                 log.exception("engine step failed; failing %d request(s) and starting afresh", len(self._active))
                 self._lane = None
@@ -487,6 +490,7 @@ class Engine:
                 gen = self._new_generator()
         for stream in list(self._active.values()):
             self._finish(stream.req, self._cancelled(stream.req))
+        self._end_embeddings("the engine stopped")
         gen.close()
 
     def _cancel(self, gen: BatchGenerator, req: Request, error: Failed | None = None) -> None:
@@ -534,25 +538,41 @@ class Engine:
                         done(evicted, released)
                     except Exception:  # a report that fails must not fail the running requests
                         log.exception("reporting a memory release failed")
-                case _Embed(inputs, pooling, done):
-                    self._embed(inputs, pooling, done)
+                case _Embed(job):
+                    self._embedding.append(job)
                 case _CancelAll():
                     for stream in list(self._active.values()):
                         self._cancel(gen, stream.req)
+                    self._end_embeddings("cancelled: the server is shutting down")
 
-    def _embed(
-        self, inputs: list[list[int]], pooling: str, done: Callable[[list[list[float]] | None, str | None], None]
-    ) -> None:
-        assert self.loaded is not None
+    def _embed_next(self) -> None:
+        """Run the first waiting embedding's next input; answer it once its last has run."""
+        job = self._embedding[0]
+        ids = job.next_input
+        if not job.cancelled and ids is not None:
+            assert self.loaded is not None
+            try:
+                job.vectors.append(embed(self.loaded, self._make_cache, ids, job.pooling, self.prefill_step))
+            except Exception as e:  # a failed embedding fails its request, not the engine
+                log.exception("embedding failed")
+                self._embedding.popleft()
+                self._deliver(job, None, f"embedding failed: {e}")
+                return
+            if job.next_input is not None:
+                return
+            self._deliver(job, job.vectors, None)
+        self._embedding.popleft()
+
+    def _end_embeddings(self, why: str) -> None:
+        while self._embedding:
+            job = self._embedding.popleft()
+            if not job.cancelled:
+                self._deliver(job, None, why)
+
+    @staticmethod
+    def _deliver(job: EmbedJob, vectors: list[list[float]] | None, error: str | None) -> None:
         try:
-            vectors = [embed(self.loaded, self._make_cache, ids, pooling, self.prefill_step) for ids in inputs]
-        except Exception as e:  # a failed embedding fails its request, not the engine
-            log.exception("embedding failed")
-            vectors, error = None, f"embedding failed: {e}"
-        else:
-            error = None
-        try:
-            done(vectors, error)
+            job.done(vectors, error)
         except Exception:  # as for a memory release's report: the running requests must not fail for it
             log.exception("delivering embeddings failed")
 

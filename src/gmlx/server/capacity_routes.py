@@ -13,14 +13,20 @@ import mlx.core as mx
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gmlx.capacity.estimate import estimate, estimate_not_loaded, fit_prefill
+from gmlx.capacity.estimate import (
+    estimate,
+    estimate_embedding,
+    estimate_embedding_not_loaded,
+    estimate_not_loaded,
+    fit_prefill,
+)
 from gmlx.capacity.plan import LiveState, plan
 from gmlx.capacity.table import CapacityTable
 from gmlx.engine.engine import Engine
 from gmlx.engine.prompt_cache import MISS
 from gmlx.gguf.header import GGUFError, read_header
 from gmlx.gguf.tokenizer import load_tokenizer
-from gmlx.server import openai_api
+from gmlx.server import embeddings, openai_api
 from gmlx.server.errors import APIError, bad_request
 from gmlx.server.http import read_json
 from gmlx.server.state import ModelState, ServerState
@@ -101,7 +107,10 @@ def _text_only(body: dict) -> dict:
 
 async def estimate_body(state: ServerState, body: Any) -> dict:
     """The estimate for a chat-completions body; renders the prompt exactly as a real request would,
-    for a resident model or for one not loaded (from its header, never loading it)."""
+    for a resident model or for one not loaded (from its header, never loading it). An embeddings
+    body (`input`, no `messages`) gets the estimate of that request."""
+    if isinstance(body, dict) and "input" in body and "messages" not in body:
+        return await _embedding_estimate(state, body)
     media = media_parts(body)
     p = openai_api.parse(_text_only(body) if media else body, chat=True)
     m = state.find(p.model)
@@ -134,31 +143,37 @@ async def estimate_body(state: ServerState, body: Any) -> dict:
 
 async def _served_estimate(state: ServerState, m: ModelState, p: openai_api.GenerationParams) -> dict:
     prompt_ids = await asyncio.to_thread(m.tokenize, p)
-    engine, table = m.engine, m.table()
-    assert engine is not None and engine.loaded is not None and table is not None
-    loaded, budget = engine.loaded, table.budget
-    stats, measured = engine.stats, engine.measured
-    prefill_rate = stats.prefill_tok_s() or (measured.prefill_tok_s if measured else None)
-    cache = engine.prompt_cache
-    free_now = budget.free_now_bytes(mx.get_active_memory(), cache.bytes if cache is not None else 0)
+    engine = m.engine
+    assert engine is not None and engine.loaded is not None
+    measured = engine.measured
     out = estimate(
-        loaded.geometry,
+        engine.loaded.geometry,
         prompt_tokens=len(prompt_ids),
         max_tokens=p.max_tokens,
-        context_limit=loaded.context_length,
-        prefill_bytes=budget.prefill_bytes,
-        free_now_bytes=free_now,
-        free_drained_bytes=budget.drained_bytes,
-        prefill_tok_s=prefill_rate,
-        prefill_fit=fit_prefill(list(stats.recent_prefills)),
-        prefill_step=engine.prefill_step,
-        queue_wait_s=queue_wait_s(m),
         first_step_s=1 / measured.decode_tok_s if measured else 0.0,
-        kv=table.kv,
+        **_served_terms(m),
         **_batch(engine),
         **_prompt_cache_hit(engine, prompt_ids),
     )
     return {**out, "model": m.model_id}
+
+
+def _served_terms(m: ModelState) -> dict[str, Any]:
+    """What an estimate on the resident model reads from its table and its engine's measurements."""
+    engine, table = m.engine, m.table()
+    assert engine is not None and engine.loaded is not None and table is not None
+    budget, stats, measured, cache = table.budget, engine.stats, engine.measured, engine.prompt_cache
+    return {
+        "context_limit": engine.loaded.context_length,
+        "prefill_bytes": budget.prefill_bytes,
+        "free_now_bytes": budget.free_now_bytes(mx.get_active_memory(), cache.bytes if cache is not None else 0),
+        "free_drained_bytes": budget.drained_bytes,
+        "prefill_tok_s": stats.prefill_tok_s() or (measured.prefill_tok_s if measured else None),
+        "prefill_fit": fit_prefill(list(stats.recent_prefills)),
+        "prefill_step": engine.prefill_step,
+        "queue_wait_s": queue_wait_s(m),
+        "kv": table.kv,
+    }
 
 
 @functools.lru_cache(maxsize=_READERS)
@@ -167,18 +182,25 @@ def _reader(path: str, mtime_ns: int, size: int) -> Any:
     return load_tokenizer(read_header(path))
 
 
+def _file_tokenizer(m: ModelState) -> tuple[Any, int]:
+    """The tokenizer and vocabulary size of a model not loaded, from its file (the caller holds
+    `_readers_lock`); a 404 when the file cannot be read."""
+    path = m.deployment.path
+    try:
+        st = path.stat()
+        return _reader(str(path), st.st_mtime_ns, st.st_size), m.deployment.header.geometry.vocab_size
+    except (GGUFError, OSError) as e:
+        log.warning("cannot estimate for %s: %s", path, e)
+        raise APIError(404, f"model {m.model_id!r} in the models directory cannot be read", "model_not_found") from None
+
+
 def _not_loaded_estimate(state: ServerState, m: ModelState, p: openai_api.GenerationParams) -> dict:
     """The estimate for a model that is not loaded: the table it would build beside the resident
     models, and the idle models its load would unload first."""
     d = m.deployment
-    try:
-        st = d.path.stat()
-        with _readers_lock:  # one build per file; and fast tokenizers must not be shared across threads
-            tokenizer = _reader(str(d.path), st.st_mtime_ns, st.st_size)
-            ids = openai_api.prompt_token_ids(tokenizer, p, d.header.geometry.vocab_size)
-    except (GGUFError, OSError) as e:
-        log.warning("cannot estimate for %s: %s", d.path, e)
-        raise APIError(404, f"model {m.model_id!r} in the models directory cannot be read", "model_not_found") from None
+    with _readers_lock:  # one build per file; and fast tokenizers must not be shared across threads
+        tokenizer, vocab_size = _file_tokenizer(m)
+        ids = openai_api.prompt_token_ids(tokenizer, p, vocab_size)
     assert state.residency is not None
     fits, leaving = state.residency.room_for(m)
     table = d.planned_table(state.residency.others_bytes(m, leaving))[0]
@@ -188,6 +210,38 @@ def _not_loaded_estimate(state: ServerState, m: ModelState, p: openai_api.Genera
         "loadable": fits,
         "evicts": [r.model_id for r in leaving] if fits else [],
     }
+
+
+async def _embedding_estimate(state: ServerState, body: dict) -> dict:
+    inputs = embeddings.parse_inputs(body)
+    m = state.find(body.get("model"))
+    if not m.ready:
+        return await asyncio.to_thread(_not_loaded_embedding_estimate, state, m, inputs)
+    engine = m.engine
+    assert engine is not None and engine.loaded is not None
+    loaded = engine.loaded
+
+    def tokenized() -> list[list[int]]:  # off the loop, as the route's own
+        with m.tokenizer_lock:
+            return embeddings.input_ids(loaded.tokenizer, loaded.geometry.vocab_size, inputs)
+
+    ids = await asyncio.to_thread(tokenized)
+    out = estimate_embedding(loaded.geometry, input_tokens=[len(i) for i in ids], **_served_terms(m))
+    return {**out, "model": m.model_id, "estimated": True}
+
+
+def _not_loaded_embedding_estimate(state: ServerState, m: ModelState, inputs: list[str | list[int]]) -> dict:
+    """As _not_loaded_estimate, for an embeddings body."""
+    d = m.deployment
+    with _readers_lock:
+        ids = embeddings.input_ids(*_file_tokenizer(m), inputs)
+    assert state.residency is not None
+    fits, leaving = state.residency.room_for(m)
+    table = d.planned_table(state.residency.others_bytes(m, leaving))[0]
+    out = estimate_embedding_not_loaded(table, input_tokens=[len(i) for i in ids], free_now_bytes=None)
+    evicts = [r.model_id for r in leaving] if fits else []
+    note = f"{m.model_id!r} is not loaded: fits_now and est_ttft_s are null"
+    return {**out, "model": m.model_id, "estimated": True, "loadable": fits, "evicts": evicts, "note": note}
 
 
 def _batch(engine: Engine) -> dict:

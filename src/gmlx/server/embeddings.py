@@ -7,7 +7,8 @@ and fit the context window. The vectors are pooled and normalised as llama.cpp's
 little-endian float32 (what the openai client asks for by default). A request takes one admission
 slot while the engine computes, so embeddings queue with generation rather than beside it. The
 metrics list it as a request row of kind `embedding` from its arrival to its answer, and count it
-in their `embeddings` section.
+in their `embeddings` section. The engine runs one input per iteration, between decode steps, and
+drops the rest when the client leaves.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ MAX_INPUTS = 2048  # OpenAI's bound on one request's inputs
 _SHAPES = "a string, a list of strings, a list of token ids, or a list of those"
 
 
-def _inputs(body: Any) -> list[str | list[int]]:
+def parse_inputs(body: Any) -> list[str | list[int]]:
+    """The body's inputs, checked (and its other fields); also what /v1/estimate reads."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     check_embedding_fields(body)
@@ -64,28 +66,32 @@ def _inputs(body: Any) -> list[str | list[int]]:
     return out
 
 
-def _tokenize(m: ModelState, inputs: list[str | list[int]]) -> list[list[int]]:
-    """Each input's ids, checked against the vocabulary and the window (off the loop)."""
-    loaded = m.engine.loaded if m.engine is not None else None
-    assert loaded is not None
-    vocab, context, out = loaded.geometry.vocab_size, loaded.context_length, []
+def input_ids(tokenizer: Any, vocab_size: int, inputs: list[str | list[int]]) -> list[list[int]]:
+    """Each input's ids, checked against the vocabulary; the window is the caller's to judge."""
+    out = []
     for i, item in enumerate(inputs):
-        if isinstance(item, str):
-            with m.tokenizer_lock:  # the tokenizer is shared with the generation routes
-                ids = loaded.tokenizer.encode(item)
-        else:
-            ids = item
-            if not all(0 <= t < vocab for t in ids):
-                raise bad_request(f"input {i}: token ids must be in [0, {vocab})", "input")
+        ids = tokenizer.encode(item) if isinstance(item, str) else item
+        if not all(0 <= t < vocab_size for t in ids):
+            raise bad_request(f"input {i}: token ids must be in [0, {vocab_size})", "input")
         if not ids:
             raise bad_request(f"input {i} is empty", "input")
-        if len(ids) > context:
+        out.append(ids)
+    return out
+
+
+def _tokenize(m: ModelState, inputs: list[str | list[int]]) -> list[list[int]]:
+    """Each input's ids, each within the context window (off the loop)."""
+    loaded = m.engine.loaded if m.engine is not None else None
+    assert loaded is not None
+    with m.tokenizer_lock:  # the tokenizer is shared with the generation routes
+        out = input_ids(loaded.tokenizer, loaded.geometry.vocab_size, inputs)
+    for i, ids in enumerate(out):
+        if len(ids) > loaded.context_length:
             raise bad_request(
-                f"input {i} has {len(ids)} tokens; the context window holds {context}",
+                f"input {i} has {len(ids)} tokens; the context window holds {loaded.context_length}",
                 "input",
                 code="context_length_exceeded",
             )
-        out.append(ids)
     return out
 
 
@@ -107,15 +113,19 @@ async def _run(engine: Engine, ids: list[list[int]], pooling: str) -> list[list[
         else:
             answer.set_result(vectors)
 
-    engine.embed(ids, pooling, lambda v, e: loop.call_soon_threadsafe(settle, v, e))
-    return await answer
+    job = engine.embed(ids, pooling, lambda v, e: loop.call_soon_threadsafe(settle, v, e))
+    try:
+        return await answer
+    except asyncio.CancelledError:  # its client left: the inputs not yet run are dropped
+        job.cancel()
+        raise
 
 
 async def embeddings(request: Request) -> Response:
     state: ServerState = request.app.state.gmlx
     arrived = time.monotonic()
     body = await read_json(request, state)
-    inputs = _inputs(body)
+    inputs = parse_inputs(body)
     m = state.find(body.get("model"))
     row = EmbeddingRow("embd-" + uuid.uuid4().hex[:24], len(inputs), arrived)
     m.embeddings[row.id] = row  # listed from here to its answer (metrics' requests rows)

@@ -243,30 +243,38 @@ def check_logit_bias(p: GenerationParams, vocab_size: int) -> None:
 
 
 def _response_format(body: dict) -> str | None:
-    """response_format as a grammar (None for text); a schema that cannot be used is a 400 here."""
+    """response_format as a grammar (None for text); a schema that cannot be used is a 400 here.
+    `json_schema` is checked whenever it is given, as the OpenAPI schema says, whatever the type."""
     fmt = _typed(body, "response_format", dict, "an object")
-    if fmt is not None and "type" not in fmt:  # the schema requires it: {} is no request for text
-        raise bad_request("response_format.type is required (text, json_object or json_schema)", "response_format")
-    kind = None if fmt is None else fmt.get("type")
-    if kind in (None, "text"):
+    if fmt is None:
         return None
-    if kind == "json_object":
-        schema: Any = {"type": "object"}
-    elif kind == "json_schema":
-        spec = fmt.get("json_schema")
-        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
-            raise bad_request("response_format.json_schema must be an object with a string 'name'", "response_format")
-        if not isinstance(spec.get("strict", False), (bool, type(None))):
-            raise bad_request("response_format.json_schema.strict must be a boolean", "response_format")
-        schema = spec.get("schema", {})  # none given: any JSON value
-    else:
+    kind = fmt.get("type")
+    if kind not in ("text", "json_object", "json_schema"):  # required: {} is no request for text
         raise bad_request(
             f"response_format.type must be text, json_object or json_schema, not {kind!r}", "response_format"
         )
+    given = "json_schema" in fmt or kind == "json_schema"
+    spec = _json_schema_spec(fmt.get("json_schema")) if given else {}
+    if kind == "text":
+        return None
+    schema: Any = {"type": "object"} if kind == "json_object" else spec.get("schema", {})  # none given: any JSON
     try:
         return json_schema_grammar(schema)
     except GrammarError as e:
         raise bad_request(f"response_format: the schema cannot be used: {e}", "response_format") from None
+
+
+def _json_schema_spec(spec: Any) -> dict:
+    """response_format.json_schema, its fields' types checked."""
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise bad_request("response_format.json_schema must be an object with a string 'name'", "response_format")
+    if not isinstance(spec.get("description", ""), str):
+        raise bad_request("response_format.json_schema.description must be a string", "response_format")
+    if not isinstance(spec.get("schema", {}), dict):
+        raise bad_request("response_format.json_schema.schema must be an object (a JSON Schema)", "response_format")
+    if not isinstance(spec.get("strict", False), (bool, type(None))):
+        raise bad_request("response_format.json_schema.strict must be a boolean", "response_format")
+    return spec
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:

@@ -562,7 +562,7 @@ SCHEMAS: dict[str, dict] = {
         **_RESPONSE_FORMAT,
         dry_run=_nullable({"type": "boolean", "description": "true: answer with the estimate, run nothing."}),
     ),
-    "EstimateRequest": _body(
+    "ChatEstimateRequest": _body(
         "messages",
         {"type": "array", "minItems": 1, "items": _message([_TEXT_PART, _MEDIA_PART])},
         True,
@@ -586,6 +586,7 @@ SCHEMAS: dict[str, dict] = {
     "Estimate": {
         "type": "object",
         "required": [
+            "kind",
             "prompt_tokens",
             "warm_tokens",
             "cache_tier",
@@ -600,6 +601,8 @@ SCHEMAS: dict[str, dict] = {
             "estimated",
         ],
         "properties": {
+            "kind": {"enum": ["generation", "embedding"], "description": "the body's kind"},
+            "inputs": {"type": "integer", "minimum": 1, "description": "an embeddings body's inputs"},
             "prompt_tokens": {"type": "integer", "minimum": 0},
             "warm_tokens": {"type": "integer", "minimum": 0},
             "cache_tier": {"type": "string"},
@@ -903,7 +906,7 @@ PATHS: dict[str, dict[str, dict]] = {
     },
     "/v1/estimate": {
         "post": _op(
-            "What one chat request would need, without running it",
+            "What one chat or embeddings request would need, without running it",
             {"description": "The estimate", "content": _json(_ref("Estimate"))},
             400,
             404,
@@ -979,6 +982,10 @@ def document(api_key: bool, vocab_size: int | None = None, decode_batch: int | N
                 **SCHEMAS,
                 "CompletionRequest": _completion_request(vocab_size),
                 "EmbeddingRequest": _embedding_request(vocab_size),
+                "EstimateRequest": {
+                    "oneOf": [_ref("ChatEstimateRequest"), _ref("EmbeddingRequest")],
+                    "description": "A chat-completions body, or an embeddings body (the estimate's kind says which).",
+                },
             }
         },
     }
