@@ -191,6 +191,18 @@ def test_cache_is_written_and_reused(tmp_path, monkeypatch):
     assert len(calls) == 2 and len(list((tmp_path / "cache" / "tokenizers").glob("*.json"))) == 2
 
 
+def test_a_tokenizer_built_ahead_is_taken_once(tmp_path):
+    """`gmlx serve` builds the preloaded model's tokenizer before its port opens; the load takes that
+    one, and the next load of the file builds its own (fast tokenizers are not shared across threads)."""
+    header = read_header(write_vocab(tmp_path / "v.gguf", "gemma3", "llama"))
+    tokmod.prebuild_tokenizer(header, tmp_path / "cache")
+    ahead = tokmod._built_ahead[tokmod._cache_path(header, tmp_path / "cache")]
+    assert load_tokenizer(header, tmp_path / "cache") is ahead
+    again = load_tokenizer(header, tmp_path / "cache")
+    assert again is not ahead and again.encode("hello the world") == ahead.encode("hello the world")
+    assert not tokmod._built_ahead
+
+
 def test_default_cache_dir_from_env(tmp_path, monkeypatch):
     monkeypatch.setenv("GMLX_CACHE_DIR", str(tmp_path / "env-cache"))
     load_tokenizer(read_header(write_vocab(tmp_path / "v.gguf", "qwen2", "gpt2")))

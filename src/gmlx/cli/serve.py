@@ -264,7 +264,7 @@ def _serve(settings: Settings) -> int:
     from gmlx.capacity.memory import kv_bytes_after_prefill
     from gmlx.deployment import deployments
     from gmlx.gguf.header import read_header
-    from gmlx.gguf.tokenizer import check_tokenizer
+    from gmlx.gguf.tokenizer import check_tokenizer, prebuild_tokenizer
     from gmlx.models.loader import architecture_for
     from gmlx.presets import load_presets
     from gmlx.server.app import create_app
@@ -334,6 +334,10 @@ def _serve(settings: Settings) -> int:
         settings.port,
         f"; {len(models) - 1} more model(s) load on demand" if len(models) > 1 else "",
     )
+    try:  # before the port opens, so no /health poll waits on it (gmlx.gguf.tokenizer.prebuild_tokenizer)
+        prebuild_tokenizer(preloaded.deployment.header)
+    except Exception:  # the load meets the same error, and reports it as a load failure
+        log.debug("building the tokenizer ahead failed", exc_info=True)
     state.residency.preload()
     threading.Thread(target=report_load, name="load-report", daemon=True).start()
     server.run()

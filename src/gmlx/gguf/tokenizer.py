@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
@@ -62,8 +63,29 @@ _SPECIAL_IDS = {
 }
 
 
+_built_ahead: dict[Path, TokenizerWrapper] = {}  # by cache file: prebuild_tokenizer's, each taken once
+_built_ahead_lock = threading.Lock()
+
+
+def prebuild_tokenizer(header: GGUFHeader, cache_dir: Path | None = None) -> None:
+    """Build the file's tokenizer now, for the next load_tokenizer of that file to take (once: a
+    fast tokenizer must not be shared across threads). `gmlx serve` does this before its port
+    opens: tokenizers reads the saved JSON holding the GIL (2.5 s for Gemma's 262k vocabulary on
+    these machines), which on the loading thread leaves every /health poll unanswered meanwhile."""
+    built = _build_wrapper(header, cache_dir)
+    with _built_ahead_lock:
+        _built_ahead[_cache_path(header, cache_dir or default_cache_dir())] = built
+
+
 def load_tokenizer(header: GGUFHeader, cache_dir: Path | None = None) -> TokenizerWrapper:
-    """The file's tokenizer as an mlx_lm `TokenizerWrapper`, built once and then read from cache."""
+    """The file's tokenizer as an mlx_lm `TokenizerWrapper`, built once and then read from cache
+    (or the one prebuild_tokenizer built ahead)."""
+    with _built_ahead_lock:
+        ahead = _built_ahead.pop(_cache_path(header, cache_dir or default_cache_dir()), None)
+    return ahead if ahead is not None else _build_wrapper(header, cache_dir)
+
+
+def _build_wrapper(header: GGUFHeader, cache_dir: Path | None) -> TokenizerWrapper:
     # Imported here: mlx_lm imports mlx, which platform.py must be able to precede (BLAS preload).
     from mlx_lm.tokenizer_utils import TokenizerWrapper
     from transformers import PreTrainedTokenizerFast
