@@ -14,9 +14,10 @@ Measures, on one model file and the same cores:
 - for the gguf mode, a profile of one batch-1 decode step: the linear layers' matmuls,
   the LM head, and the rest (attention, norms, graph overhead).
 
-A mode may name the kernels' ISA, `gguf:avx2` (GMLX_KERNELS_ISA for that process), to set
-ISAs side by side: `--modes gguf:avx2,gguf:avx512 --no-llama`; each later mode is then
-also given as a ratio to the first. Each gmlx mode runs in its own process, all engines stay
+A mode may name the kernels' ISA, `gguf:avx2` (GMLX_KERNELS_ISA for that process), and the
+activation codes' bits, `gguf@8` or `gguf:avx2@16` (GMLX_KERNELS_ACT_BITS), to set them side by
+side: `--modes gguf:avx2,gguf:avx512 --no-llama`, `--modes gguf@16,gguf@8`; each later mode is
+then also given as a ratio to the first. Each gmlx mode runs in its own process, all engines stay
 loaded, and the rounds interleave
 them (each figure: the best of the rounds), so a shared machine's load falls on all alike.
 Writes bench/results/kernels-<model>.json.
@@ -89,7 +90,7 @@ def _worker(model: str, mode: str) -> None:
 
     kernels_fast.install()  # as a server's engine does
     t0 = time.perf_counter()
-    m = load(model, mode.split(":")[0])  # type: ignore[arg-type]
+    m = load(model, mode.split("@")[0].split(":")[0])  # type: ignore[arg-type]
     import gmlx.kernels as gk
 
     print(
@@ -97,6 +98,7 @@ def _worker(model: str, mode: str) -> None:
             {
                 "mode": m.mode,
                 "isa": gk.isa(),
+                "act_bits": os.environ.get("GMLX_KERNELS_ACT_BITS", "default"),
                 "load_s": round(time.perf_counter() - t0, 2),
                 "resident_bytes": m.report.resident_bytes,
                 "weights": m.report.describe(),
@@ -309,8 +311,11 @@ class _Llama:
 class _Gmlx:
     def __init__(self, model: Path, mode: str):
         env = dict(os.environ)
-        if ":" in mode:
-            env["GMLX_KERNELS_ISA"] = mode.split(":")[1]
+        mode_isa, _, bits = mode.partition("@")
+        if ":" in mode_isa:
+            env["GMLX_KERNELS_ISA"] = mode_isa.split(":")[1]
+        if bits:
+            env["GMLX_KERNELS_ACT_BITS"] = bits
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "bench.bench_kernels", "--worker", mode, "--model", str(model)],
             stdin=subprocess.PIPE,
@@ -423,7 +428,7 @@ def main() -> None:
     for peer, ref in (("float", result["gmlx"].get("float", {})), ("llama_cpp", result.get("llama_cpp", {}))):
         if "decode_tok_s" in g and "decode_tok_s" in ref:
             ratios[f"gguf_vs_{peer}"] = ratio(g, ref)
-    isas = ":" in args.modes  # ISAs side by side: each later mode against the first, in a file of its own
+    isas = ":" in args.modes or "@" in args.modes  # side by side: each later mode against the first, a file of its own
     if isas:
         modes = list(result["gmlx"])
         for mode in modes[1:]:

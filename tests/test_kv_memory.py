@@ -82,7 +82,7 @@ def default_loaded(default_model: Path) -> LoadedModel:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("width", [1, 4, 8])
-@pytest.mark.parametrize("depth", [256, 2048])
+@pytest.mark.parametrize("depth", [256, 1024])  # both sides of its 512-token sliding window
 def test_kv_prediction_matches_mlx_on_default_model(default_loaded: LoadedModel, width: int, depth: int) -> None:
     measured, predicted = measure(default_loaded, width, depth)
     assert abs(measured - predicted) <= 0.05 * predicted, (measured, predicted)

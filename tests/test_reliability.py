@@ -158,8 +158,8 @@ def test_disconnects_randomized(server: LiveServer) -> None:
 
 
 @pytest.mark.slow
-def test_disconnects_randomized_500(server: LiveServer) -> None:
-    run_disconnects(server, 500, seed=2)
+def test_disconnects_randomized_300(server: LiveServer) -> None:
+    run_disconnects(server, 300, seed=2)
     assert_settled(server)
 
 

@@ -415,7 +415,7 @@ def test_an_agent_loop_on_the_default_model(default_model: Path) -> None:
     """A forced call and a required one, whose arguments validate; the tool's answer; a final text."""
     openai = pytest.importorskip("openai")
     jsonschema = pytest.importorskip("jsonschema")
-    with LiveServer(default_model) as s:
+    with LiveServer(default_model, weights="auto") as s:  # as `gmlx serve` runs it (gguf where it can)
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="k")
         messages: list = [{"role": "user", "content": "What is the weather in Paris?"}]
         args = {"model": s.model_id, "tools": [WEATHER, TIME], "max_tokens": 64, "temperature": 0}
