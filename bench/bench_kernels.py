@@ -435,7 +435,8 @@ def main() -> None:
             ratios[f"{mode}_vs_{modes[0]}"] = ratio(result["gmlx"][mode], result["gmlx"][modes[0]])
     result["ratios"] = ratios
     RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"kernels{'-isa' if isas else ''}-{model.stem}.json"
+    tag = ("-isa" if ":" in args.modes else "") + ("-bits" if "@" in args.modes else "")
+    path = RESULTS / f"kernels{tag}-{model.stem}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(ratios, indent=2))
     print(f"wrote {path}", file=sys.stderr)
