@@ -11,6 +11,9 @@ Measures, on one model file and the same cores:
   generation rate (its `timings.predicted_per_second`).
 - prefill tok/s at 512 tokens: gmlx as mlx_lm prefills (511 tokens evaluating only the KV
   cache, then the last token's logits); llama.cpp's `timings.prompt_per_second`.
+- the machine's memory read bandwidth (numpy reductions over 1 GiB, one thread per kernel
+  thread, best of 5), and each decode figure as a share of the limit it sets: a step reads every
+  weight once, so a mode's resident bytes x steps per second over that bandwidth;
 - for the gguf mode, a profile of one batch-1 decode step: the linear layers' matmuls,
   the LM head, and the rest (attention, norms, graph overhead).
 
@@ -133,6 +136,26 @@ def _worker(model: str, mode: str) -> None:
         else:
             out = {"error": f"unknown command {cmd}"}
         print(json.dumps(out), flush=True)
+
+
+def read_bandwidth_gb_s(threads: int, gib: int = 1, tries: int = 5) -> float:
+    """Memory read bandwidth: `threads` threads each reducing a slice of a buffer far larger than
+    any cache (numpy lets go of the GIL while it reduces), the best of `tries`."""
+    import threading
+
+    import numpy as np
+
+    buf = np.ones(gib * 2**28, dtype=np.float32)
+    parts, best = np.array_split(buf, threads), 0.0
+    for _ in range(tries):
+        workers = [threading.Thread(target=np.max, args=(p,)) for p in parts]
+        t = time.perf_counter()
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        best = max(best, buf.nbytes / (time.perf_counter() - t) / 1e9)
+    return round(best, 1)
 
 
 def _profile(model, steps: int) -> dict:
@@ -416,6 +439,15 @@ def main() -> None:
         eng.close()
         (result["gmlx"][name] if name in result["gmlx"] else result["llama_cpp"]).update(best[name])
     result["load_average_1m_end"] = os.getloadavg()[0]
+    bandwidth = result["read_bandwidth_gb_s"] = read_bandwidth_gb_s(
+        int(os.environ.get("GMLX_KERNELS_THREADS", 0)) or os.cpu_count() or 1
+    )
+    for name, g in result["gmlx"].items():  # a decode step reads every weight once
+        g["bandwidth_share"] = {
+            b: round(g["resident_bytes"] * tok_s / int(b) / 1e9 / bandwidth, 2)
+            for b, tok_s in g["decode_tok_s"].items()
+        }
+        print(f"{name}: decode at {g['bandwidth_share']} of the {bandwidth} GB/s read limit", file=sys.stderr)
 
     def ratio(g: dict, ref: dict) -> dict:
         return {
