@@ -147,39 +147,30 @@ def estimate_embedding(
     }
 
 
+def _not_loaded_terms(table: CapacityTable, free_now_bytes: int | None) -> dict:
+    """What an estimate for a model that is not loaded reads: the table built for its header alone,
+    fits_drained against the budget it would have served, no measured rate (est_ttft_s null)."""
+    b = table.budget
+    return {
+        "context_limit": table.context_length,
+        "prefill_bytes": b.prefill_bytes,
+        "free_now_bytes": free_now_bytes,
+        "free_drained_bytes": b.drained_bytes,
+        "prefill_tok_s": None,
+        "queue_wait_s": 0.0,
+        "resident": False,
+        "kv": table.kv,
+    }
+
+
 def estimate_not_loaded(
     table: CapacityTable, *, prompt_tokens: int, max_tokens: int | None, free_now_bytes: int | None
 ) -> dict:
-    """The estimate for a model that is not loaded, from the table built for its header alone:
-    fits_drained against the budget it would have served, est_ttft_s null (no measured rate)."""
-    b = table.budget
-    return estimate(
-        table.geometry,
-        prompt_tokens=prompt_tokens,
-        max_tokens=max_tokens,
-        context_limit=table.context_length,
-        prefill_bytes=b.prefill_bytes,
-        free_now_bytes=free_now_bytes,
-        free_drained_bytes=b.drained_bytes,
-        prefill_tok_s=None,
-        queue_wait_s=0.0,
-        resident=False,
-        kv=table.kv,
-    )
+    """The estimate for a model that is not loaded (_not_loaded_terms)."""
+    terms = _not_loaded_terms(table, free_now_bytes)
+    return estimate(table.geometry, prompt_tokens=prompt_tokens, max_tokens=max_tokens, **terms)
 
 
 def estimate_embedding_not_loaded(table: CapacityTable, *, input_tokens: list[int], free_now_bytes: int | None) -> dict:
     """estimate_not_loaded for an embeddings body."""
-    b = table.budget
-    return estimate_embedding(
-        table.geometry,
-        input_tokens=input_tokens,
-        context_limit=table.context_length,
-        prefill_bytes=b.prefill_bytes,
-        free_now_bytes=free_now_bytes,
-        free_drained_bytes=b.drained_bytes,
-        prefill_tok_s=None,
-        queue_wait_s=0.0,
-        resident=False,
-        kv=table.kv,
-    )
+    return estimate_embedding(table.geometry, input_tokens=input_tokens, **_not_loaded_terms(table, free_now_bytes))

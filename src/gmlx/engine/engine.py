@@ -548,11 +548,10 @@ class Engine:
     def _embed_next(self) -> None:
         """Run the first waiting embedding's next input; answer it once its last has run."""
         job = self._embedding[0]
-        ids = job.next_input
-        if not job.cancelled and ids is not None:
-            assert self.loaded is not None
+        if not job.cancelled:
+            assert self.loaded is not None and job.next_input is not None  # a finished job is gone
             try:
-                job.vectors.append(embed(self.loaded, self._make_cache, ids, job.pooling, self.prefill_step))
+                job.vectors.append(embed(self.loaded, self._make_cache, job.next_input, job.pooling, self.prefill_step))
             except Exception as e:  # a failed embedding fails its request, not the engine
                 log.exception("embedding failed")
                 self._embedding.popleft()

@@ -109,16 +109,25 @@ async def estimate_body(state: ServerState, body: Any) -> dict:
     """The estimate for a chat-completions body; renders the prompt exactly as a real request would,
     for a resident model or for one not loaded (from its header, never loading it). An embeddings
     body (`input`, no `messages`) gets the estimate of that request."""
+    media: list[str] = []
     if isinstance(body, dict) and "input" in body and "messages" not in body:
-        return await _embedding_estimate(state, body)
-    media = media_parts(body)
-    p = openai_api.parse(_text_only(body) if media else body, chat=True)
-    m = state.find(p.model)
-    notes: list[str] = []
-    if m.ready:
-        out = await _served_estimate(state, m, p)
+        inputs = embeddings.parse_inputs(body)
+        m = state.find(body.get("model"))
+        if m.ready:
+            out = await _served_embedding_estimate(m, inputs)
+        else:
+            out = await asyncio.to_thread(_not_loaded_embedding_estimate, state, m, inputs)
     else:
-        out = await asyncio.to_thread(_not_loaded_estimate, state, m, p)
+        media = media_parts(body)
+        p = openai_api.parse(_text_only(body) if media else body, chat=True)
+        m = state.find(p.model)
+        out = (
+            await _served_estimate(state, m, p)
+            if m.ready
+            else await asyncio.to_thread(_not_loaded_estimate, state, m, p)
+        )
+    notes: list[str] = []
+    if not m.ready:
         evicts = ", ".join(out["evicts"]) or "nothing"
         notes.append(
             f"{m.model_id!r} is not loaded: need_bytes and fits_drained are for it beside the models "
@@ -195,28 +204,31 @@ def _file_tokenizer(m: ModelState) -> tuple[Any, int]:
 
 
 def _not_loaded_estimate(state: ServerState, m: ModelState, p: openai_api.GenerationParams) -> dict:
-    """The estimate for a model that is not loaded: the table it would build beside the resident
-    models, and the idle models its load would unload first."""
-    d = m.deployment
+    """The estimate for a model that is not loaded (_beside)."""
     with _readers_lock:  # one build per file; and fast tokenizers must not be shared across threads
         tokenizer, vocab_size = _file_tokenizer(m)
         ids = openai_api.prompt_token_ids(tokenizer, p, vocab_size)
+    table, load = _beside(state, m)
+    return estimate_not_loaded(table, prompt_tokens=len(ids), max_tokens=p.max_tokens, free_now_bytes=None) | load
+
+
+def _not_loaded_embedding_estimate(state: ServerState, m: ModelState, inputs: list[str | list[int]]) -> dict:
+    with _readers_lock:
+        ids = embeddings.input_ids(*_file_tokenizer(m), inputs)
+    table, load = _beside(state, m)
+    return estimate_embedding_not_loaded(table, input_tokens=[len(i) for i in ids], free_now_bytes=None) | load
+
+
+def _beside(state: ServerState, m: ModelState) -> tuple[CapacityTable, dict]:
+    """The table a model not loaded would build beside the resident models, and what its load
+    would do: whether it can load now, and the idle models it would unload first."""
     assert state.residency is not None
     fits, leaving = state.residency.room_for(m)
-    table = d.planned_table(state.residency.others_bytes(m, leaving))[0]
-    return {
-        **estimate_not_loaded(table, prompt_tokens=len(ids), max_tokens=p.max_tokens, free_now_bytes=None),
-        "model": m.model_id,
-        "loadable": fits,
-        "evicts": [r.model_id for r in leaving] if fits else [],
-    }
+    table = m.deployment.planned_table(state.residency.others_bytes(m, leaving))[0]
+    return table, {"model": m.model_id, "loadable": fits, "evicts": [r.model_id for r in leaving] if fits else []}
 
 
-async def _embedding_estimate(state: ServerState, body: dict) -> dict:
-    inputs = embeddings.parse_inputs(body)
-    m = state.find(body.get("model"))
-    if not m.ready:
-        return await asyncio.to_thread(_not_loaded_embedding_estimate, state, m, inputs)
+async def _served_embedding_estimate(m: ModelState, inputs: list[str | list[int]]) -> dict:
     engine = m.engine
     assert engine is not None and engine.loaded is not None
     loaded = engine.loaded
@@ -226,22 +238,10 @@ async def _embedding_estimate(state: ServerState, body: dict) -> dict:
             return embeddings.input_ids(loaded.tokenizer, loaded.geometry.vocab_size, inputs)
 
     ids = await asyncio.to_thread(tokenized)
-    out = estimate_embedding(loaded.geometry, input_tokens=[len(i) for i in ids], **_served_terms(m))
-    return {**out, "model": m.model_id, "estimated": True}
-
-
-def _not_loaded_embedding_estimate(state: ServerState, m: ModelState, inputs: list[str | list[int]]) -> dict:
-    """As _not_loaded_estimate, for an embeddings body."""
-    d = m.deployment
-    with _readers_lock:
-        ids = embeddings.input_ids(*_file_tokenizer(m), inputs)
-    assert state.residency is not None
-    fits, leaving = state.residency.room_for(m)
-    table = d.planned_table(state.residency.others_bytes(m, leaving))[0]
-    out = estimate_embedding_not_loaded(table, input_tokens=[len(i) for i in ids], free_now_bytes=None)
-    evicts = [r.model_id for r in leaving] if fits else []
-    note = f"{m.model_id!r} is not loaded: fits_now and est_ttft_s are null"
-    return {**out, "model": m.model_id, "estimated": True, "loadable": fits, "evicts": evicts, "note": note}
+    return {
+        **estimate_embedding(loaded.geometry, input_tokens=[len(i) for i in ids], **_served_terms(m)),
+        "model": m.model_id,
+    }
 
 
 def _batch(engine: Engine) -> dict:
