@@ -507,6 +507,7 @@ def test_estimate_fields() -> None:
         cache_tier="block",
     )
     assert e == {
+        "kind": "generation",
         "prompt_tokens": 300,
         "warm_tokens": 100,
         "cache_tier": "block",
