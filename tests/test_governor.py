@@ -434,7 +434,8 @@ def test_real_memory_moves_the_bands(tmp_path: Path) -> None:
         watcher.start()
         clients = [threading.Thread(target=stream, args=(s.url,)), threading.Thread(target=post, args=(s.url,))]
         try:
-            wait_for("a first sample", lambda p: p["band"] == "green")
+            # the governor's first reading (used_bytes is null until it has one)
+            wait_for("a first sample", lambda p: p["band"] == "green" and p["used"] is not None)
             at_start = trace[-1]["used"]
             clients[0].start()
             wait_for("yellow", lambda p: p["band"] != "green")
@@ -450,7 +451,7 @@ def test_real_memory_moves_the_bands(tmp_path: Path) -> None:
     bands = [b for i, b in enumerate(p["band"] for p in trace) if i == 0 or b != trace[i - 1]["band"]]
     print(
         f"{time.monotonic() - started:.1f} s: idle {idle >> 20} MiB (at start {at_start >> 20}), block {block >> 20} "
-        f"MiB, limit {limit >> 20} MiB, peak {max(p['used'] for p in trace) >> 20} MiB, at the end "
+        f"MiB, limit {limit >> 20} MiB, peak {max(p['used'] or 0 for p in trace) >> 20} MiB, at the end "
         f"{trace[-1]['used'] >> 20} MiB; bands {bands}; ends {ends}; actions {actions}"
     )
     firsts = [bands.index(b) for b in ("yellow", "orange", "red")]
