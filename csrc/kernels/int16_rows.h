@@ -67,7 +67,18 @@ void int_rows(const MatmulArgs& a, const int16_t* xq, const float* xd, const flo
     MatmulArgs g = a;
     g.M = a.M - m0 < INT_ROWS ? a.M - m0 : INT_ROWS;
     g.y += m0 * a.N;
-    rows_int<TYPE>(g, XQ{xq + m0 * a.K, xd + m0 * nb, xs + m0 * nb, a.K}, n0, n1);
+    const XQ x{xq + m0 * a.K, xd + m0 * nb, xs + m0 * nb, a.K};
+    int64_t n = n0;
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    if (g.M >= GROUP_MIN_ROWS && has_vnni()) {
+      float out[INT_ROWS * GROUP];
+      for (; n + GROUP <= n1; n += GROUP) {
+        group_dot<TYPE>(g.w + n * g.row_bytes, g.row_bytes, x, (int)g.M, out);
+        for (int64_t m = 0; m < g.M; m++) memcpy(g.y + m * g.N + n, out + m * GROUP, GROUP * sizeof(float));
+      }
+    }
+#endif
+    rows_int<TYPE>(g, x, n, n1);
   }
 }
 
