@@ -45,6 +45,13 @@ NB_MODULE(_ext, m) {
   m.def("set_act_bits", &gk::set_act_bits, "bits"_a,
         "Decode path activations: 16-bit integer codes (default), 8 (as llama.cpp), 0 (float path only).");
   m.def("set_blas", &gk::set_blas, "on"_a, "Prefill through the process's optimized cblas_sgemm (default on).");
+  m.def(
+      "integer_rows",
+      [](int64_t rows) {
+        const gk::Impl* impl = gk::active_impl();
+        return impl->int_supported != nullptr && impl->int_supported(gk::Q8_0, rows);
+      },
+      "rows"_a, "Whether a matmul of this many activation rows takes the active ISA's integer path.");
   m.def("blas", &gk::blas_name, "The library whose cblas_sgemm prefill uses ('' = own kernel).");
   m.def("block_size", &gk::block_size, "type"_a);
   m.def("type_size", &gk::type_size, "type"_a);

@@ -51,7 +51,7 @@ constexpr int ROW_TILE = 16;
 // Activation rows the integer path takes in one pass over a slice of weights.
 constexpr int INT_ROWS = 8;
 // The int16 (AVX2/AVX-512) integer path takes fewer rows than this; more go to the float path
-// (OpenBLAS's sgemm, faster from here). AMX's takes any number.
+// (OpenBLAS's sgemm, faster from here). AMX's, and AVX-512's with VNNI, take any number.
 constexpr int64_t INT16_MAX_ROWS = 64;
 // Bytes of scratch per input feature matmul_rows_int needs (AMX: 16 rows' int8 codes and scales).
 constexpr int64_t INT_SCRATCH_PER_K = 20;

@@ -2,11 +2,12 @@
 
 Reference: gguf.quants.dequantize (gguf's own numpy code) in float64, times float64
 activations. Bounds, per output y[m, n]:
-- float path (any batch; the only path of the generic ISA, and of AVX2/AVX-512 from
-  INT_PATH_ROWS activation rows, through OpenBLAS's sgemm on dequantized panels where gmlx
+- float path (any batch; the only path of the generic ISA, and of AVX2, and AVX-512 without
+  VNNI, from 64 activation rows, through OpenBLAS's sgemm on dequantized panels where gmlx
   preloaded it): |y - ref| <= BOUND * sum_k |x_k| |w_k| (float32 products summed in
   float32; measured max about 1e-7 for K up to 4096);
-- integer path (AVX2/AVX-512 below INT_PATH_ROWS activation rows, AMX at any, 8 at a time): each
+- integer path (AVX2 and AVX-512 below 64 activation rows, AVX-512 with VNNI and AMX at any;
+  `integer_rows(m)` says which): each
   activation is coded as an integer of `bits` bits with one scale per 32-block (8: llama.cpp's Q8_0
   activations; 16: the default). Add sum over blocks b of (max_b |x| / qmax / 2) * sum_{k in b} |w_k|,
   qmax = 2^(bits-1) - 1 (AMX, 16 bits: 32639).
@@ -33,7 +34,6 @@ def _needs_kernels(request):
 
 BOUND = 1e-6
 QUANTIZABLE = {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0}  # gguf.quants.quantize implements these
-INT_PATH_ROWS = 64  # fewer activation rows than this take the integer path on AVX2/AVX-512, 8 at a time
 
 
 def random_weights(t: T, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -112,7 +112,7 @@ def test_matmul_matches_float64_reference(t, isa, act_bits, blas):
         y = np.array(gk.matmul(mx.array(x), mx.array(w), t, n, k))
         assert y.shape == (m, n) and y.dtype == np.float32
         bound = BOUND * (np.abs(x).astype(np.float64) @ np.abs(wd).T)
-        if act_bits and isa != "generic" and (m < INT_PATH_ROWS or isa == "amx"):
+        if act_bits and gk.extension().integer_rows(m):
             bound = bound + activation_rounding_bound(x, wd, act_bits, isa)
         worst = np.max(np.abs(y - ref) - bound)
         assert worst <= 0, f"{t.name} {isa} N={n} K={k} M={m}: error over bound by {worst}"

@@ -53,7 +53,16 @@ def test_gguf_mode_runs_experts_in_their_blocks(tmp_path: Path, arch: str, qtype
     assert glus and all(isinstance(g, GGUFSwitchGLU) and isinstance(g.down_proj, GGUFSwitchLinear) for g in glus)
     assert m.report.resident_bytes == resident_bytes(read_header(path), "gguf")  # what the plan counts
     assert m.report.resident_bytes < 0.4 * load(path, "float").report.resident_bytes
-    blocks, floats = _logits(path, "gguf"), _logits(path, "float")
+    # Float activations: with integer ones (every prompt row on AMX and on AVX-512 with VNNI) a router's
+    # near-tie can send one token to another expert (seen: deepseek2 from its fifth token, 0.3 of the largest
+    # logit; other prompts 8e-5), and the comparison would then say nothing about the blocks. The integer
+    # path is checked against a float64 reference in tests/test_kernels.py.
+    kernels.extension().set_act_bits(0)
+    try:
+        blocks = _logits(path, "gguf")
+    finally:
+        kernels.extension().set_act_bits(16)
+    floats = _logits(path, "float")
     assert np.abs(blocks - floats).max() <= 5e-4 * np.abs(floats).max()
 
 

@@ -139,6 +139,8 @@ constexpr int GROUP = 16;
 // Activation rows from which a pass takes group_dot (fewer: row_dot, where the transposes cost
 // more than they save; default model, Q8_0 LM head: 4 rows 1.15x, 8 rows 1.41x).
 constexpr int GROUP_MIN_ROWS = 4;
+// Activation rows group_dot takes at once: each block's transpose serves them all.
+constexpr int GROUP_ROWS = 64;
 
 // The CPU has AVX512-VNNI's dpwssd (int16 pairs multiplied and added into int32 in one step).
 inline bool has_vnni() {
@@ -170,19 +172,18 @@ inline void transpose16(__m512i* r) {
   }
 }
 
-// GROUP weight rows (from w, rb bytes apart) against M coded activation rows: out[m * GROUP + i].
-// row_dot spends a madd, a convert and an FMA per weight row, activation row and block (the
-// scales differ per block); here a lane is a weight row, so each block's 16 int16 pairs are
-// transposed once and met by every activation row in 16 dpwssd, then one convert and one FMA
-// scale 16 outputs. Q6_K's halves keep their int8 scales apart (in float): times the codes and
-// summed over a block in one lane, they could pass int32.
+// GROUP weight rows (from w, rb bytes apart) against M <= GROUP_ROWS coded activation rows:
+// out[m * GROUP + i]. row_dot spends a madd, a convert and an FMA per weight row, activation row
+// and block (the scales differ per block); here a lane is a weight row, so each block's 16 int16
+// pairs are transposed once and met by every activation row in 16 dpwssd, then one convert and
+// one FMA scale 16 outputs. Q6_K's halves keep their int8 scales apart (in float): times the
+// codes and summed over a block in one lane, they could pass int32.
 template <int TYPE>
 [[gnu::target("avx512vnni")]] void group_dot(const uint8_t* w, int64_t rb, const XQ& x, int M, float* out) {
   using B = Blocks<TYPE>;
   constexpr int HALVES = TYPE == Q6_K ? 2 : 1;
   const int64_t K = x.K, nb32 = K / 32;
-  __m512 acc[INT_ROWS];
-  for (int m = 0; m < INT_ROWS; m++) acc[m] = _mm512_setzero_ps();
+  for (int m = 0; m < M; m++) _mm512_storeu_ps(out + m * GROUP, _mm512_setzero_ps());
   W32 wb[GROUP][B::NB];
   // The next group's bytes (contiguous) are prefetched a share per chunk: a lane per row walks 16
   // streams at once, which the hardware prefetcher leaves far below the bandwidth (the LM head
@@ -208,17 +209,18 @@ template <int TYPE>
       for (int m = 0; m < M; m++) {
         const int32_t* xp = (const int32_t*)(x.q + m * K + b * 32);
         const __m512 xd = _mm512_set1_ps(x.d[m * nb32 + b]);
+        __m512 acc = _mm512_loadu_ps(out + m * GROUP);
         for (int h = 0; h < HALVES; h++) {
           __m512i s = _mm512_setzero_si512();
           for (int p = h * 16 / HALVES; p < (h + 1) * 16 / HALVES; p++)
             s = _mm512_dpwssd_epi32(s, r[p], _mm512_set1_epi32(xp[p]));
-          acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(_mm512_load_ps(d[h]), xd), acc[m]);
+          acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(_mm512_load_ps(d[h]), xd), acc);
         }
-        if constexpr (has_min(TYPE)) acc[m] = _mm512_fmadd_ps(mv, _mm512_set1_ps(x.s[m * nb32 + b]), acc[m]);
+        if constexpr (has_min(TYPE)) acc = _mm512_fmadd_ps(mv, _mm512_set1_ps(x.s[m * nb32 + b]), acc);
+        _mm512_storeu_ps(out + m * GROUP, acc);
       }
     }
   }
-  for (int m = 0; m < M; m++) _mm512_storeu_ps(out + m * GROUP, acc[m]);
 }
 
 }  // namespace

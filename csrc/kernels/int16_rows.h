@@ -1,5 +1,6 @@
-// The int16 integer path (AVX2, AVX-512): fewer than INT16_MAX_ROWS activation rows, coded as
-// int16 per element with a scale per 32, against each weight row's blocks unpacked to int16.
+// The int16 integer path (AVX2, AVX-512): fewer than INT16_MAX_ROWS activation rows (any number
+// with VNNI), coded as int16 per element with a scale per 32, against each weight row's blocks
+// unpacked to int16.
 //
 // row_dot<TYPE, MC>(w, x, M, out), one per ISA: one weight row against M (<= INT_ROWS) coded
 // activation rows; writes out[m] for each m. MC > 0: the row count is the compile-time MC
@@ -20,7 +21,14 @@ namespace {
 // The integer path's contract with kernels_impl.cpp (int_amx.h keeps it too): the rows it takes,
 // the largest code for `bits`, each activation row's codes in its layout, and the weight rows
 // n0..n1 against every row of x.
-constexpr int64_t INT_MAX_ROWS = INT16_MAX_ROWS;
+// Any number of rows where group_dot runs (AVX-512 with VNNI: prompts of 128 tokens 1.2x faster
+// than OpenBLAS on dequantized panels), else fewer than INT16_MAX_ROWS.
+inline int64_t int_max_rows() {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  if (has_vnni()) return INT64_MAX;
+#endif
+  return INT16_MAX_ROWS;
+}
 
 inline float code_max(int bits) { return (float)((1 << (bits - 1)) - 1); }
 
@@ -59,26 +67,31 @@ void rows_int(const MatmulArgs& a, const XQ& x, int64_t n0, int64_t n1) {
   }
 }
 
+// Weight rows n0 .. n1 against every activation row: GROUP at a time through group_dot where the
+// CPU has VNNI (any number of activation rows, GROUP_ROWS at a time), the rest row by row
+// (INT_ROWS activation rows a pass: each thread's slice of weights stays in cache for the next).
 template <int TYPE>
 void int_rows(const MatmulArgs& a, const int16_t* xq, const float* xd, const float* xs, int64_t n0, int64_t n1,
               void*) {
   const int64_t nb = a.K / 32;
-  for (int64_t m0 = 0; m0 < a.M; m0 += INT_ROWS) {  // each thread's slice of weights stays in cache for the next
+  auto rows = [&](int64_t m0) { return XQ{xq + m0 * a.K, xd + m0 * nb, xs + m0 * nb, a.K}; };
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  if (a.M >= GROUP_MIN_ROWS && has_vnni()) {
+    float out[GROUP_ROWS * GROUP];
+    for (; n0 + GROUP <= n1; n0 += GROUP) {
+      for (int64_t m0 = 0; m0 < a.M; m0 += GROUP_ROWS) {
+        const int mc = (int)(a.M - m0 < GROUP_ROWS ? a.M - m0 : GROUP_ROWS);
+        group_dot<TYPE>(a.w + n0 * a.row_bytes, a.row_bytes, rows(m0), mc, out);
+        for (int m = 0; m < mc; m++) memcpy(a.y + (m0 + m) * a.N + n0, out + m * GROUP, GROUP * sizeof(float));
+      }
+    }
+  }
+#endif
+  for (int64_t m0 = 0; m0 < a.M; m0 += INT_ROWS) {
     MatmulArgs g = a;
     g.M = a.M - m0 < INT_ROWS ? a.M - m0 : INT_ROWS;
     g.y += m0 * a.N;
-    const XQ x{xq + m0 * a.K, xd + m0 * nb, xs + m0 * nb, a.K};
-    int64_t n = n0;
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-    if (g.M >= GROUP_MIN_ROWS && has_vnni()) {
-      float out[INT_ROWS * GROUP];
-      for (; n + GROUP <= n1; n += GROUP) {
-        group_dot<TYPE>(g.w + n * g.row_bytes, g.row_bytes, x, (int)g.M, out);
-        for (int64_t m = 0; m < g.M; m++) memcpy(g.y + m * g.N + n, out + m * GROUP, GROUP * sizeof(float));
-      }
-    }
-#endif
-    rows_int<TYPE>(g, x, n, n1);
+    rows_int<TYPE>(g, rows(m0), n0, n1);
   }
 }
 
