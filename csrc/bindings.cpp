@@ -51,7 +51,8 @@ NB_MODULE(_ext, m) {
         const gk::Impl* impl = gk::active_impl();
         return impl->int_supported != nullptr && impl->int_supported(gk::Q8_0, rows);
       },
-      "rows"_a, "Whether a matmul of this many activation rows takes the active ISA's integer path.");
+      "rows"_a, "Whether a matmul of this many activation rows takes the active ISA's integer path "
+      "(with activation bits other than 0).");
   m.def("blas", &gk::blas_name, "The library whose cblas_sgemm prefill uses ('' = own kernel).");
   m.def("block_size", &gk::block_size, "type"_a);
   m.def("type_size", &gk::type_size, "type"_a);
