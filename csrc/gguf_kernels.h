@@ -1,7 +1,7 @@
 // Quantized matrix multiply over GGUF (GGML) block formats, CPU.
 //
 // The same source (kernels_impl.cpp and the headers of kernels/ it includes) is compiled once per
-// instruction set (generic, AVX2+FMA+F16C, AVX-512, AVX-512 with AMX's int8 tiles) into its own
+// instruction set (generic, AVX2+FMA+F16C, AVX-512, AVX-512 with VNNI, AVX-512 with AMX's int8 tiles) into its own
 // namespace; ops.cpp picks one at run time with __builtin_cpu_supports (and cpuid, for AMX).
 // Nothing from the C++ standard library crosses this interface, so no inline function compiled
 // for a wider ISA can leak into code that runs on a narrower one.
@@ -146,6 +146,7 @@ static inline int64_t attend_rows_work(int64_t rows, int64_t D) {
 namespace generic { extern const Impl impl; }
 namespace avx2 { extern const Impl impl; }
 namespace avx512 { extern const Impl impl; }
+namespace avx512vnni { extern const Impl impl; }
 namespace amx { extern const Impl impl; }
 
 }  // namespace gmlx_kernels

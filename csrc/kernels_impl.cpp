@@ -13,7 +13,7 @@
 // pick this ISA's copy for generic callers); every helper has internal linkage.
 
 #ifndef GMLX_ISA
-#error "GMLX_ISA must name the namespace (generic, avx2, avx512, amx)"
+#error "GMLX_ISA must name the namespace (generic, avx2, avx512, avx512vnni, amx)"
 #endif
 #ifndef GMLX_LAYERS
 #define GMLX_LAYERS GMLX_ISA
@@ -23,7 +23,7 @@
 #include "kernels/dequant.h"
 #include "kernels/float_path.h"
 
-// The integer path of this ISA, if any: each keeps one contract (int_max_rows, code_max,
+// The integer path of this ISA, if any: each keeps one contract (INT_MAX_ROWS, code_max,
 // code_row, int_rows<TYPE>) that the three entry points below are written against.
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #define GMLX_INT_PATH 1
@@ -38,7 +38,7 @@ namespace GMLX_ISA {
 namespace {
 
 #ifdef GMLX_INT_PATH
-bool int_supported(int type, int64_t M) { return M >= 1 && M < int_max_rows() && block_size(type) > 0; }
+bool int_supported(int type, int64_t M) { return M >= 1 && M < INT_MAX_ROWS && block_size(type) > 0; }
 
 void quantize_x(const MatmulArgs& a, int bits, int16_t* xq, float* xd, float* xs) {
   const float qmax = code_max(bits);

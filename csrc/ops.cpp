@@ -76,9 +76,16 @@ const Impl* choose_impl(std::string want) {
   const bool has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                     __builtin_cpu_supports("f16c");
   // the widest ISA up to the one wanted ('' the best; an unknown name: generic)
-  [[maybe_unused]] const int up_to = want.empty() || want == "amx" ? 3 : want == "avx512" ? 2 : want == "avx2" ? 1 : 0;
+  [[maybe_unused]] const int up_to = want.empty() || want == "amx" ? 4
+                                     : want == "avx512vnni"         ? 3
+                                     : want == "avx512"             ? 2
+                                     : want == "avx2"               ? 1
+                                                                    : 0;
 #ifdef GMLX_HAVE_AMX
-  if (up_to >= 3 && has512 && amx_usable()) return &amx::impl;
+  if (up_to >= 4 && has512 && amx_usable()) return &amx::impl;
+#endif
+#ifdef GMLX_HAVE_AVX512VNNI
+  if (up_to >= 3 && has512 && __builtin_cpu_supports("avx512vnni")) return &avx512vnni::impl;
 #endif
 #ifdef GMLX_HAVE_AVX512
   if (up_to >= 2 && has512) return &avx512::impl;
@@ -237,7 +244,7 @@ std::atomic<const Impl*> g_impl{nullptr};
 const Impl* active_impl() {
   const Impl* impl = g_impl.load(std::memory_order_acquire);
   if (!impl) {
-    const char* force = std::getenv("GMLX_KERNELS_ISA");  // generic, avx2, avx512, amx: tests and benchmarks
+    const char* force = std::getenv("GMLX_KERNELS_ISA");  // generic, avx2, avx512, avx512vnni, amx
     impl = choose_impl(force ? force : "");
     g_impl.store(impl, std::memory_order_release);
   }

@@ -29,7 +29,7 @@ def _isas() -> list[str]:
     ext = kernels.extension()
     if ext is None:
         return ["generic"]
-    isas = [isa for isa in ("generic", "avx2", "avx512", "amx") if ext.set_isa(isa) == isa]
+    isas = [isa for isa in ("generic", "avx2", "avx512", "avx512vnni", "amx") if ext.set_isa(isa) == isa]
     ext.set_isa("")
     return isas
 

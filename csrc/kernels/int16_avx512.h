@@ -134,6 +134,7 @@ inline void row_dot(const uint8_t* w, const XQ& x, int M_, float* out) {
   }
 }
 
+#ifdef __AVX512VNNI__  // the avx512vnni ISA: group_dot
 // Rows of W at a time for group_dot: one lane each.
 constexpr int GROUP = 16;
 // Activation rows from which a pass takes group_dot (fewer: row_dot, where the transposes cost
@@ -141,12 +142,6 @@ constexpr int GROUP = 16;
 constexpr int GROUP_MIN_ROWS = 4;
 // Activation rows group_dot takes at once: each block's transpose serves them all.
 constexpr int GROUP_ROWS = 64;
-
-// The CPU has AVX512-VNNI's dpwssd (int16 pairs multiplied and added into int32 in one step).
-inline bool has_vnni() {
-  static const bool yes = __builtin_cpu_supports("avx512vnni");
-  return yes;
-}
 
 // r[i] (16 dwords of weight row i) -> r[p]: dword p of every row, lane i from row i.
 inline void transpose16(__m512i* r) {
@@ -179,7 +174,7 @@ inline void transpose16(__m512i* r) {
 // one FMA scale 16 outputs. Q6_K's halves keep their int8 scales apart (in float): times the
 // codes and summed over a block in one lane, they could pass int32.
 template <int TYPE>
-[[gnu::target("avx512vnni")]] void group_dot(const uint8_t* w, int64_t rb, const XQ& x, int M, float* out) {
+void group_dot(const uint8_t* w, int64_t rb, const XQ& x, int M, float* out) {
   using B = Blocks<TYPE>;
   constexpr int HALVES = TYPE == Q6_K ? 2 : 1;
   const int64_t K = x.K, nb32 = K / 32;
@@ -200,8 +195,8 @@ template <int TYPE>
       for (int i = 0; i < GROUP; i++) {
         const W32& wi = wb[i][j];
         r[i] = _mm512_cvtepi8_epi16(wi.q);
-        d[0][i] = wi.d * (float)wi.s0;  // s0 = s1 = 1 but for Q6_K
-        d[HALVES - 1][i] = wi.d * (float)wi.s1;
+        d[0][i] = wi.d * (float)wi.s0;  // s0 = 1 but for Q6_K
+        if constexpr (HALVES == 2) d[1][i] = wi.d * (float)wi.s1;
         mn[i] = wi.m;
       }
       transpose16(r);
@@ -222,6 +217,8 @@ template <int TYPE>
     }
   }
 }
+
+#endif  // __AVX512VNNI__
 
 }  // namespace
 }  // namespace gmlx_kernels::GMLX_ISA

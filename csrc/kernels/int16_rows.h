@@ -1,5 +1,5 @@
 // The int16 integer path (AVX2, AVX-512): fewer than INT16_MAX_ROWS activation rows (any number
-// with VNNI), coded as int16 per element with a scale per 32, against each weight row's blocks
+// with VNNI: the avx512vnni ISA), coded as int16 per element with a scale per 32, against each weight row's blocks
 // unpacked to int16.
 //
 // row_dot<TYPE, MC>(w, x, M, out), one per ISA: one weight row against M (<= INT_ROWS) coded
@@ -21,14 +21,13 @@ namespace {
 // The integer path's contract with kernels_impl.cpp (int_amx.h keeps it too): the rows it takes,
 // the largest code for `bits`, each activation row's codes in its layout, and the weight rows
 // n0..n1 against every row of x.
-// Any number of rows where group_dot runs (AVX-512 with VNNI: the default model prefilled 128
-// tokens 1.75x and 512 1.3x faster than through OpenBLAS), else fewer than INT16_MAX_ROWS.
-inline int64_t int_max_rows() {
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-  if (has_vnni()) return INT64_MAX;
+// With VNNI group_dot takes any number: the default model prefilled 128 tokens 1.75x and 512 1.3x
+// faster than through OpenBLAS on dequantized panels.
+#ifdef __AVX512VNNI__
+constexpr int64_t INT_MAX_ROWS = INT64_MAX;
+#else
+constexpr int64_t INT_MAX_ROWS = INT16_MAX_ROWS;
 #endif
-  return INT16_MAX_ROWS;
-}
 
 inline float code_max(int bits) { return (float)((1 << (bits - 1)) - 1); }
 
@@ -67,16 +66,16 @@ void rows_int(const MatmulArgs& a, const XQ& x, int64_t n0, int64_t n1) {
   }
 }
 
-// Weight rows n0 .. n1 against every activation row: GROUP at a time through group_dot where the
-// CPU has VNNI (any number of activation rows, GROUP_ROWS at a time), the rest row by row
+// Weight rows n0 .. n1 against every activation row: GROUP at a time through group_dot with VNNI
+// (any number of activation rows, GROUP_ROWS at a time), the rest row by row
 // (INT_ROWS activation rows a pass: each thread's slice of weights stays in cache for the next).
 template <int TYPE>
 void int_rows(const MatmulArgs& a, const int16_t* xq, const float* xd, const float* xs, int64_t n0, int64_t n1,
               void*) {
   const int64_t nb = a.K / 32;
   auto rows = [&](int64_t m0) { return XQ{xq + m0 * a.K, xd + m0 * nb, xs + m0 * nb, a.K}; };
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-  if (a.M >= GROUP_MIN_ROWS && has_vnni()) {
+#ifdef __AVX512VNNI__
+  if (a.M >= GROUP_MIN_ROWS) {
     float out[GROUP_ROWS * GROUP];
     for (; n0 + GROUP <= n1; n0 += GROUP) {
       for (int64_t m0 = 0; m0 < a.M; m0 += GROUP_ROWS) {

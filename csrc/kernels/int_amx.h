@@ -21,7 +21,7 @@ static_assert(INT_ROWS <= 8, "a C tile holds 8 rows' hi and lo sums (64 bytes a 
 
 // The integer path's contract with kernels_impl.cpp (as int16_rows.h): every row count; the
 // largest code for `bits`; each activation row's codes in the tiles' layout.
-inline int64_t int_max_rows() { return INT64_MAX; }
+constexpr int64_t INT_MAX_ROWS = INT64_MAX;
 
 inline float code_max(int bits) { return bits == 8 ? 127.f : AMX_QMAX16; }
 
