@@ -136,3 +136,18 @@ def check(name: str, path: Path, mode: str, bounds: Bounds) -> None:
     assert min(overlaps) >= MIN_TOP10_OVERLAP, f"{where}: top-10 overlaps {overlaps}"
     assert max(kls) < bounds.kl, f"{where}: KL up to {max(kls):.2e} (bound {bounds.kl})"
     assert np.mean(kls) < bounds.mean_kl, f"{where}: mean KL {np.mean(kls):.2e} (bound {bounds.mean_kl})"
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_the_head_at_chosen_positions_gives_the_full_forwards_logits_there(tiny_file, name: str) -> None:
+    """upstream.logits_at, which samples each prompt's first token from its last prefill chunk,
+    cuts every architecture's inner model to those positions and still applies its own head."""
+    from gmlx import upstream
+
+    model = load(tiny_file(name, ARCHITECTURES), "float").model
+    inputs = mx.array([[3, 9, 14, 27, 8, 11], [5, 6, 30, 2, 0, 0]])  # row 1: 4 tokens, right-padded
+    full = model(inputs, cache=make_prompt_cache(model))
+    at = upstream.logits_at(model, inputs, make_prompt_cache(model), [1, 0], [3, 5])
+    assert at.shape == (2, full.shape[-1])
+    np.testing.assert_allclose(np.array(at), np.array(full[mx.array([1, 0]), mx.array([3, 5])]), rtol=1e-4, atol=1e-4)
+    assert "model" not in vars(model)  # the inner model is the module's own again

@@ -1,5 +1,6 @@
-"""The engine's decode step (gmlx.upstream.decode_on_logits) gives the same greedy tokens as mlx_lm's
-own BatchGenerator step on the default model, in every weight mode, alone and batched with 7 others."""
+"""The engine's steps (gmlx.upstream.decode_on_logits, and first_token_from_prefill, which samples the
+first token from the last prefill chunk) give the same greedy tokens as mlx_lm's own BatchGenerator on
+the default model, in every weight mode, alone and batched with 7 others."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ def generate(loaded: LoadedModel, prompts: list[list[int]], own_step: bool, toke
     gen = BatchGenerator(loaded.model, stop_tokens=[], completion_batch_size=8, prefill_batch_size=8)
     if own_step:
         upstream.decode_on_logits(gen, lambda uid: False)
+        upstream.first_token_from_prefill(gen, lambda uid: False, lambda uid: False)
     uids = gen.insert(prompts, [tokens] * len(prompts), samplers=[greedy] * len(prompts))
     out: dict[int, list[int]] = {uid: [] for uid in uids}
     while any(len(t) < tokens for t in out.values()):

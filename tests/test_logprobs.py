@@ -109,10 +109,22 @@ def test_streamed_logprobs_reassemble_to_the_whole_answer(server: LiveServer, ch
             events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     parts = [ch["logprobs"] for e in events for ch in e["choices"] if ch.get("logprobs")]
     if chat_api:
-        assert [x for part in parts for x in part["content"]] == whole["content"]
+        assert same([x for part in parts for x in part["content"]], whole["content"])
     else:
         for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
-            assert [x for part in parts for x in part[key]] == whole[key], key
+            assert same([x for part in parts for x in part[key]], whole[key]), key
+
+
+def same(a: object, b: object) -> bool:
+    """Equal, floats to 1e-4: the second request finds the prompt cached and prefills only its last
+    token, whose logits then come from a 1-row forward; a row's rounding moves with the rows beside it."""
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, abs_tol=1e-4)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
 
 
 @pytest.mark.parametrize(

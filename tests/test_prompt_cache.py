@@ -149,8 +149,9 @@ def test_a_repeated_prompt_hits_exact_and_skips_its_prefill(runner: Runner) -> N
     ids = prompt(1500)
     cold, prefilled_cold, first = runner.prefilled_by(ids)
     warm, prefilled_warm, second = runner.prefilled_by(ids)
-    assert cold.cache.tier == "miss" and prefilled_cold == len(ids) - 1  # mlx_lm decodes the last one
-    assert (warm.cache.tier, warm.cache.warm_tokens) == ("exact", len(ids) - 1) and prefilled_warm == 0
+    assert cold.cache.tier == "miss" and prefilled_cold == len(ids)
+    # the cache holds all but the last token: that one is prefilled again, its logits giving the first token
+    assert (warm.cache.tier, warm.cache.warm_tokens) == ("exact", len(ids) - 1) and prefilled_warm == 1
     assert second.cached_tokens == len(ids) - 1
     assert second.ttft_s < first.ttft_s / 2  # the engine's own timing: 1499 tokens not prefilled again
 
@@ -163,7 +164,7 @@ def test_a_longer_prompt_reuses_its_prefix(runner: Runner) -> None:
     # 64-token window, so its cache cannot be trimmed) restores the checkpoint kept before the last token.
     expected = {"llama": ("block", 688), "gemma3": ("ckpt", 699)}[runner.engine.loaded.geometry.architecture]
     assert (req.cache.tier, req.cache.warm_tokens) == expected
-    assert prefilled == len(ids) + 40 - 1 - req.cache.warm_tokens
+    assert prefilled == len(ids) + 40 - req.cache.warm_tokens
 
 
 def test_a_long_prefill_keeps_checkpoints_along_the_way(tiny: dict[str, Path]) -> None:
@@ -181,7 +182,7 @@ def test_a_shared_system_prompt_hits_its_anchor(runner: Runner) -> None:
     system = prompt(300, salt=7)
     runner.run(system + prompt(30, salt=1), anchor=300)
     req, prefilled, _ = runner.prefilled_by(system + prompt(45, salt=2), anchor=300)
-    assert (req.cache.tier, req.cache.warm_tokens) == ("anchor", 300) and prefilled == 44
+    assert (req.cache.tier, req.cache.warm_tokens) == ("anchor", 300) and prefilled == 45
 
 
 def test_cache_off_means_no_cache(tiny: dict[str, Path]) -> None:

@@ -71,7 +71,7 @@ def test_typer_writes_each_shells_completion_script() -> None:
         assert marker in script and "_GMLX_COMPLETE" in script, shell
 
 
-def test_the_generation_batch_takes_gmlxs_decode_step_and_keeps_only_the_rows_asked(
+def test_the_batch_generator_takes_gmlxs_steps_and_keeps_only_the_rows_asked(
     tiny_models: dict[str, Path],
 ) -> None:
     from mlx_lm.generate import BatchGenerator
@@ -85,6 +85,7 @@ def test_the_generation_batch_takes_gmlxs_decode_step_and_keeps_only_the_rows_as
         gen = BatchGenerator(model, stop_tokens=[], completion_batch_size=2, prefill_batch_size=2)
         if own_step:
             upstream.decode_on_logits(gen, lambda uid: uid == 0)
+            upstream.first_token_from_prefill(gen, lambda uid: uid == 0, lambda uid: False)
         uids = gen.insert([[1, 7, 9], [1, 4]], [6, 6], samplers=[greedy, greedy])
         tokens: dict[int, list[int]] = {u: [] for u in uids}
         kept: dict[int, list[bool]] = {u: [] for u in uids}
@@ -96,5 +97,44 @@ def test_the_generation_batch_takes_gmlxs_decode_step_and_keeps_only_the_rows_as
 
     tokens, kept = run(own_step=True)
     assert tokens == run(own_step=False)[0]
-    # Each row's first token is mlx_lm's (sampled as it joins); after that only row 0 keeps its logits.
-    assert kept == {0: [True] * 6, 1: [True] + [False] * 5}
+    # The first token too is sampled in gmlx's step (from the prefill's last chunk): only row 0 keeps logits.
+    assert kept == {0: [True] * 6, 1: [False] * 6}
+
+
+def test_prompts_past_the_sliding_window_join_a_decoding_batch_with_mlx_lms_logits(
+    tiny_models: dict[str, Path],
+) -> None:
+    """first_token_from_prefill cuts a sliding cache that a chunk left longer than its window
+    (tiny gemma3: 64 tokens) before the row joins; rows joining mid-decode, and a chunk that ends
+    one prompt while another goes on, see what they see in mlx_lm's own generator."""
+    import numpy as np
+    from mlx_lm.generate import BatchGenerator
+
+    from gmlx.engine.sampling import greedy
+    from gmlx.models.loader import load
+
+    model = load(tiny_models["gemma3"], "float").model
+    prompts = [[1] + [7 + (i * 13) % 90 for i in range(n)] for n in (20, 150, 90, 200)]
+
+    def run(own_steps: bool) -> list[list[tuple[int, np.ndarray]]]:
+        gen = BatchGenerator(model, stop_tokens=[], completion_batch_size=4, prefill_batch_size=4, prefill_step_size=48)
+        if own_steps:
+            upstream.decode_on_logits(gen, lambda uid: True)
+            upstream.first_token_from_prefill(gen, lambda uid: True, lambda uid: False)
+        out: dict[int, list[tuple[int, np.ndarray]]] = {u: [] for u in gen.insert(prompts[:1], [30], samplers=[greedy])}
+        for step in range(60):
+            if step == 3:  # two join while the first decodes, ending their prompts in different chunks
+                out.update({u: [] for u in gen.insert(prompts[1:3], [20, 20], samplers=[greedy] * 2)})
+            if step == 9:
+                out.update({u: [] for u in gen.insert(prompts[3:], [10], samplers=[greedy])})
+            for r in gen.next()[1]:
+                out[r.uid].append((r.token, np.array(r.logprobs - mx.logsumexp(r.logprobs))))
+        gen.close()
+        return list(out.values())
+
+    ours, theirs = run(own_steps=True), run(own_steps=False)
+    assert [len(t) for t in ours] == [30, 20, 20, 10]
+    for row, row_theirs in zip(ours, theirs, strict=True):
+        assert [t for t, _ in row] == [t for t, _ in row_theirs]
+        for (_, a), (_, b) in zip(row, row_theirs):
+            np.testing.assert_allclose(a, b, atol=1e-4)

@@ -5,7 +5,8 @@ request's `emit` callback, called on this thread (the server hands them to its e
 Scheduling is mlx_lm's BatchGenerator: up to `decode_batch` streams decode together, and each
 step prefills a chunk of every new prompt after the decode rows' token, the chunk sized each
 step by engine/budget.py so that decoding never waits long behind a prefill. Its decode step
-samples from the logits unnormalised (gmlx.upstream.decode_on_logits).
+samples from the logits unnormalised (gmlx.upstream.decode_on_logits), and a prompt's first
+token is sampled from the chunk that ends its prefill (gmlx.upstream.first_token_from_prefill).
 """
 
 from __future__ import annotations
@@ -356,6 +357,7 @@ class Engine:
         self.decode_batch = decode_batch
         self.prefill_step = prefill_step
         self._budget = PrefillBudget(prefill_step)
+        self._decoded_last: frozenset[int] = frozenset()  # rows the last step decoded
         self.stats = EngineStats()
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._active: dict[int, _Stream] = {}  # batch uid -> stream, owned by the engine thread
@@ -442,11 +444,17 @@ class Engine:
             prefill_step_size=self.prefill_step,
         )
         upstream.decode_on_logits(gen, self._keeps_logits)
+        upstream.first_token_from_prefill(gen, self._keeps_logits, self._keeps_last_apart)
         return gen
 
     def _keeps_logits(self, uid: int) -> bool:
         stream = self._active.get(uid)
         return stream is not None and stream.req.logprobs is not None
+
+    def _keeps_last_apart(self, uid: int) -> bool:
+        """Whether the cache just before the prompt's last token is kept (a checkpoint there)."""
+        stream = self._active.get(uid)
+        return stream is not None and len(stream.req.prompt_ids) - 1 in stream.checkpoints
 
     def _run(self) -> None:
         try:
@@ -771,7 +779,15 @@ class Engine:
         start = time.perf_counter()
         with gen.stats() as s:
             prompt_responses, generation_responses = gen.next()
-        self._budget.observe(len(generation_responses), s.prompt_tokens, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        # A step in which rows joined the decode batch, or the first after rows joined or left it,
+        # also copies every row's KV cache (mlx_lm pads and concatenates them): 3-10 decode steps'
+        # time. Learning from it, the budget once let 100-token chunks through for seconds after.
+        rows = frozenset(r.uid for r in generation_responses)
+        joined = any(p.end_of_prompt for p in prompt_responses)
+        if rows == self._decoded_last and not joined:
+            self._budget.observe(len(rows), s.prompt_tokens, seconds)
+        self._decoded_last = rows
         while self._sampling_failed:  # before the responses, so no placeholder token goes out
             req, why = self._sampling_failed.pop()
             if req.uid in self._active:
