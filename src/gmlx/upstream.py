@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import mlx.core as mx
-    from mlx_lm.generate import BatchGenerator, GenerationBatch
+    from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
     from mlx_lm.models.cache import BatchKVCache
     from mlx_lm.tokenizer_utils import TokenizerWrapper
     from transformers import PreTrainedTokenizerFast
@@ -138,10 +138,11 @@ def first_token_from_prefill(
     through the model (a 1-token forward, its rows only) to sample the first token, which the
     decode step after that returns. Here the last token goes with the chunk before it, the head
     runs on that position alone (`logits_at`), and the row joins the decode batch with its first
-    token sampled: the next decode step returns it. That is one forward fewer for every request
-    (13-18 ms of a 128-token prompt's TTFT on a 2-core EPYC), and no separate forward for the rows
-    joining beside a decode batch. Where `keep_last_apart(uid)` (the engine keeps the cache just
-    before the last token) the chunk stops there, and the last token is a chunk of its own.
+    token sampled: the next decode step returns it. A prompt prefilled beside others so no longer
+    waits one more of their steps, and rows joining a decode batch need no forward of their own.
+    (Alone, TTFT is the same within the noise: the 1-token forward saved costs about what running
+    the last layer over the whole chunk adds.) Where `keep_last_apart(uid)` (the engine keeps the
+    cache just before the last token) the chunk stops there, and the last token is a chunk of its own.
 
     `BatchGenerator._next`, as of mlx-lm 0.32, with that change; the decode step stays
     the generation batch's (`decode_on_logits`).
@@ -231,7 +232,7 @@ def _next_first_token_in_prefill(
     return progress, generated
 
 
-def _prefill(batch, chunks: list[list[int]], ending: list[int]) -> mx.array | None:
+def _prefill(batch: PromptProcessingBatch, chunks: list[list[int]], ending: list[int]) -> mx.array | None:
     """PromptProcessingBatch.prompt for one chunk a row (right-padded to the longest, as mlx_lm
     pads), returning the logits at the last token of each row in `ending` (None if none)."""
     import mlx.core as mx
@@ -262,8 +263,8 @@ def _prefill(batch, chunks: list[list[int]], ending: list[int]) -> mx.array | No
 def _fit_window(cache: Any) -> None:
     """Cut a sliding-window cache that a prefill chunk left longer than its window (mlx_lm keeps
     window + chunk - 1 slots there) to the window, as its first decode step would. Joining the
-    decode batch uncut, it would pad every row's cache to that length: 7 rows beside a 2,000-token
-    prompt's 464-token last chunk made 210 MB of copies on the default model."""
+    decode batch uncut, it would pad every row's cache to that length: on the default model, 6
+    decoding rows took a 2,000-token prompt (last chunk 464 tokens) in 199 ms uncut, 126 ms cut."""
     from mlx_lm.models.cache import BatchRotatingKVCache
 
     if not isinstance(cache, BatchRotatingKVCache) or cache.keys is None or cache.rotated:
