@@ -138,3 +138,43 @@ def test_prompts_past_the_sliding_window_join_a_decoding_batch_with_mlx_lms_logi
         assert [t for t, _ in row] == [t for t, _ in row_theirs]
         for (_, a), (_, b) in zip(row, row_theirs):
             np.testing.assert_allclose(a, b, atol=1e-4)
+
+
+@pytest.mark.parametrize("window", [None, 8])
+@pytest.mark.parametrize(
+    ("lengths", "joining", "steps"), [((5, 9), (3,), 0), ((5, 9), (20,), 6), ((30,), (4, 12), 3), ((30, 11), (2,), 2)]
+)
+def test_a_batch_cache_extends_in_one_copy_to_mlx_lms_state(
+    window: int | None, lengths: tuple[int, ...], joining: tuple[int, ...], steps: int
+) -> None:
+    """The decode batch's caches take a joining row's as mlx_lm's extend would: full and
+    sliding-window caches, rotated or not, the joining rows shorter or longer."""
+    import copy
+
+    import numpy as np
+    from mlx_lm.models.cache import BatchRotatingKVCache, KVCache, RotatingKVCache
+
+    rng = np.random.default_rng(len(lengths) + 10 * steps)
+
+    def batch(sizes: tuple[int, ...]) -> object:
+        caches = []
+        for n in sizes:
+            c = KVCache() if window is None else RotatingKVCache(window)
+            c.update_and_fetch(*(mx.array(rng.normal(size=(1, 2, n, 4)), dtype=mx.float32) for _ in range(2)))
+            caches.append(c)
+        merged = (BatchKVCache if window is None else BatchRotatingKVCache).merge(caches)
+        for _ in range(steps):  # decode steps: a window past its size rotates
+            merged.update_and_fetch(
+                *(mx.array(rng.normal(size=(len(sizes), 2, 1, 4)), dtype=mx.float32) for _ in range(2))
+            )
+        return merged
+
+    ours, other = batch(lengths), batch(joining)
+    theirs = copy.deepcopy(ours)
+    theirs.extend(copy.deepcopy(other))
+    upstream._extend_in_one_copy(ours, other)
+    for a, b in zip(ours.state, theirs.state, strict=True):
+        assert np.array_equal(np.array(a), np.array(b)) if isinstance(a, mx.array) else a == b
+    assert ours._idx == theirs._idx
+    if window is not None:
+        assert (ours.rotated, ours._offset) == (theirs.rotated, theirs._offset)
