@@ -41,7 +41,7 @@ NB_MODULE(_ext, m) {
         "A token per row of x drawn with u (uniform in [0, 1)) from softmax(x / temperature) after mlx_lm's "
         "top_p, min_p and top_k filters, as one CPU node.");
   m.def("isa", [] { return std::string(gk::active_impl()->name); }, "Instruction set the kernels use.");
-  m.def("set_isa", &gk::set_isa, "want"_a, "Pick the ISA (generic, avx2, avx512, amx; '' = best); returns the one chosen.");
+  m.def("set_isa", &gk::set_isa, "want"_a, "Pick the ISA (generic, avx2, avx512, avx512vnni, amx; '' = best); returns the one chosen.");
   m.def("set_act_bits", &gk::set_act_bits, "bits"_a,
         "Decode path activations: 16-bit integer codes (default), 8 (as llama.cpp), 0 (float path only).");
   m.def("set_blas", &gk::set_blas, "on"_a, "Prefill through the process's optimized cblas_sgemm (default on).");

@@ -187,7 +187,8 @@ void run_float(const MatmulArgs& a) {
 // and one parallel region covers every weight's rows, each thread taking all of x's rows
 // INT_ROWS at a time against its slice of weights, which stays in cache across the passes.
 // AVX2/AVX-512 take fewer than INT16_MAX_ROWS rows this way (prompts of 9 to 63 tokens went
-// 1.4x to 1.7x slower through the float kernel's dequantized tiles); AMX takes every prompt.
+// 1.4x to 1.7x slower through the float kernel's dequantized tiles); AMX and AVX-512 with VNNI
+// take every prompt.
 void run_matmuls(const MatmulArgs* parts, int n_parts) {
   const Impl* impl = active_impl();
   const MatmulArgs& a = parts[0];

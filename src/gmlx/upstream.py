@@ -70,7 +70,8 @@ def decode_on_logits(gen: BatchGenerator, keeps_logits: Callable[[int], bool]) -
     `keeps_logits(uid)`; elsewhere a response's `logprobs` is None.
 
     The step replaced is the batch generator's one generation batch's (it is created once and
-    extended, never replaced); a prompt's first token, sampled as its rows join, is mlx_lm's.
+    extended, never replaced); a prompt's first token is sampled as it ends its prefill
+    (`first_token_from_prefill`), through the same processors and samplers (`_sample`).
     """
     batch = gen._generation_batch
     batch._step = MethodType(lambda b: _step_on_logits(b, keeps_logits), batch)
@@ -211,8 +212,6 @@ def _next_first_token_in_prefill(
         mx.async_eval(sampled, [r for r in kept if r is not None])
         gen._currently_processing = [s for i, s in enumerate(gen._currently_processing) if i not in ending]
         done = batch.split(ending)
-        for cache in done.prompt_cache:
-            _fit_window(cache)
         joined = _sampled_batch()(
             done.model,
             done.uids,
@@ -226,14 +225,7 @@ def _next_first_token_in_prefill(
             done.max_tokens,
         )
         joined._next_logprobs = kept
-        if decoding.prompt_cache:  # merged here; the batch's extend then keeps its own caches
-            for mine, theirs in zip(decoding.prompt_cache, joined.prompt_cache):
-                if type(mine) in _batch_caches():
-                    _extend_in_one_copy(mine, theirs)
-                else:
-                    mine.extend(theirs)
-            joined.prompt_cache = []
-        decoding.extend(joined)
+        _join(decoding, joined)
     counters.prompt_tokens += sum(len(c) for c in chunks)
     counters.prompt_time += time.perf_counter() - tic
     return progress, generated
@@ -283,11 +275,21 @@ def _fit_window(cache: Any) -> None:
         cache.left_padding -= cut
 
 
-@functools.cache
-def _batch_caches() -> tuple[type, type]:
+def _join(decoding: GenerationBatch, joined: GenerationBatch) -> None:
+    """decoding.extend(joined), each joining sliding cache cut to its window first and the caches
+    merged in one copy where gmlx knows the cache (mlx_lm's own extend elsewhere)."""
     from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
 
-    return BatchKVCache, BatchRotatingKVCache
+    for cache in joined.prompt_cache:
+        _fit_window(cache)
+    if decoding.prompt_cache:
+        for mine, theirs in zip(decoding.prompt_cache, joined.prompt_cache):
+            if type(mine) in (BatchKVCache, BatchRotatingKVCache):
+                _extend_in_one_copy(mine, theirs)
+            else:
+                mine.extend(theirs)
+        joined.prompt_cache = []  # merged: GenerationBatch.extend keeps the batch's own when the other has none
+    decoding.extend(joined)
 
 
 def _extend_in_one_copy(cache: Any, other: Any) -> None:
