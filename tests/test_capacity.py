@@ -386,14 +386,16 @@ def test_the_budget_counts_what_the_governor_counts() -> None:
 
 class _Settings:
     def __init__(self, governor: bool) -> None:
-        self.governor, self.governor_orange = governor, 0.85
+        self.governor, self.governor_orange, self.governor_hysteresis = governor, 0.85, 0.05
 
 
 def test_governor_terms_follow_the_governor() -> None:
     assert governor_terms(_Settings(False), 480 * MiB, host_memory=True) is None  # nothing counts RSS
-    assert governor_terms(_Settings(True), 480 * MiB, host_memory=True) == GovernorTerms(480 * MiB, 0.85)
+    # The table fills up to orange less the hysteresis, so the noise of the process's memory
+    # outside MLX does not tip a planned load into orange.
+    assert governor_terms(_Settings(True), 480 * MiB, host_memory=True) == GovernorTerms(480 * MiB, 0.8)
     # On CUDA the governor reads the device's memory, not the process's: no host memory comes off.
-    assert governor_terms(_Settings(True), 480 * MiB, host_memory=False) == GovernorTerms(0, 0.85)
+    assert governor_terms(_Settings(True), 480 * MiB, host_memory=False) == GovernorTerms(0, 0.8)
     assert HOST_BYTES_ESTIMATE == 512 * MiB  # what `gmlx plan` assumes offline
 
 

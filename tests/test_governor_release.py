@@ -141,10 +141,10 @@ def test_offline_table_assumes_the_host_memory_estimate(tiny_models: dict[str, P
     governed, _ = header_table(h, resolve_settings({}, env={}), mode="float", memory=8 * 2**30)
     plain, _ = header_table(h, resolve_settings({}, env={"GMLX_GOVERNOR": "0"}), mode="float", memory=8 * 2**30)
     on_cuda, _ = header_table(h, resolve_settings({}, env={}), mode="float", memory=8 * 2**30, host_memory=False)
-    assert (governed.budget.host_bytes, governed.budget.ceiling) == (HOST_BYTES_ESTIMATE, 0.9)
+    assert (governed.budget.host_bytes, governed.budget.ceiling) == (HOST_BYTES_ESTIMATE, 0.85)
     assert (plain.budget.host_bytes, plain.budget.ceiling) == (0, 1.0)
     assert governed.budget.prefill_bytes == plain.budget.prefill_bytes  # the arithmetic of MLX's own is the same
-    assert on_cuda.budget.host_bytes == 0 and on_cuda.budget.ceiling == 0.9
+    assert on_cuda.budget.host_bytes == 0 and on_cuda.budget.ceiling == 0.85
     assert governed.budget.kv_bytes < on_cuda.budget.kv_bytes < plain.budget.kv_bytes
 
 
@@ -202,7 +202,8 @@ def test_plan_ok_keeps_the_band_at_yellow(default_model: Path, tmp_path: Path) -
     streams of about 1024 tokens by the table (measured by a first server's warm-up), each width's
     deepest depth the plan says `ok` to (at most a few thousand tokens, to stay short) runs
     without the band ever passing yellow. (The table left the process's memory outside MLX
-    out: 4 streams of 3,509 tokens it had said yes to went red.)"""
+    out: 4 streams of 3,509 tokens it had said yes to went red; filled to orange itself, 4 streams
+    of 1,024 tokens peaked at 0.80-0.87 of the limit here and reached orange on another machine.)"""
     flags = ("--weights", "auto", "--decode-batch", "4")  # the default model as `gmlx serve` loads it
     env = {"GMLX_GOVERNOR": "1", "GMLX_GOVERNOR_INTERVAL_S": "0.1"}
     with ServeProcess(default_model, tmp_path / "calibrate.log", *flags, "--memory", "8GiB", env=env) as s:

@@ -22,10 +22,11 @@ def default_prompt_cache_bytes(total_bytes: int) -> int:
 @dataclass(frozen=True)
 class GovernorTerms:
     """What a server's memory governor counts that MLX's arithmetic leaves out, so that the
-    capacity table admits no more than keeps its band at yellow at most (below orange)."""
+    capacity table admits no more than keeps its band at yellow at most (below orange, by the
+    hysteresis)."""
 
     host_bytes: int  # the process's memory outside MLX: measured at a server's warm-up, else estimated
-    ceiling: float  # the governor's orange threshold, as a share of total less reserve
+    ceiling: float  # the governor's orange threshold less its hysteresis, as a share of total less reserve
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class MemoryBudget:
     # What a memory governor counts that MLX's arithmetic leaves out (GovernorTerms); 0 and 1
     # without one.
     host_bytes: int = 0  # the process's memory outside MLX
-    ceiling: float = 1.0  # the share of usable_bytes the table fills: up to where orange starts
+    ceiling: float = 1.0  # the share of usable_bytes the table fills: short of where orange starts
     # The weights of the other models resident beside this one: memory is shared, so a model's
     # table is built against what the others leave (server/residency.py).
     others_bytes: int = 0
@@ -59,7 +60,7 @@ class MemoryBudget:
     def drained_bytes(self) -> int:
         """What one request may use once running requests finish: one prefill and its stream.
         The prompt cache may still hold up to its bound then, so it stays off, as in kv_bytes;
-        under a governor, so does the process's memory outside MLX, and only up to orange counts."""
+        under a governor, so does the process's memory outside MLX, and only up to the ceiling counts."""
         return (
             int(self.ceiling * self.usable_bytes)
             - self.weight_bytes

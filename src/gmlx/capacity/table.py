@@ -214,6 +214,8 @@ class TableSettings(Protocol):
     def governor(self) -> bool: ...
     @property
     def governor_orange(self) -> float: ...
+    @property
+    def governor_hysteresis(self) -> float: ...
     def kv_quant(self) -> KVQuantSettings: ...
     def prompt_cache_limit(self, memory: int) -> int: ...
 
@@ -226,10 +228,13 @@ def attention_in_tiles(fast_kernels: bool, kv_plan: KVQuantPlan | None) -> bool:
 
 def governor_terms(s: TableSettings, host_bytes: int, host_memory: bool) -> GovernorTerms | None:
     """capacity_table's `governor` for a server with settings `s` (None without a governor): host
-    memory counts only where the governor reads it (`host_memory`: not on CUDA)."""
+    memory counts only where the governor reads it (`host_memory`: not on CUDA). The table fills
+    up to orange less the hysteresis: the process's memory outside MLX moves by tens of MiB as
+    requests come and go, and a plan filled to orange itself tipped into it (docs/ARCHITECTURE.md,
+    "Memory model")."""
     if not s.governor:
         return None
-    return GovernorTerms(host_bytes if host_memory else 0, s.governor_orange)
+    return GovernorTerms(host_bytes if host_memory else 0, round(s.governor_orange - s.governor_hysteresis, 4))
 
 
 # The KV cache's float width a server allocates, in every weight mode and on every device.

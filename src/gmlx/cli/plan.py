@@ -162,7 +162,9 @@ def offline(
         },
         "ceiling": {
             "value": table.budget.ceiling,
-            "from": "the governor's orange threshold" if s.governor else "no governor: the whole budget",
+            "from": "the governor's orange threshold less its hysteresis"
+            if s.governor
+            else "no governor: the whole budget",
         },
         "other_models_bytes": {
             "value": others_bytes,
@@ -258,7 +260,7 @@ def _show_table(table: dict[str, Any]) -> None:
     console.print(f"{table['headline']}\n", highlight=False)
     usable = f"(memory {human_bytes(b['total_bytes'])} - reserve {human_bytes(b['reserve_bytes'])})"
     if b.get("ceiling", 1) != 1:
-        usable += f" x {b['ceiling']:g} (up to orange)"
+        usable += f" x {b['ceiling']:g} (orange less hysteresis)"
     console.print(
         f"{usable} - weights {human_bytes(b['weight_bytes'])} - outside MLX {human_bytes(b.get('host_bytes', 0))}"
         f" - prompt cache {human_bytes(b['prompt_cache_bytes'])} - prefill {human_bytes(b['prefill_bytes'])}"
