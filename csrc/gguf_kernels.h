@@ -107,12 +107,12 @@ struct Impl {
   // each pass of INT_ROWS rows at (xq, xd, xs) + its first row's offset (row m0 at xq + m0 * K,
   // xd + m0 * K/32); quantize_x codes one pass (a.M <= INT_ROWS rows) at a time.
   // int_supported: this ISA has the path for (type, M). matmul_rows_int takes every row of x,
-  // INT_ROWS at a time; scratch holds INT_SCRATCH_PER_K * K bytes, 64-byte aligned. The three
+  // INT_ROWS at a time, with the bits quantize_x was given (the layout may follow them); scratch holds INT_SCRATCH_PER_K * K bytes, 64-byte aligned. The three
   // are null where the ISA has no integer path (generic).
   bool (*int_supported)(int type, int64_t M);
   void (*quantize_x)(const MatmulArgs& a, int bits, int16_t* xq, float* xd, float* xs);
   void (*matmul_rows_int)(const MatmulArgs& a, const int16_t* xq, const float* xd, const float* xs,
-                          int64_t n0, int64_t n1, void* scratch);
+                          int64_t n0, int64_t n1, void* scratch, int bits);
   // y[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w (w may be null), rows of D floats
   void (*rms_norm_rows)(const float* x, const float* w, float* y, int64_t rows, int64_t D, float eps);
   // h[i] = act(g[i]) * u[i] for i < n; act GATED_SILU or GATED_GELU_APPROX (h may be g)

@@ -23,8 +23,8 @@
 #include "kernels/dequant.h"
 #include "kernels/float_path.h"
 
-// The integer path of this ISA, if any: each keeps one contract (INT_MAX_ROWS, code_max,
-// code_row, int_rows<TYPE>) that the three entry points below are written against.
+// The integer path of this ISA, if any: each keeps one contract (INT_MAX_ROWS, code_row,
+// int_rows<TYPE>) that the three entry points below are written against.
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #define GMLX_INT_PATH 1
 #include "kernels/int_amx.h"
@@ -41,13 +41,12 @@ namespace {
 bool int_supported(int type, int64_t M) { return M >= 1 && M < INT_MAX_ROWS && block_size(type) > 0; }
 
 void quantize_x(const MatmulArgs& a, int bits, int16_t* xq, float* xd, float* xs) {
-  const float qmax = code_max(bits);
-  for (int64_t m = 0; m < a.M; m++) code_row(a, m, qmax, xq, xd, xs);
+  for (int64_t m = 0; m < a.M; m++) code_row(a, m, bits, xq, xd, xs);
 }
 
 void matmul_rows_int(const MatmulArgs& a, const int16_t* xq, const float* xd, const float* xs, int64_t n0, int64_t n1,
-                     void* scratch) {
-  with_type(a.type, [&]<int TYPE>() { int_rows<TYPE>(a, xq, xd, xs, n0, n1, scratch); });
+                     void* scratch, int bits) {
+  with_type(a.type, [&]<int TYPE>() { int_rows<TYPE>(a, xq, xd, xs, n0, n1, scratch, bits); });
 }
 #endif
 

@@ -226,7 +226,7 @@ void run_matmuls(const MatmulArgs* parts, int n_parts) {
   parallel_chunks(nt, (int64_t)chunks.size(), [&](int64_t c) {
     void* aligned = (void*)(((uintptr_t)scratch(scratch_floats) + 63) & ~(uintptr_t)63);
     const Chunk& ch = chunks[c];
-    impl->matmul_rows_int(parts[ch.part], xq, xd, xs, ch.n0, ch.n1, aligned);
+    impl->matmul_rows_int(parts[ch.part], xq, xd, xs, ch.n0, ch.n1, aligned, bits);
   });
 }
 

@@ -218,6 +218,111 @@ void group_dot(const uint8_t* w, int64_t rb, const XQ& x, int M, float* out) {
   }
 }
 
+// 8-bit activation codes for group_dot8, narrowed in place (code_row): a row's int8 codes in its
+// first K bytes, then per 32-block two int32, -128 times the sum of its codes and of its first 16.
+inline void narrow_row(int16_t* q, int64_t K) {
+  int8_t* c = (int8_t*)q;
+  for (int64_t b = 0; b < K / 32; b++)  // block b lands below its own int16 codes: nothing unread is overwritten
+    _mm256_storeu_si256((__m256i*)(c + 32 * b), _mm512_cvtepi16_epi8(_mm512_loadu_si512(q + 32 * b)));
+  int32_t* neg = (int32_t*)(c + K);
+  for (int64_t b = 0; b < K / 32; b++) {
+    const __m256i codes = _mm256_loadu_si256((const __m256i*)(c + 32 * b));
+    const __m512i pairs = _mm512_madd_epi16(_mm512_cvtepi8_epi16(codes), _mm512_set1_epi16(1));
+    neg[2 * b] = -128 * _mm512_reduce_add_epi32(pairs);
+    neg[2 * b + 1] = -128 * _mm512_mask_reduce_add_epi32(0x00FF, pairs);
+  }
+}
+
+// r[i] holds weight row i's 8 dwords in its low half and row i + 8's in its high half -> r[q]:
+// lane i the q-th dword (4 codes) of row i.
+inline void transpose8_halves(__m512i* r) {
+  __m512i t[8], u[8];
+  for (int k = 0; k < 4; k++) {
+    t[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
+    t[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+  }
+  for (int k = 0; k < 2; k++) {  // u[4k + j], 128-bit lane L of each half: rows 4k..4k+3 of dword 4L + j
+    u[4 * k] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
+    u[4 * k + 1] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
+    u[4 * k + 2] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
+    u[4 * k + 3] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
+  }
+  const __m512i lo = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), hi = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+  for (int j = 0; j < 4; j++) {
+    r[j] = _mm512_permutex2var_epi64(u[j], lo, u[4 + j]);
+    r[4 + j] = _mm512_permutex2var_epi64(u[j], hi, u[4 + j]);
+  }
+}
+
+// group_dot with 8-bit activation codes (narrow_row): n <= GROUP weight rows against M <=
+// GROUP_ROWS activation rows, out[m * GROUP + i]. A block's weight codes, transposed once as
+// int8, meet each activation row in 8 dpbusd of 4 products a lane, where group_dot spends 16
+// dpwssd of 2. dpbusd takes its first side unsigned: signed weight codes get +128 (their sign
+// bit flipped), and each block's sum starts at -128 times the activation codes' sum, so the
+// integer sums are exactly group_dot's on the same codes.
+template <int TYPE>
+void group_dot8(const uint8_t* w, int64_t rb, int n, const XQ& x, int M, float* out) {
+  using B = Blocks<TYPE>;
+  constexpr bool SIGNED = !has_min(TYPE);  // Q8_0, Q4_0, Q5_0, Q6_K; the others' codes are nibbles
+  constexpr int HALVES = TYPE == Q6_K ? 2 : 1;
+  const int64_t K = x.K, nb32 = K / 32;
+  for (int m = 0; m < M; m++) _mm512_storeu_ps(out + m * GROUP, _mm512_setzero_ps());
+  // block b's codes of the 16 rows (r[q]: lane i, dword q of row i), their scales (per half of
+  // the block for Q6_K) and minima, against every activation row
+  auto meet = [&](__m512i* r, const __m512* d, __m512 mv, int64_t b) {
+    transpose8_halves(r);
+    if constexpr (SIGNED)
+      for (int q = 0; q < 8; q++) r[q] = _mm512_xor_si512(r[q], _mm512_set1_epi8((char)0x80));
+    for (int m = 0; m < M; m++) {
+      const int8_t* row = (const int8_t*)(x.q + m * K);
+      const int32_t* xp = (const int32_t*)(row + b * 32);
+      const int32_t* neg = (const int32_t*)(row + K) + 2 * b;
+      const __m512 xd = _mm512_set1_ps(x.d[m * nb32 + b]);
+      __m512 acc = _mm512_loadu_ps(out + m * GROUP);
+      for (int h = 0; h < HALVES; h++) {
+        const int32_t start = !SIGNED ? 0 : HALVES == 1 ? neg[0] : h == 0 ? neg[1] : neg[0] - neg[1];
+        __m512i s = _mm512_set1_epi32(start);
+        for (int q = h * 8 / HALVES; q < (h + 1) * 8 / HALVES; q++)
+          s = _mm512_dpbusd_epi32(s, r[q], _mm512_set1_epi32(xp[q]));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d[h], xd), acc);
+      }
+      if constexpr (has_min(TYPE)) acc = _mm512_fmadd_ps(mv, _mm512_set1_ps(x.s[m * nb32 + b]), acc);
+      _mm512_storeu_ps(out + m * GROUP, acc);
+    }
+  };
+  const int64_t chunks = nb32 / B::NB, lines = (GROUP * rb + 63) / 64, per = (lines + chunks - 1) / chunks;
+  const char* next = (const char*)w + GROUP * rb;
+  const __mmask16 valid = (__mmask16)((1u << n) - 1);
+  const __m512i starts = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32((int)rb));
+  W32 wb[GROUP][B::NB] = {};  // rows past n stay zero
+  for (int64_t c = 0; c < chunks; c++) {
+    for (int64_t l = c * per; l < (c + 1) * per && l < lines; l++) _mm_prefetch(next + 64 * l, _MM_HINT_T0);
+    for (int i = 0; i < n; i++) B::decode(w + i * rb, c, wb[i]);
+    for (int j = 0; j < B::NB; j++) {
+      __m512i r[8];
+      for (int i = 0; i < 8; i++) r[i] = _mm512_inserti64x4(_mm512_castsi256_si512(wb[i][j].q), wb[i + 8][j].q, 1);
+      __m512 d[HALVES], mv = _mm512_setzero_ps();
+      if constexpr (B::NB == 1) {  // each row's block starts with its fp16 scale (and minimum): one gather
+        const __m512i head = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, starts, w + c * B::TS, 1);
+        d[0] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head));
+        if constexpr (has_min(TYPE)) mv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16)));
+      } else {
+        alignas(64) float dh[HALVES][GROUP], mn[GROUP];
+        for (int i = 0; i < GROUP; i++) {
+          const W32& wi = wb[i][j];
+          dh[0][i] = wi.d * (float)wi.s0;  // s0 = 1 but for Q6_K
+          if constexpr (HALVES == 2) dh[1][i] = wi.d * (float)wi.s1;
+          mn[i] = wi.m;
+        }
+        for (int h = 0; h < HALVES; h++) d[h] = _mm512_load_ps(dh[h]);
+        mv = _mm512_load_ps(mn);
+      }
+      meet(r, d, mv, c * B::NB + j);
+    }
+  }
+}
+
 #endif  // __AVX512VNNI__
 
 }  // namespace

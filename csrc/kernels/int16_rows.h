@@ -19,8 +19,7 @@ namespace gmlx_kernels::GMLX_ISA {
 namespace {
 
 // The integer path's contract with kernels_impl.cpp (int_amx.h keeps it too): the rows it takes,
-// the largest code for `bits`, each activation row's codes in its layout, and the weight rows
-// n0..n1 against every row of x.
+// each activation row's codes in its layout, and the weight rows n0..n1 against every row of x.
 // With VNNI group_dot takes any number: the default model prefilled 128 tokens 1.75x and 512 1.3x
 // faster than through OpenBLAS on dequantized panels.
 #ifdef __AVX512VNNI__
@@ -31,10 +30,14 @@ constexpr int64_t INT_MAX_ROWS = INT16_MAX_ROWS;
 
 inline float code_max(int bits) { return (float)((1 << (bits - 1)) - 1); }
 
-// Row-major: row m's codes at xq + m * K, its scales and sums at xd, xs + m * K/32.
-inline void code_row(const MatmulArgs& a, int64_t m, float qmax, int16_t* xq, float* xd, float* xs) {
+// Row-major: row m's codes at xq + m * K, its scales and sums at xd, xs + m * K/32. With VNNI,
+// 8-bit codes are narrowed in place for group_dot8 (int16_avx512.h: narrow_row).
+inline void code_row(const MatmulArgs& a, int64_t m, int bits, int16_t* xq, float* xd, float* xs) {
   const int64_t nb = a.K / 32;
-  quantize_row(a.x + m * a.K, a.K, qmax, xq + m * a.K, xd + m * nb, xs + m * nb);
+  quantize_row(a.x + m * a.K, a.K, code_max(bits), xq + m * a.K, xd + m * nb, xs + m * nb);
+#ifdef __AVX512VNNI__
+  if (bits == 8) narrow_row(xq + m * a.K, a.K);
+#endif
 }
 
 // Bytes ahead of the row in work that its weights are prefetched: the hardware prefetcher alone
@@ -66,15 +69,28 @@ void rows_int(const MatmulArgs& a, const XQ& x, int64_t n0, int64_t n1) {
   }
 }
 
-// Weight rows n0 .. n1 against every activation row: GROUP at a time through group_dot with VNNI
-// (any number of activation rows, GROUP_ROWS at a time), the rest row by row
+// Weight rows n0 .. n1 against every activation row: with VNNI, 8-bit codes all through group_dot8
+// and 16-bit ones GROUP at a time through group_dot (any number of activation rows, GROUP_ROWS at a
+// time), the rest row by row
 // (INT_ROWS activation rows a pass: each thread's slice of weights stays in cache for the next).
 template <int TYPE>
 void int_rows(const MatmulArgs& a, const int16_t* xq, const float* xd, const float* xs, int64_t n0, int64_t n1,
-              void*) {
+              void*, int bits) {
   const int64_t nb = a.K / 32;
   auto rows = [&](int64_t m0) { return XQ{xq + m0 * a.K, xd + m0 * nb, xs + m0 * nb, a.K}; };
 #ifdef __AVX512VNNI__
+  if (bits == 8) {  // every row through group_dot8: the codes are 8-bit only
+    float out[GROUP_ROWS * GROUP];
+    for (; n0 < n1; n0 += GROUP) {
+      const int rows_here = (int)(n1 - n0 < GROUP ? n1 - n0 : GROUP);
+      for (int64_t m0 = 0; m0 < a.M; m0 += GROUP_ROWS) {
+        const int mc = (int)(a.M - m0 < GROUP_ROWS ? a.M - m0 : GROUP_ROWS);
+        group_dot8<TYPE>(a.w + n0 * a.row_bytes, a.row_bytes, rows_here, rows(m0), mc, out);
+        for (int m = 0; m < mc; m++) memcpy(a.y + (m0 + m) * a.N + n0, out + m * GROUP, rows_here * sizeof(float));
+      }
+    }
+    return;
+  }
   if (a.M >= GROUP_MIN_ROWS) {
     float out[GROUP_ROWS * GROUP];
     for (; n0 + GROUP <= n1; n0 += GROUP) {

@@ -28,8 +28,9 @@ inline float code_max(int bits) { return bits == 8 ? 127.f : AMX_QMAX16; }
 // Row i of one pass of mp = a.M <= INT_ROWS activation rows (mp * K int16 worth of bytes at xq):
 // per 32-block b, the 8 rows of its B tile, row r holding the mp rows' hi bytes of codes
 // 4r..4r+3, then their lo bytes (the tile's dword columns: mp hi sums, then mp lo). xd and xs: [b][m].
-inline void code_row(const MatmulArgs& a, int64_t i, float qmax, int16_t* xq, float* xd, float* xs) {
+inline void code_row(const MatmulArgs& a, int64_t i, int bits, int16_t* xq, float* xd, float* xs) {
   const int64_t K = a.K, nb = K / 32, mp = a.M;
+  const float qmax = code_max(bits);
   uint8_t* dst = (uint8_t*)xq;
   const float* x = a.x + i * K;
   for (int64_t b = 0; b < nb; b++) {
@@ -257,7 +258,7 @@ void rows_amx(const MatmulArgs& a, const uint8_t* xq, const float* xd, const flo
 // The contract's weight rows n0..n1 against every row of x (xq as code_row laid it out).
 template <int TYPE>
 void int_rows(const MatmulArgs& a, const int16_t* xq, const float* xd, const float* xs, int64_t n0, int64_t n1,
-              void* scratch) {
+              void* scratch, int) {
   rows_amx<TYPE>(a, (const uint8_t*)xq, xd, xs, n0, n1, scratch);
 }
 
