@@ -140,6 +140,55 @@ def test_prompts_past_the_sliding_window_join_a_decoding_batch_with_mlx_lms_logi
             np.testing.assert_allclose(a, b, atol=1e-4)
 
 
+def test_a_prompt_whose_first_token_is_its_last_never_joins_the_decode_batch(
+    tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows with max_tokens 1, ending their prompts beside one that goes on to decode and while
+    another decodes, answer from the prefill: the same token, logits and finish as mlx_lm's own
+    generator, their caches for the prompt cache, and no join (which would copy every decoding
+    row's cache in and out again)."""
+    import numpy as np
+    from mlx_lm.generate import BatchGenerator
+
+    from gmlx.engine.sampling import greedy
+    from gmlx.models.loader import load
+
+    model = load(tiny_models["llama"], "float").model
+    prompts = [[1, 7, 9, 11], [1, 4, 5], [1, 30, 31, 32, 33], [1, 8]]
+    limits = [8, 1, 1, 3]
+    joined: list[int] = []
+    join = upstream._join
+    monkeypatch.setattr(upstream, "_join", lambda decoding, batch: (joined.extend(batch.uids), join(decoding, batch)))
+
+    def run(own_steps: bool) -> list[list[tuple[int, str | None, np.ndarray, list[int] | None]]]:
+        gen = BatchGenerator(model, stop_tokens=[], completion_batch_size=4, prefill_batch_size=4)
+        if own_steps:
+            upstream.decode_on_logits(gen, lambda uid: True)
+            upstream.first_token_from_prefill(gen, lambda uid: True, lambda uid: False)
+        uids = gen.insert(prompts[:1], limits[:1], samplers=[greedy])
+        out: dict[int, list] = {uids[0]: []}
+        for step in range(12):
+            if step == 2:
+                out.update({u: [] for u in gen.insert(prompts[1:], limits[1:], samplers=[greedy] * 3)})
+            for r in gen.next()[1]:
+                logits = np.array(r.logprobs - mx.logsumexp(r.logprobs))
+                cached = None if r.prompt_cache is None else list(r.all_tokens)
+                out[r.uid].append((r.token, r.finish_reason, logits, cached))
+        gen.close()
+        return list(out.values())
+
+    ours = run(own_steps=True)
+    assert set(joined) == {0, 3}  # the rows that decode joined; the one-token rows did not
+    theirs = run(own_steps=False)
+    assert [len(t) for t in ours] == limits
+    for row, row_theirs in zip(ours, theirs, strict=True):
+        assert [(t, f) for t, f, *_ in row] == [(t, f) for t, f, *_ in row_theirs]
+        for (*_, a, _), (*_, b, _) in zip(row, row_theirs):
+            np.testing.assert_allclose(a, b, atol=1e-4)
+    for prompt, row in zip(prompts[1:3], ours[1:3]):
+        assert row[0][1] == "length" and row[0][3] == prompt  # the cache it leaves holds the prompt
+
+
 @pytest.mark.parametrize("window", [None, 8])
 @pytest.mark.parametrize(
     ("lengths", "joining", "steps"), [((5, 9), (3,), 0), ((5, 9), (20,), 6), ((30,), (4, 12), 3), ((30, 11), (2,), 2)]

@@ -211,24 +211,68 @@ def _next_first_token_in_prefill(
         kept = [logits[e] if keeps_logits(batch.uids[i]) else None for e, i in enumerate(ending)]
         mx.async_eval(sampled, [r for r in kept if r is not None])
         gen._currently_processing = [s for i, s in enumerate(gen._currently_processing) if i not in ending]
-        done = batch.split(ending)
-        joined = _sampled_batch()(
-            done.model,
-            done.uids,
-            sampled,
-            done.prompt_cache,
-            done.tokens,
-            done.samplers,
-            done.fallback_sampler,
-            done.logits_processors,
-            done.stop_sequences,
-            done.max_tokens,
-        )
-        joined._next_logprobs = kept
-        _join(decoding, joined)
+        done = _split_off(gen, ending)
+        last = [e for e, n in enumerate(done.max_tokens) if n <= 1]
+        going = [e for e in range(len(ending)) if e not in last]
+        if last:
+            ended = done.split(last) if going else done
+            generated = generated + _answered_in_prefill(ended, sampled[mx.array(last)], [kept[e] for e in last])
+        if going:
+            if last:
+                sampled, kept = sampled[mx.array(going)], [kept[e] for e in going]
+            joined = _sampled_batch()(
+                done.model,
+                done.uids,
+                sampled,
+                done.prompt_cache,
+                done.tokens,
+                done.samplers,
+                done.fallback_sampler,
+                done.logits_processors,
+                done.stop_sequences,
+                done.max_tokens,
+            )
+            joined._next_logprobs = kept
+            _join(decoding, joined)
     counters.prompt_tokens += sum(len(c) for c in chunks)
     counters.prompt_time += time.perf_counter() - tic
     return progress, generated
+
+
+def _split_off(gen: BatchGenerator, rows: list[int]) -> PromptProcessingBatch:
+    """gen._prompt_batch.split(rows), without copying their caches where they are all its rows
+    (split copies every cache, then gathers the rows it keeps)."""
+    from mlx_lm.generate import PromptProcessingBatch
+
+    batch = gen._prompt_batch
+    if len(rows) < len(batch.uids):
+        return batch.split(rows)
+    gen._prompt_batch = PromptProcessingBatch.empty(batch.model, batch.fallback_sampler, batch.prefill_step_size)
+    return batch
+
+
+def _answered_in_prefill(ended: PromptProcessingBatch, sampled: mx.array, kept: list) -> list:
+    """The responses of rows whose first token is their last (max_tokens 1: a score, a
+    classification, a prompt cache warmed): they never join the decode batch. Joining and then
+    leaving it would copy every decoding row's KV cache twice while each stream waits, for a row
+    that decodes nothing (a 2,000-token prompt beside 6 streams: two steps of 3-4 times a decode
+    step's time)."""
+    from mlx_lm.generate import GenerationBatch
+
+    responses = []
+    for e, token in enumerate(sampled.tolist()):
+        stopped = ended.stop_sequences[e].matcher().advance(token)
+        responses.append(
+            GenerationBatch.Response(
+                uid=ended.uids[e],
+                token=token,
+                logprobs=kept[e],
+                finish_reason="stop" if stopped else "length",
+                prompt_cache=ended.extract_cache(e),
+                all_tokens=ended.tokens[e],
+            )
+        )
+    return responses
 
 
 def _prefill(batch: PromptProcessingBatch, chunks: list[list[int]], ending: list[int]) -> mx.array | None:
