@@ -140,21 +140,22 @@ def test_prompts_past_the_sliding_window_join_a_decoding_batch_with_mlx_lms_logi
             np.testing.assert_allclose(a, b, atol=1e-4)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_a_prompt_whose_first_token_is_its_last_never_joins_the_decode_batch(
-    tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+    tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch, arch: str
 ) -> None:
     """Rows with max_tokens 1, ending their prompts beside one that goes on to decode and while
     another decodes, answer from the prefill: the same token, logits and finish as mlx_lm's own
-    generator, their caches for the prompt cache, and no join (which would copy every decoding
-    row's cache in and out again)."""
+    generator, their caches for the prompt cache (sliding ones cut to the window: tiny gemma3's is
+    64 tokens), and no join (which would copy every decoding row's cache in and out again)."""
     import numpy as np
     from mlx_lm.generate import BatchGenerator
 
     from gmlx.engine.sampling import greedy
     from gmlx.models.loader import load
 
-    model = load(tiny_models["llama"], "float").model
-    prompts = [[1, 7, 9, 11], [1, 4, 5], [1, 30, 31, 32, 33], [1, 8]]
+    model = load(tiny_models[arch], "float").model
+    prompts = [[1, 7, 9, 11], [1, 4, 5], [1] + [30 + i % 50 for i in range(100)], [1, 8]]
     limits = [8, 1, 1, 3]
     joined: list[int] = []
     join = upstream._join
@@ -173,6 +174,8 @@ def test_a_prompt_whose_first_token_is_its_last_never_joins_the_decode_batch(
             for r in gen.next()[1]:
                 logits = np.array(r.logprobs - mx.logsumexp(r.logprobs))
                 cached = None if r.prompt_cache is None else list(r.all_tokens)
+                for c in r.prompt_cache or []:
+                    assert c.keys.shape[2] <= getattr(c, "max_size", c.keys.shape[2])
                 out[r.uid].append((r.token, r.finish_reason, logits, cached))
         gen.close()
         return list(out.values())
