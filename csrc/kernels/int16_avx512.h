@@ -292,9 +292,6 @@ void group_dot8(const uint8_t* w, int64_t rb, int n, const XQ& x, int M, float* 
   };
   const int64_t chunks = nb32 / B::NB, lines = (GROUP * rb + 63) / 64, per = (lines + chunks - 1) / chunks;
   const char* next = (const char*)w + GROUP * rb;
-  const __mmask16 valid = (__mmask16)((1u << n) - 1);
-  const __m512i starts = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                            _mm512_set1_epi32((int)rb));
   W32 wb[GROUP][B::NB] = {};  // rows past n stay zero
   for (int64_t c = 0; c < chunks; c++) {
     for (int64_t l = c * per; l < (c + 1) * per && l < lines; l++) _mm_prefetch(next + 64 * l, _MM_HINT_T0);
@@ -302,23 +299,16 @@ void group_dot8(const uint8_t* w, int64_t rb, int n, const XQ& x, int M, float* 
     for (int j = 0; j < B::NB; j++) {
       __m512i r[8];
       for (int i = 0; i < 8; i++) r[i] = _mm512_inserti64x4(_mm512_castsi256_si512(wb[i][j].q), wb[i + 8][j].q, 1);
-      __m512 d[HALVES], mv = _mm512_setzero_ps();
-      if constexpr (B::NB == 1) {  // each row's block starts with its fp16 scale (and minimum): one gather
-        const __m512i head = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, starts, w + c * B::TS, 1);
-        d[0] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head));
-        if constexpr (has_min(TYPE)) mv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16)));
-      } else {
-        alignas(64) float dh[HALVES][GROUP], mn[GROUP];
-        for (int i = 0; i < GROUP; i++) {
-          const W32& wi = wb[i][j];
-          dh[0][i] = wi.d * (float)wi.s0;  // s0 = 1 but for Q6_K
-          if constexpr (HALVES == 2) dh[1][i] = wi.d * (float)wi.s1;
-          mn[i] = wi.m;
-        }
-        for (int h = 0; h < HALVES; h++) d[h] = _mm512_load_ps(dh[h]);
-        mv = _mm512_load_ps(mn);
+      alignas(64) float dh[HALVES][GROUP], mn[GROUP];
+      for (int i = 0; i < GROUP; i++) {
+        const W32& wi = wb[i][j];
+        dh[0][i] = wi.d * (float)wi.s0;  // s0 = 1 but for Q6_K
+        if constexpr (HALVES == 2) dh[1][i] = wi.d * (float)wi.s1;
+        mn[i] = wi.m;
       }
-      meet(r, d, mv, c * B::NB + j);
+      __m512 d[HALVES];
+      for (int h = 0; h < HALVES; h++) d[h] = _mm512_load_ps(dh[h]);
+      meet(r, d, _mm512_load_ps(mn), c * B::NB + j);
     }
   }
 }
