@@ -107,8 +107,9 @@ struct Impl {
   // each pass of INT_ROWS rows at (xq, xd, xs) + its first row's offset (row m0 at xq + m0 * K,
   // xd + m0 * K/32); quantize_x codes one pass (a.M <= INT_ROWS rows) at a time.
   // int_supported: this ISA has the path for (type, M). matmul_rows_int takes every row of x,
-  // INT_ROWS at a time, with the bits quantize_x was given (the layout may follow them); scratch holds INT_SCRATCH_PER_K * K bytes, 64-byte aligned. The three
-  // are null where the ISA has no integer path (generic).
+  // INT_ROWS at a time, with the bits quantize_x was given (the layout may follow them); scratch
+  // holds INT_SCRATCH_PER_K * K bytes, 64-byte aligned. The three are null where the ISA has no
+  // integer path (generic).
   bool (*int_supported)(int type, int64_t M);
   void (*quantize_x)(const MatmulArgs& a, int bits, int16_t* xq, float* xd, float* xs);
   void (*matmul_rows_int)(const MatmulArgs& a, const int16_t* xq, const float* xd, const float* xs,

@@ -79,27 +79,20 @@ void int_rows(const MatmulArgs& a, const int16_t* xq, const float* xd, const flo
   const int64_t nb = a.K / 32;
   auto rows = [&](int64_t m0) { return XQ{xq + m0 * a.K, xd + m0 * nb, xs + m0 * nb, a.K}; };
 #ifdef __AVX512VNNI__
-  if (bits == 8) {  // every row through group_dot8: the codes are 8-bit only
+  if (bits == 8 || a.M >= GROUP_MIN_ROWS) {  // 8-bit codes: every row here, a last group ragged
     float out[GROUP_ROWS * GROUP];
-    for (; n0 < n1; n0 += GROUP) {
-      const int rows_here = (int)(n1 - n0 < GROUP ? n1 - n0 : GROUP);
+    for (; bits == 8 ? n0 < n1 : n0 + GROUP <= n1; n0 += GROUP) {
+      const int n = (int)(n1 - n0 < GROUP ? n1 - n0 : GROUP);
       for (int64_t m0 = 0; m0 < a.M; m0 += GROUP_ROWS) {
         const int mc = (int)(a.M - m0 < GROUP_ROWS ? a.M - m0 : GROUP_ROWS);
-        group_dot8<TYPE>(a.w + n0 * a.row_bytes, a.row_bytes, rows_here, rows(m0), mc, out);
-        for (int m = 0; m < mc; m++) memcpy(a.y + (m0 + m) * a.N + n0, out + m * GROUP, rows_here * sizeof(float));
+        if (bits == 8)
+          group_dot8<TYPE>(a.w + n0 * a.row_bytes, a.row_bytes, n, rows(m0), mc, out);
+        else
+          group_dot<TYPE>(a.w + n0 * a.row_bytes, a.row_bytes, rows(m0), mc, out);
+        for (int m = 0; m < mc; m++) memcpy(a.y + (m0 + m) * a.N + n0, out + m * GROUP, n * sizeof(float));
       }
     }
-    return;
-  }
-  if (a.M >= GROUP_MIN_ROWS) {
-    float out[GROUP_ROWS * GROUP];
-    for (; n0 + GROUP <= n1; n0 += GROUP) {
-      for (int64_t m0 = 0; m0 < a.M; m0 += GROUP_ROWS) {
-        const int mc = (int)(a.M - m0 < GROUP_ROWS ? a.M - m0 : GROUP_ROWS);
-        group_dot<TYPE>(a.w + n0 * a.row_bytes, a.row_bytes, rows(m0), mc, out);
-        for (int m = 0; m < mc; m++) memcpy(a.y + (m0 + m) * a.N + n0, out + m * GROUP, GROUP * sizeof(float));
-      }
-    }
+    if (bits == 8) return;
   }
 #endif
   for (int64_t m0 = 0; m0 < a.M; m0 += INT_ROWS) {

@@ -211,15 +211,18 @@ def _next_first_token_in_prefill(
         kept = [logits[e] if keeps_logits(batch.uids[i]) else None for e, i in enumerate(ending)]
         mx.async_eval(sampled, [r for r in kept if r is not None])
         gen._currently_processing = [s for i, s in enumerate(gen._currently_processing) if i not in ending]
-        done = _split_off(gen, ending)
-        last = [e for e, n in enumerate(done.max_tokens) if n <= 1]
-        going = [e for e in range(len(ending)) if e not in last]
-        if last:
-            ended = done.split(last) if going else done
+        done, left = _split(batch, ending)
+        empty = PromptProcessingBatch.empty(batch.model, batch.fallback_sampler, batch.prefill_step_size)
+        gen._prompt_batch = left if left is not None else empty
+        for cache in done.prompt_cache:  # as its first decode step would, a row's or the prompt cache's
+            _fit_window(cache)
+        if last := [e for e, n in enumerate(done.max_tokens) if n <= 1]:
+            going = [e for e in range(len(ending)) if e not in last]
+            ended, done = _split(done, last)
             generated = generated + _answered_in_prefill(ended, sampled[mx.array(last)], [kept[e] for e in last])
-        if going:
-            if last:
+            if done is not None:
                 sampled, kept = sampled[mx.array(going)], [kept[e] for e in going]
+        if done is not None:
             joined = _sampled_batch()(
                 done.model,
                 done.uids,
@@ -239,16 +242,10 @@ def _next_first_token_in_prefill(
     return progress, generated
 
 
-def _split_off(gen: BatchGenerator, rows: list[int]) -> PromptProcessingBatch:
-    """gen._prompt_batch.split(rows), without copying their caches where they are all its rows
-    (split copies every cache, then gathers the rows it keeps)."""
-    from mlx_lm.generate import PromptProcessingBatch
-
-    batch = gen._prompt_batch
-    if len(rows) < len(batch.uids):
-        return batch.split(rows)
-    gen._prompt_batch = PromptProcessingBatch.empty(batch.model, batch.fallback_sampler, batch.prefill_step_size)
-    return batch
+def _split(batch: PromptProcessingBatch, rows: list[int]) -> tuple[PromptProcessingBatch, PromptProcessingBatch | None]:
+    """batch.split(rows) as (those rows, the rest), the rest None where the rows are all of it:
+    then the batch itself, not mlx_lm's split, which copies every cache and gathers the rows."""
+    return (batch, None) if len(rows) == len(batch.uids) else (batch.split(rows), batch)
 
 
 def _answered_in_prefill(ended: PromptProcessingBatch, sampled: mx.array, kept: list) -> list:
@@ -256,11 +253,9 @@ def _answered_in_prefill(ended: PromptProcessingBatch, sampled: mx.array, kept: 
     classification, a prompt cache warmed): they never join the decode batch. Joining and then
     leaving it would copy every decoding row's KV cache twice while each stream waits, for a row
     that decodes nothing (beside 6 streams decoding in 17-25 ms steps, a 2,000-token row's join
-    took 53-76 ms and its leave 85 ms more). Their caches are cut to the window as a join's are."""
+    took 53-76 ms and its leave 85 ms more)."""
     from mlx_lm.generate import GenerationBatch
 
-    for cache in ended.prompt_cache:
-        _fit_window(cache)
     responses = []
     for e, token in enumerate(sampled.tolist()):
         stopped = ended.stop_sequences[e].matcher().advance(token)
@@ -322,12 +317,10 @@ def _fit_window(cache: Any) -> None:
 
 
 def _join(decoding: GenerationBatch, joined: GenerationBatch) -> None:
-    """decoding.extend(joined), each joining sliding cache cut to its window first and the caches
-    merged in one copy where gmlx knows the cache (mlx_lm's own extend elsewhere)."""
+    """decoding.extend(joined), the caches merged in one copy where gmlx knows the cache (mlx_lm's
+    own extend elsewhere)."""
     from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
 
-    for cache in joined.prompt_cache:
-        _fit_window(cache)
     if decoding.prompt_cache:
         for mine, theirs in zip(decoding.prompt_cache, joined.prompt_cache):
             if type(mine) in (BatchKVCache, BatchRotatingKVCache):
