@@ -14,6 +14,10 @@
 #if defined(__unix__) || defined(__APPLE__)
 #include <dlfcn.h>
 #endif
+#ifdef __linux__
+#include <pthread.h>
+#include <sched.h>
+#endif
 #if defined(GMLX_HAVE_AMX) && defined(__linux__)
 #include <cpuid.h>
 #include <sys/syscall.h>
@@ -47,6 +51,29 @@ int n_threads() {
     return hw ? (int)hw : 1;
   }();
   return n;
+}
+
+void pin_member(int i) {
+#ifdef __linux__
+  static const std::vector<int> cpus = [] {  // the CPUs allowed when the first team ran, in order
+    std::vector<int> out;
+    const char* env = std::getenv("GMLX_KERNELS_PIN");
+    cpu_set_t set;
+    if ((env && std::string(env) == "0") || sched_getaffinity(0, sizeof set, &set) != 0) return out;
+    for (int c = 0; c < CPU_SETSIZE; c++)
+      if (CPU_ISSET(c, &set)) out.push_back(c);
+    if ((int)out.size() < n_threads()) out.clear();  // oversubscribed: the scheduler places them
+    return out;
+  }();
+  thread_local int pinned = -1;
+  if (i >= (int)cpus.size() || pinned == cpus[i]) return;
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  CPU_SET(cpus[i], &one);
+  if (pthread_setaffinity_np(pthread_self(), sizeof one, &one) == 0) pinned = cpus[i];
+#else
+  (void)i;
+#endif
 }
 
 namespace {

@@ -5,11 +5,20 @@
 #include <cstdint>
 #include <thread>
 #include <vector>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 namespace gmlx_kernels {
 
 // Threads the kernels use: GMLX_KERNELS_THREADS, else every core.
 int n_threads();
+
+// Keeps member i of an OpenMP team on the i-th CPU this process may use (Linux; GMLX_KERNELS_PIN=0
+// turns it off, as does a team larger than those CPUs). Unpinned, the engine thread's graph
+// building moved the team's threads about: the worker was switched out ~18 times a batch-1 step
+// and every short parallel region waited for it (docs/ARCHITECTURE.md, decision 24).
+void pin_member(int i);
 
 // fn(c) for every chunk c < n_chunks, on nt threads taking chunks as they finish: on a shared
 // machine a descheduled thread then costs its current chunk, not a fixed share of the rows.
@@ -25,7 +34,10 @@ void parallel_chunks(int nt, int64_t n_chunks, F&& fn) {
   };
 #ifdef _OPENMP
 #pragma omp parallel num_threads(nt)
-  work();
+  {
+    pin_member(omp_get_thread_num());
+    work();
+  }
 #else
   std::vector<std::thread> ts;
   for (int i = 1; i < nt; i++) ts.emplace_back(work);

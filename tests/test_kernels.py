@@ -411,3 +411,41 @@ print(json.dumps(out))
     assert out["auto"] in ("float", "native")
     assert out["inspect"]["isa"] is None and out["inspect"]["reason"] == out["reason"]
     assert out["gguf"].startswith("weights mode gguf is not available here")
+
+
+PINNED_THREADS = """
+import os, sys
+import numpy as np
+import mlx.core as mx
+import gmlx.kernels as gk
+from gguf.constants import GGMLQuantizationType as T
+from gguf.quants import quantize
+w = mx.array(quantize(np.ones((4096, 256), np.float32), T.Q8_0))
+mx.eval(gk.matmul(mx.ones((1, 256)), w, T.Q8_0, 4096, 256))  # a parallel region: 1M multiply-adds
+for tid in os.listdir("/proc/self/task"):
+    status = open(f"/proc/self/task/{tid}/status").read()
+    print(status.split("Cpus_allowed_list:")[1].split()[0])
+"""
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "sched_getaffinity"), reason="thread affinity is Linux's")
+@pytest.mark.parametrize("pin", ["1", "0"])
+def test_a_kernel_teams_threads_each_keep_a_cpu_of_their_own_unless_turned_off(pin):
+    """A parallel kernel's threads are pinned one to a CPU (the engine thread's graph building no longer
+    moves them about); GMLX_KERNELS_PIN=0 leaves every thread to the scheduler."""
+    import os
+    import subprocess
+    import sys
+
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2 or not gk.extension().openmp:
+        pytest.skip("needs 2 CPUs and the extension built with OpenMP")
+    env = {**os.environ, "GMLX_KERNELS_THREADS": "2", "GMLX_KERNELS_PIN": pin}
+    r = subprocess.run([sys.executable, "-c", PINNED_THREADS], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    masks = r.stdout.split()
+    single = sorted(m for m in masks if "," not in m and "-" not in m)
+    if pin == "1":
+        assert single == [str(allowed[0]), str(allowed[1])], masks
+    else:
+        assert single == [], masks

@@ -7,6 +7,7 @@ import asyncio
 import json
 import shutil
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -49,6 +50,14 @@ class SlowLoads:
             load = engine._load
             engine._load = lambda: (self.release.wait(60), load())[1]
         return engine
+
+
+async def settle(predicate: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    """Wait for a server state; fail naming it rather than hang when it never comes."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, f"never saw {what} in {timeout:.0f} s"
+        await asyncio.sleep(0.01)
 
 
 def statuses(c: httpx.Client) -> dict[str, str]:
@@ -163,15 +172,14 @@ def test_a_memory_for_one_model_swaps_them_only_when_idle(tmp_path: Path) -> Non
                     async for _ in stream.aiter_lines():
                         break
                     refused = await ac.post(CHAT, json=ask("twin"))
-                # Idle now: the twin's load unloads it; a second request for the twin waits meanwhile.
-                while first.gate.running:
-                    await asyncio.sleep(0.01)
+                # Idle once its engine has dropped the stream too (the gate frees its slot first): the twin's
+                # load unloads it; a second request for the twin waits meanwhile.
+                await settle(lambda: first.idle, "the first model idle")
                 loading = asyncio.create_task(ac.post(CHAT, json=ask("twin")))
-                while twin.status != "loading":
-                    await asyncio.sleep(0.01)
+                await settle(lambda: twin.status == "loading" or loading.done(), "the twin loading")
+                assert not loading.done(), loading.result().text
                 during = asyncio.create_task(ac.post(CHAT, json=ask("twin")))
-                while twin.gate.waiting < 2:
-                    await asyncio.sleep(0.01)
+                await settle(lambda: twin.gate.waiting >= 2, "two requests waiting for the twin")
                 slow.release.set()
                 return refused, await loading, await during
 

@@ -26,6 +26,7 @@ the same 16-bit codes split into two int8 halves, 16 weight rows' blocks against
 Knobs, for tests and benchmarks:
 GMLX_KERNELS_THREADS (default: all cores), GMLX_KERNELS_ISA (generic, avx2, avx512, avx512vnni, amx),
 GMLX_KERNELS_ACT_BITS (16; 8 = llama.cpp's Q8_0 activations; 0 = float path only),
+GMLX_KERNELS_PIN (0 leaves the threads unpinned; by default, on Linux, each keeps a CPU of its own),
 GMLX_KERNELS_EXT (load the extension from another build).
 """
 
