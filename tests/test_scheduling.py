@@ -85,4 +85,4 @@ def test_the_budget_fits_beside_a_decode_step_shared_among_the_prompts() -> None
     b.observe(decoded=8, prompt_tokens=100, seconds=0.100)  # 100 prompt tokens added 50 ms
     assert b.chunk(decoding=8, prefilling=1) == 70  # 0.7 of a decode step's time at 0.5 ms a token
     assert b.chunk(decoding=4, prefilling=2) == 35  # shared: a short prompt ends in its first steps
-    assert b.chunk(decoding=8, prefilling=7) == 16  # never below the floor: a long prompt still moves
+    assert b.chunk(decoding=8, prefilling=7) == 32  # never below the floor: a long prompt still moves

@@ -28,7 +28,12 @@ def _moving(old: float | None, new: float) -> float:
 class PrefillBudget:
     max_tokens: int  # each prompt's tokens a step with nothing decoding: the engine's prefill_step
     share: float = 0.7  # a decoding step's prefill takes at most this many decode steps' time
-    floor: int = 16  # the least a prompt advances a step, so a long one always moves
+    # The least a prompt advances a step, so a long one always moves. A chunk beside decoding is a
+    # forward pass of its own: beside 6 streams of the default model on 2 cores it added ~30 ms
+    # (1.5 decode steps) whatever its size, and ~1.2 ms a token. At 16 tokens two thirds of a
+    # stream's wait went to that fixed part; 32 halved a 2,000-token prompt's steps for 20 % more
+    # wait a step (bench_gaps: p99 over median 1.66-1.99 against 1.93-2.53; decision 21).
+    floor: int = 32
     # Seconds of a step that only decodes, and of one prompt token prefilled beside decoding
     # (the engine seeds both from its warm-up).
     decode_s: float | None = None
