@@ -15,7 +15,8 @@ namespace gmlx_kernels {
 int n_threads();
 
 // Keeps member i of an OpenMP team on the i-th CPU this process may use (Linux; GMLX_KERNELS_PIN=0
-// turns it off, as does a team larger than those CPUs). Unpinned, the engine thread's graph
+// turns it off, as does a team larger than those CPUs; without OpenMP the workers live one call
+// and are left unpinned). Unpinned, the engine thread's graph
 // building moved the team's threads about: the worker was switched out ~18 times a batch-1 step
 // and every short parallel region waited for it (docs/ARCHITECTURE.md, decision 24).
 void pin_member(int i);
