@@ -6,6 +6,7 @@
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
+#include "mlx/compile_impl.h"
 #include "mlx/version.h"
 #include "ops.h"
 
@@ -40,6 +41,9 @@ NB_MODULE(_ext, m) {
         "top_k"_a = 0, "stream"_a = nb::none(),
         "A token per row of x drawn with u (uniform in [0, 1)) from softmax(x / temperature) after mlx_lm's "
         "top_p, min_p and top_k filters, as one CPU node.");
+  m.def(
+      "clear_compile_cache", [] { mlx::core::detail::compile_clear_cache(mlx::core::detail::compile_cache()); },
+      "Empty the calling thread's mx.compile cache (call it holding the GIL, before the thread ends).");
   m.def("isa", [] { return std::string(gk::active_impl()->name); }, "Instruction set the kernels use.");
   m.def("set_isa", &gk::set_isa, "want"_a, "Pick the ISA (generic, avx2, avx512, avx512vnni, amx; '' = best); returns the one chosen.");
   m.def("set_act_bits", &gk::set_act_bits, "bits"_a,

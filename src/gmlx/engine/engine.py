@@ -38,6 +38,7 @@ from gmlx.engine.speculative import SpeculativeCounters, SpeculativeStream, can_
 from gmlx.engine.stops import StopMatcher
 from gmlx.gguf.detokenizer import continuation_detokenizer
 from gmlx.kernels import fast as kernels_fast
+from gmlx.kernels import release_thread_state
 from gmlx.models.loader import LoadedModel
 
 log = logging.getLogger("gmlx.engine")
@@ -500,6 +501,7 @@ class Engine:
             self._finish(stream.req, self._cancelled(stream.req))
         self._end_embeddings("the engine stopped")
         gen.close()
+        release_thread_state()
 
     def _cancel(self, gen: BatchGenerator, req: Request, error: Failed | None = None) -> None:
         if self._lane is not None and self._lane[0].req is req:
