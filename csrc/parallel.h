@@ -11,12 +11,12 @@
 
 namespace gmlx_kernels {
 
-// Threads the kernels use: GMLX_KERNELS_THREADS, else every core.
+// Threads the kernels use: GMLX_KERNELS_THREADS, else one for each CPU the process may run on.
 int n_threads();
 
-// Keeps member i of an OpenMP team on the i-th CPU this process may use (Linux; GMLX_KERNELS_PIN=0
-// turns it off, as does a team larger than those CPUs; without OpenMP the workers live one call
-// and are left unpinned). Unpinned, the engine thread's graph
+// Keeps member i of an OpenMP team on the i-th CPU this process may run on, where the kernels use
+// them all (Linux; GMLX_KERNELS_PIN=0 turns it off, as does GMLX_KERNELS_THREADS set to another
+// count; without OpenMP the workers live one call and are left unpinned). Unpinned, the engine thread's graph
 // building moved the team's threads about: the worker was switched out ~18 times a batch-1 step
 // and every short parallel region waited for it (docs/ARCHITECTURE.md, decision 24).
 void pin_member(int i);

@@ -24,9 +24,11 @@ time to float for a register-blocked FMA micro-kernel. Where the CPU has AMX's i
 Sapphire Rapids on) and Linux grants them, every batch takes the integer path as tile products:
 the same 16-bit codes split into two int8 halves, 16 weight rows' blocks against 8 rows of x.
 Knobs, for tests and benchmarks:
-GMLX_KERNELS_THREADS (default: all cores), GMLX_KERNELS_ISA (generic, avx2, avx512, avx512vnni, amx),
+GMLX_KERNELS_THREADS (default: each CPU the process may run on),
+GMLX_KERNELS_ISA (generic, avx2, avx512, avx512vnni, amx),
 GMLX_KERNELS_ACT_BITS (16; 8 = llama.cpp's Q8_0 activations; 0 = float path only),
-GMLX_KERNELS_PIN (0 leaves the threads unpinned; by default, on Linux, each keeps a CPU of its own),
+GMLX_KERNELS_PIN (0 leaves the threads unpinned; by default, on Linux, where they use every CPU the
+process may run on, each keeps one of its own),
 GMLX_KERNELS_EXT (load the extension from another build).
 """
 
