@@ -16,9 +16,9 @@ int n_threads();
 
 // Keeps member i of an OpenMP team on the i-th CPU this process may run on, where the kernels use
 // them all (Linux; GMLX_KERNELS_PIN=0 turns it off, as does GMLX_KERNELS_THREADS set to another
-// count; without OpenMP the workers live one call and are left unpinned). Unpinned, the engine thread's graph
-// building moved the team's threads about: the worker was switched out ~18 times a batch-1 step
-// and every short parallel region waited for it (docs/ARCHITECTURE.md, decision 24).
+// count; without OpenMP the workers live one call and are left unpinned). Unpinned, the engine
+// thread's graph building moved the team's threads about: the worker was switched out ~18 times a
+// batch-1 step and every short parallel region waited for it (docs/ARCHITECTURE.md, decision 24).
 void pin_member(int i);
 
 // fn(c) for every chunk c < n_chunks, on nt threads taking chunks as they finish: on a shared

@@ -459,6 +459,12 @@ class Engine:
 
     def _run(self) -> None:
         try:
+            self._serve()
+        finally:
+            release_thread_state()  # its last act (docs/ARCHITECTURE.md, decision 1)
+
+    def _serve(self) -> None:
+        try:
             self.loaded = self._load()
             if self._load_draft is not None:
                 self.draft = self._load_draft(self.loaded)
@@ -501,7 +507,6 @@ class Engine:
             self._finish(stream.req, self._cancelled(stream.req))
         self._end_embeddings("the engine stopped")
         gen.close()
-        release_thread_state()
 
     def _cancel(self, gen: BatchGenerator, req: Request, error: Failed | None = None) -> None:
         if self._lane is not None and self._lane[0].req is req:
