@@ -52,6 +52,13 @@ PREFILL = 512
 PROMPT = 16
 
 
+def kernel_threads() -> int:
+    """The kernels' threads: GMLX_KERNELS_THREADS, else one for each CPU this process may run on."""
+    from gmlx.platform import usable_cpus
+
+    return int(os.environ.get("GMLX_KERNELS_THREADS", 0)) or usable_cpus()
+
+
 def step_decode(model, b: int, steps: int, rng: np.random.Generator) -> float:
     """B greedy streams stepped directly, one token each a step, after a PROMPT-token prompt, as
     mlx_lm's generate_step and the engine run: the next step's graph is built while the current
@@ -228,7 +235,7 @@ def _matmuls(model: str, isas: list[str], rounds: int) -> dict:
             shapes.setdefault((mod.ggml_type, mod.out_features, mod.in_features), mod.weight)
         elif isinstance(mod, gk.GGUFEmbedding):
             shapes.setdefault((mod.ggml_type, mod.num_embeddings, mod.dims), mod.weight)
-    threads = int(os.environ.get("GMLX_KERNELS_THREADS", 0)) or os.cpu_count() or 1
+    threads = kernel_threads()
     best: dict = {}
     for _ in range(rounds):
         for (t, n, k), w in shapes.items():
@@ -439,9 +446,7 @@ def main() -> None:
         eng.close()
         (result["gmlx"][name] if name in result["gmlx"] else result["llama_cpp"]).update(best[name])
     result["load_average_1m_end"] = os.getloadavg()[0]
-    bandwidth = result["read_bandwidth_gb_s"] = read_bandwidth_gb_s(
-        int(os.environ.get("GMLX_KERNELS_THREADS", 0)) or os.cpu_count() or 1
-    )
+    bandwidth = result["read_bandwidth_gb_s"] = read_bandwidth_gb_s(kernel_threads())
     for name, g in result["gmlx"].items():  # a decode step reads every weight once
         g["bandwidth_share"] = {
             b: round(g["resident_bytes"] * tok_s / int(b) / 1e9 / bandwidth, 2)

@@ -29,6 +29,14 @@ class BlasInfo:
     path: str | None
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on (a container's cpuset, taskset's mask), as the kernels count
+    them for their threads; the machine's count where the platform cannot say."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def _blas_candidates() -> list[str]:
     """Paths where an OpenBLAS may live, most specific first."""
     found: list[str] = []
@@ -60,8 +68,8 @@ def prepare() -> BlasInfo:
     os.environ.setdefault("GOMP_SPINCOUNT", "10000")
     if os.environ.get("GMLX_BLAS") == "reference":
         return BlasInfo("reference", None)
-    # One OpenBLAS thread per core was fastest here; respect a user's own choice.
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", str(os.cpu_count() or 1))
+    # One OpenBLAS thread per usable CPU was fastest here; respect a user's own choice.
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", str(usable_cpus()))
     for path in _blas_candidates():
         try:
             ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
