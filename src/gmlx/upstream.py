@@ -212,8 +212,9 @@ def _next_first_token_in_prefill(
         mx.async_eval(sampled, [r for r in kept if r is not None])
         gen._currently_processing = [s for i, s in enumerate(gen._currently_processing) if i not in ending]
         done, left = _split(batch, ending)
-        empty = PromptProcessingBatch.empty(batch.model, batch.fallback_sampler, batch.prefill_step_size)
-        gen._prompt_batch = left if left is not None else empty
+        if left is None:
+            left = PromptProcessingBatch.empty(batch.model, batch.fallback_sampler, batch.prefill_step_size)
+        gen._prompt_batch = left
         for cache in done.prompt_cache:  # as its first decode step would, a row's or the prompt cache's
             _fit_window(cache)
         if last := [e for e, n in enumerate(done.max_tokens) if n <= 1]:

@@ -26,7 +26,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import StreamingDetokenizer
 
-from gmlx import upstream
+from gmlx import kernels, upstream
 from gmlx.engine.budget import PrefillBudget
 from gmlx.engine.embeddings import EmbedJob, embed
 from gmlx.engine.heap import map_large_buffers, trim_heap
@@ -38,7 +38,6 @@ from gmlx.engine.speculative import SpeculativeCounters, SpeculativeStream, can_
 from gmlx.engine.stops import StopMatcher
 from gmlx.gguf.detokenizer import continuation_detokenizer
 from gmlx.kernels import fast as kernels_fast
-from gmlx.kernels import release_thread_state
 from gmlx.models.loader import LoadedModel
 
 log = logging.getLogger("gmlx.engine")
@@ -325,6 +324,17 @@ def warm_up(
     )
 
 
+def _release_thread_state() -> None:
+    """Free what MLX keeps for the calling thread (its streams, its random key, its mx.compile
+    cache) while Python can still free the Python objects among them: the engine thread's last act
+    (docs/ARCHITECTURE.md, decision 1). MLX frees them as the thread ends, taking the GIL, and a
+    process exiting meanwhile aborts ("terminate called without an active exception"). The compile
+    cache is reached through gmlx's extension; where it is not built, that one stays."""
+    mx.clear_streams()
+    if (ext := kernels.extension()) is not None:
+        ext.clear_compile_cache()
+
+
 class Engine:
     """Serves one model. `load` runs on the engine thread too, so that thread owns the
     model's arrays from the start; `ready` is set once it has returned."""
@@ -461,7 +471,7 @@ class Engine:
         try:
             self._serve()
         finally:
-            release_thread_state()  # its last act (docs/ARCHITECTURE.md, decision 1)
+            _release_thread_state()
 
     def _serve(self) -> None:
         try:

@@ -87,19 +87,6 @@ def extension() -> ModuleType | None:
     return _load()
 
 
-def release_thread_state() -> None:
-    """Free what MLX keeps for the calling thread (its streams, its random key, its mx.compile
-    cache) now, while Python can still free the Python objects among them.
-
-    MLX frees them as the thread ends, taking the GIL; a process that exits meanwhile aborts
-    ("terminate called without an active exception"). A thread that ran a model calls this last.
-    The compile cache is reached through the extension: where it is not built, that one stays."""
-    mx.clear_streams()
-    ext = _load()
-    if ext is not None:
-        ext.clear_compile_cache()
-
-
 def available() -> bool:
     """True where the kernels loaded and MLX computes on the CPU (the only place they apply)."""
     return _load() is not None and mx.default_device() == mx.cpu
