@@ -206,9 +206,13 @@ void group_dot(const uint8_t* w, int64_t rb, const XQ& x, int M, float* out) {
         const __m512 xd = _mm512_set1_ps(x.d[m * nb32 + b]);
         __m512 acc = _mm512_loadu_ps(out + m * GROUP);
         for (int h = 0; h < HALVES; h++) {
-          __m512i s = _mm512_setzero_si512();
-          for (int p = h * 16 / HALVES; p < (h + 1) * 16 / HALVES; p++)
-            s = _mm512_dpwssd_epi32(s, r[p], _mm512_set1_epi32(xp[p]));
+          // two chains of dpwssd, not one: each waits on the last's result (a latency of several cycles)
+          __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+          for (int p = h * 16 / HALVES; p < (h + 1) * 16 / HALVES; p += 2) {
+            s0 = _mm512_dpwssd_epi32(s0, r[p], _mm512_set1_epi32(xp[p]));
+            s1 = _mm512_dpwssd_epi32(s1, r[p + 1], _mm512_set1_epi32(xp[p + 1]));
+          }
+          const __m512i s = _mm512_add_epi32(s0, s1);
           acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(_mm512_load_ps(d[h]), xd), acc);
         }
         if constexpr (has_min(TYPE)) acc = _mm512_fmadd_ps(mv, _mm512_set1_ps(x.s[m * nb32 + b]), acc);
