@@ -28,7 +28,8 @@ Writes bench/results/kernels-<model>.json.
 --matmuls instead times each distinct matmul of the model (GGML type, N x K, and the tied LM
 head) alone at batch 1, 4 and 8, one ISA against another in the same process (rounds
 interleave them; best of rounds): ms per matmul and Gweights/s per kernel thread
-(GMLX_KERNELS_THREADS, else every core), and the ratio of each ISA to the first.
+(GMLX_KERNELS_THREADS, else every core), and the ratio of each ISA to the first. A Q8_0 head is
+timed in the file's layout and packed (`Q8_0_R16`, for the ISAs whose kernels take it).
 """
 
 from __future__ import annotations
@@ -228,13 +229,16 @@ def _matmuls(model: str, isas: list[str], rounds: int) -> dict:
     from gmlx.models.loader import load
 
     ext = gk.extension()
+    os.environ["GMLX_KERNELS_PACK"] = "0"  # the file's layouts, which every ISA takes; the packed one beside
     m = load(model, "gguf")
-    shapes: dict = {}  # (type, N, K) -> weight, the first module of each
+    shapes: dict = {}  # (kernel type, N, K) -> weight, the first module of each
     for _, mod in m.model.named_modules():
         if isinstance(mod, gk.GGUFLinear):
             shapes.setdefault((mod.ggml_type, mod.out_features, mod.in_features), mod.weight)
         elif isinstance(mod, gk.GGUFEmbedding):
             shapes.setdefault((mod.ggml_type, mod.num_embeddings, mod.dims), mod.weight)
+            if mod.ggml_type == gk.T.Q8_0 and mod.num_embeddings % 16 == 0:
+                shapes[(gk.Q8_0_R16, mod.num_embeddings, mod.dims)] = ext.pack_q8_0(mod.weight)
     threads = kernel_threads()
     best: dict = {}
     for _ in range(rounds):
@@ -246,6 +250,8 @@ def _matmuls(model: str, isas: list[str], rounds: int) -> dict:
                 for isa in isas:
                     if ext.set_isa(isa) != isa:
                         raise SystemExit(f"ISA {isa} is not available here")
+                    if t == gk.Q8_0_R16 and not ext.packs_q8_0():
+                        continue  # the packed layout has this ISA's kernel only (avx512vnni)
                     mx.eval(gk.matmul(x, w, t, n, k))
                     t0 = time.perf_counter()
                     mx.eval([gk.matmul(x, w, t, n, k) for _ in range(calls)])
@@ -256,17 +262,21 @@ def _matmuls(model: str, isas: list[str], rounds: int) -> dict:
     rows = []
     for (t, n, k), _ in shapes.items():
         for b in BATCHES:
-            row = {"type": gk.T(t).name, "n": n, "k": k, "batch": b}
+            row: dict = {"type": "Q8_0_R16" if t == gk.Q8_0_R16 else gk.T(t).name, "n": n, "k": k, "batch": b}
             for isa in isas:
-                ms = best[(t, n, k, b, isa)]
-                row[isa] = {"ms": round(ms, 4), "gw_s_per_thread": round(n * k / (ms / 1e3) / 1e9 / threads, 2)}
+                ms = best.get((t, n, k, b, isa))
+                row[isa] = ms and {"ms": round(ms, 4), "gw_s_per_thread": round(n * k / (ms / 1e3) / 1e9 / threads, 2)}
             for isa in isas[1:]:
-                row[f"{isa}_vs_{isas[0]}"] = round(best[(t, n, k, b, isas[0])] / best[(t, n, k, b, isa)], 2)
+                first, this = best.get((t, n, k, b, isas[0])), best.get((t, n, k, b, isa))
+                row[f"{isa}_vs_{isas[0]}"] = round(first / this, 2) if first and this else None
             rows.append(row)
             print(
-                f"{row['type']:5} {n:6}x{k:<5} b{b}  "
+                f"{row['type']:8} {n:6}x{k:<5} b{b}  "
                 + "  ".join(
-                    f"{isa} {row[isa]['ms']:8.3f} ms {row[isa]['gw_s_per_thread']:6.2f} Gw/s/thr" for isa in isas
+                    f"{isa} {row[isa]['ms']:8.3f} ms {row[isa]['gw_s_per_thread']:6.2f} Gw/s/thr"
+                    if row[isa]
+                    else f"{isa} {'-':>8}"
+                    for isa in isas
                 )
                 + "".join(f"  x{row[f'{isa}_vs_{isas[0]}']}" for isa in isas[1:]),
                 flush=True,

@@ -26,6 +26,11 @@ NB_MODULE(_ext, m) {
         "dequant(down) @ (act(x @ dequant(gate).T) * (x @ dequant(up).T)) as one node; act 0 silu, 1 gelu_approx.");
   m.def("gguf_dequant_rows", &gk::gguf_dequant_rows, "rows"_a, "type"_a, "k"_a, nb::kw_only(),
         "stream"_a = nb::none(), "Dequantize GGUF block rows (uint8 (..., row_bytes)) to float32 (..., k).");
+  m.def("gguf_embed", &gk::gguf_embed, "w"_a, "ids"_a, "type"_a, "k"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "Rows ids of GGUF block weights w (uint8 (rows, row_bytes)) as float32 (*ids.shape, k).");
+  m.def("pack_q8_0", &gk::pack_q8_0, "w"_a, "Q8_0 bytes (rows, row_bytes) in gmlx's Q8_0_R16 layout.");
+  m.def("packs_q8_0", []() { return gk::active_impl()->packed_rows_int != nullptr; },
+        "Whether the active ISA's kernels take Q8_0_R16 weights.");
   m.def("rms_norm", &gk::rms_norm, "x"_a, "weight"_a.none(), "eps"_a, nb::kw_only(), "stream"_a = nb::none(),
         "mx.fast.rms_norm as one CPU node (float32).");
   m.def("logsumexp", &gk::logsumexp, "x"_a, nb::kw_only(), "keepdims"_a = false, "stream"_a = nb::none(),

@@ -42,9 +42,19 @@ consteval BlockFormat format_of(int type) {
   return {type, 0, 0, false};
 }
 
-// The same at run time (ops.cpp): weights per block and bytes per block; 0 for a type not handled.
+// The same at run time (ops.cpp): weights per block and bytes per block; 0 for a type not handled
+// (Q8_0_R16 has Q8_0's).
 int block_size(int type);
 int type_size(int type);
+
+// gmlx's own layout of a Q8_0 tensor (no GGML type; ops take it as this id): each PACK_ROWS rows'
+// blocks interleaved, so that a kernel with a lane per weight row reads them in order with no
+// transposes. Per 32-block of the 16 rows: their 16 f16 scales, then 512 codes in pairs, byte
+// 32 p + 2 i + j holding code 2 p + j of row i. Group g holds the bytes of rows 16 g .. 16 g + 15,
+// so row counts and a group's offset are Q8_0's.
+inline constexpr int Q8_0_R16 = 1008;
+inline constexpr int PACK_ROWS = 16;
+inline constexpr int PACKED_BLOCK = PACK_ROWS * 34;  // bytes per 32-block of a group
 
 // Rows of W dequantized together: the unit of work handed to a thread.
 constexpr int ROW_TILE = 16;
@@ -114,6 +124,10 @@ struct Impl {
   void (*quantize_x)(const MatmulArgs& a, int bits, int16_t* xq, float* xd, float* xs);
   void (*matmul_rows_int)(const MatmulArgs& a, const int16_t* xq, const float* xd, const float* xs,
                           int64_t n0, int64_t n1, void* scratch, int bits);
+  // The same for a Q8_0_R16 weight (n0, n1 multiples of PACK_ROWS); null where the ISA has no
+  // kernel for that layout (all but avx512vnni).
+  void (*packed_rows_int)(const MatmulArgs& a, const int16_t* xq, const float* xd, int64_t n0, int64_t n1,
+                          void* scratch, int bits);
   // y[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w (w may be null), rows of D floats
   void (*rms_norm_rows)(const float* x, const float* w, float* y, int64_t rows, int64_t D, float eps);
   // h[i] = act(g[i]) * u[i] for i < n; act GATED_SILU or GATED_GELU_APPROX (h may be g)

@@ -49,6 +49,11 @@ void matmul_rows_int(const MatmulArgs& a, const int16_t* xq, const float* xd, co
   with_type(a.type, [&]<int TYPE>() { int_rows<TYPE>(a, xq, xd, xs, n0, n1, scratch, bits); });
 }
 #endif
+#ifdef GMLX_PACKED_PATH
+constexpr auto packed_rows = packed_rows_int;
+#else
+constexpr decltype(Impl::packed_rows_int) packed_rows = nullptr;
+#endif
 
 }  // namespace
 }  // namespace GMLX_ISA
@@ -83,6 +88,7 @@ const Impl impl = {
     .quantize_x = nullptr,
     .matmul_rows_int = nullptr,
 #endif
+    .packed_rows_int = packed_rows,
     .rms_norm_rows = L::rms_norm_rows,
     .gated_act = L::gated_act,
     .logsumexp_rows = L::logsumexp_rows,

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <string>
 #include <cstdlib>
+#include <cstring>
 #include <sstream>
 #include <stdexcept>
 #include <thread>
@@ -26,16 +27,19 @@
 
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/allocator.h"
+#include "mlx/transforms.h"
 
 namespace gmlx_kernels {
 
 int block_size(int type) {
+  if (type == Q8_0_R16) type = Q8_0;
   for (const BlockFormat& f : FORMATS)
     if (f.type == type) return f.block;
   return 0;
 }
 
 int type_size(int type) {
+  if (type == Q8_0_R16) type = Q8_0;
   for (const BlockFormat& f : FORMATS)
     if (f.type == type) return f.bytes;
   return 0;
@@ -238,9 +242,13 @@ void run_float(const MatmulArgs& a) {
 void run_matmuls(const MatmulArgs* parts, int n_parts) {
   const Impl* impl = active_impl();
   const MatmulArgs& a = parts[0];
-  const int bits = act_bits();
+  bool packed = false;  // a Q8_0_R16 part takes the integer path (check_weight saw to it that there is one)
+  for (int i = 0; i < n_parts; i++) packed = packed || parts[i].type == Q8_0_R16;
+  const int bits = packed && act_bits() == 0 ? 16 : act_bits();
   bool integer = bits > 0 && impl->int_supported;  // null: this ISA has no integer path
-  for (int i = 0; i < n_parts; i++) integer = integer && impl->int_supported(parts[i].type, a.M);
+  for (int i = 0; i < n_parts; i++)
+    integer = integer && (parts[i].type == Q8_0_R16 || impl->int_supported(parts[i].type, a.M));
+  integer = integer || packed;
   if (!integer) {
     for (int i = 0; i < n_parts; i++) run_float(parts[i]);
     return;
@@ -272,7 +280,10 @@ void run_matmuls(const MatmulArgs* parts, int n_parts) {
   parallel_chunks(nt, (int64_t)chunks.size(), [&](int64_t c) {
     void* aligned = (void*)(((uintptr_t)scratch(scratch_floats) + 63) & ~(uintptr_t)63);
     const Chunk& ch = chunks[c];
-    impl->matmul_rows_int(parts[ch.part], xq, xd, xs, ch.n0, ch.n1, aligned, bits);
+    if (parts[ch.part].type == Q8_0_R16)
+      impl->packed_rows_int(parts[ch.part], xq, xd, ch.n0, ch.n1, aligned, bits);
+    else
+      impl->matmul_rows_int(parts[ch.part], xq, xd, xs, ch.n0, ch.n1, aligned, bits);
   });
 }
 
@@ -452,6 +463,48 @@ std::vector<mx::Shape> GGUFDequantRows::output_shapes(const std::vector<mx::arra
   return {shape};
 }
 
+// Row `row` of a Q8_0_R16 tensor (gguf_kernels.h) as K floats: scale times code, as Q8_0's.
+static void packed_row(const uint8_t* w, int64_t row_bytes, int64_t row, int64_t K, float* y) {
+  const uint8_t* group = w + row / PACK_ROWS * PACK_ROWS * row_bytes;
+  const int i = (int)(row % PACK_ROWS);
+  for (int64_t b = 0; b < K / 32; b++) {
+    const uint8_t* blk = group + b * PACKED_BLOCK;
+    mx::float16_t h;
+    memcpy(&h, blk + 2 * i, 2);
+    const float d = static_cast<float>(h);
+    for (int c = 0; c < 32; c++) y[b * 32 + c] = d * (float)(int8_t)blk[32 + 32 * (c / 2) + 2 * i + c % 2];
+  }
+}
+
+void GGUFEmbed::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& encoder = prepare(inputs, outputs);
+  encoder.dispatch([w = mx::array::unsafe_weak_copy(inputs[0]), ids = mx::array::unsafe_weak_copy(inputs[1]),
+                    out = mx::array::unsafe_weak_copy(outputs[0]), type = type_, K = K_]() mutable {
+    const int64_t rows = w.shape(0), rb = w.shape(1);
+    const uint8_t* wp = w.data<uint8_t>();
+    const int32_t* ip = ids.data<int32_t>();
+    float* y = out.data<float>();
+    for (int64_t n = 0; n < (int64_t)ids.size(); n++) {
+      const int64_t row = std::clamp<int64_t>(ip[n], 0, rows - 1);  // ids are checked before; memory stays safe
+      if (type == Q8_0_R16)
+        packed_row(wp, rb, row, K, y + n * K);
+      else
+        active_impl()->dequant_rows(type, wp + row * rb, 1, K, rb, y + n * K);
+    }
+  });
+}
+
+bool GGUFEmbed::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const GGUFEmbed&>(other);
+  return type_ == o.type_ && K_ == o.K_;
+}
+
+std::vector<mx::Shape> GGUFEmbed::output_shapes(const std::vector<mx::array>& inputs) {
+  auto shape = inputs[1].shape();
+  shape.push_back((int)K_);
+  return {shape};
+}
+
 // a itself where it is already evaluated and row-contiguous (weights always are): one graph node
 // less per matmul; otherwise MLX's contiguous op.
 static mx::array row_contiguous(const mx::array& a, mx::Stream stream) {
@@ -475,6 +528,12 @@ static void check_weight(const char* op, const mx::array& w, int type, int64_t r
   if (w.dtype() != mx::uint8 || w.ndim() != 2 || w.shape(0) != rows || w.shape(1) != rb) {
     std::ostringstream msg;
     msg << op << ": weight must be uint8 of shape (" << rows << ", " << rb << ")";
+    throw std::invalid_argument(msg.str());
+  }
+  if (type == Q8_0_R16 && (rows % PACK_ROWS != 0 || !active_impl()->packed_rows_int)) {
+    std::ostringstream msg;
+    msg << op << ": a packed Q8_0 weight needs a multiple of " << PACK_ROWS << " rows and the kernels of an ISA with "
+        << "VNNI (the active ISA is " << active_impl()->name << ")";
     throw std::invalid_argument(msg.str());
   }
 }
@@ -553,6 +612,40 @@ mx::array gguf_dequant_rows(const mx::array& rows, int type, int64_t K, mx::Stre
   shape.back() = (int)K;
   return mx::array(shape, mx::float32, std::make_shared<GGUFDequantRows>(stream, type, K),
                    {row_contiguous(rows, stream)});
+}
+
+mx::array gguf_embed(const mx::array& w, const mx::array& ids, int type, int64_t K, mx::StreamOrDevice s) {
+  check_weight("gguf_embed", w, type, w.ndim() == 2 ? w.shape(0) : -1, K);
+  auto stream = mx::to_stream(s, mx::Device::cpu);
+  if (stream.device != mx::Device::cpu) throw std::invalid_argument("gguf_embed runs on the CPU only");
+  if (!mx::issubdtype(ids.dtype(), mx::integer)) throw std::invalid_argument("gguf_embed: ids must be integers");
+  auto shape = ids.shape();
+  shape.push_back((int)K);
+  mx::array ids32 = ids.dtype() == mx::int32 ? ids : mx::astype(ids, mx::int32, stream);
+  return mx::array(shape, mx::float32, std::make_shared<GGUFEmbed>(stream, type, K),
+                   {row_contiguous(w, stream), row_contiguous(ids32, stream)});
+}
+
+mx::array pack_q8_0(const mx::array& w_in) {
+  mx::array w = mx::contiguous(w_in);
+  mx::eval(w);
+  if (w.dtype() != mx::uint8 || w.ndim() != 2 || w.shape(1) % 34 != 0 || w.shape(0) % PACK_ROWS != 0)
+    throw std::invalid_argument("pack_q8_0: Q8_0 bytes (rows, K / 32 * 34), rows a multiple of 16");
+  const int64_t rows = w.shape(0), rb = w.shape(1), nb = rb / 34;
+  std::vector<uint8_t> packed((size_t)(rows * rb));
+  const uint8_t* src = w.data<uint8_t>();
+  for (int64_t g = 0; g < rows / PACK_ROWS; g++) {
+    uint8_t* dst = packed.data() + g * PACK_ROWS * rb;
+    for (int i = 0; i < PACK_ROWS; i++) {
+      const uint8_t* row = src + (g * PACK_ROWS + i) * rb;
+      for (int64_t b = 0; b < nb; b++) {
+        uint8_t* blk = dst + b * PACKED_BLOCK;
+        memcpy(blk + 2 * i, row + b * 34, 2);
+        for (int c = 0; c < 32; c++) blk[32 + 32 * (c / 2) + 2 * i + c % 2] = row[b * 34 + 2 + c];
+      }
+    }
+  }
+  return mx::array(packed.begin(), w.shape(), mx::uint8);
 }
 
 }  // namespace gmlx_kernels

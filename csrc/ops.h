@@ -44,6 +44,10 @@ mx::array gguf_gated_mlp(const mx::array& x, const mx::array& gate, const mx::ar
 
 // rows uint8 (..., row_bytes) -> float32 (..., K): dequantize whole rows (embedding lookup).
 mx::array gguf_dequant_rows(const mx::array& rows, int type, int64_t K, mx::StreamOrDevice s = {});
+// An embedding lookup: float32 (*ids.shape, K), row ids[i] of w (any type, Q8_0_R16 included) dequantized.
+mx::array gguf_embed(const mx::array& w, const mx::array& ids, int type, int64_t K, mx::StreamOrDevice s = {});
+// Q8_0 bytes (rows, K / 32 * 34), rows a multiple of PACK_ROWS, in the Q8_0_R16 layout.
+mx::array pack_q8_0(const mx::array& w);
 
 // a's elements in row-major order: its own buffer when already so, else a copy into buf.
 const float* row_major(const mx::array& a, std::vector<float>& buf);
@@ -133,6 +137,19 @@ class GGUFDequantRows : public CPUPrimitive {
   GGUFDequantRows(mx::Stream stream, int type, int64_t K) : CPUPrimitive(stream), type_(type), K_(K) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   const char* name() const override { return "GGUFDequantRows"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+
+ private:
+  int type_;
+  int64_t K_;
+};
+
+class GGUFEmbed : public CPUPrimitive {
+ public:
+  GGUFEmbed(mx::Stream stream, int type, int64_t K) : CPUPrimitive(stream), type_(type), K_(K) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "GGUFEmbed"; }
   bool is_equivalent(const mx::Primitive& other) const override;
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
 

@@ -189,6 +189,82 @@ def test_modules_behave_like_linear_and_embedding():
     np.testing.assert_allclose(np.array(emb.as_linear(x)), np.array(x) @ wd.T, rtol=0, atol=tol)
 
 
+def q8_0_table(n: int, k: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Random Q8_0 bytes (n, k / 32 * 34) with every code occurring, and their float32 values."""
+    w = random_weights(T.Q8_0, n, k, rng)
+    return w, dequantize(w, T.Q8_0).reshape(n, k).astype(np.float32)
+
+
+def test_a_packed_q8_0_table_looks_up_the_files_rows_exactly():
+    """Q8_0_R16 moves bytes only: every row a lookup gathers is the file's row, in any id shape,
+    whatever the ISA (the lookup and the packing are plain code)."""
+    rng = np.random.default_rng(11)
+    w, wd = q8_0_table(48, 640, rng)
+    packed = gk.extension().pack_q8_0(mx.array(w))
+    assert packed.shape == w.shape and packed.dtype == mx.uint8
+    assert not np.array_equal(np.array(packed), w)  # rearranged, not copied
+    ids = np.array([[0, 15, 16], [47, 31, 5]])
+    for table, layout in ((packed, gk.Q8_0_R16), (mx.array(w), int(T.Q8_0))):
+        got = gk.extension().gguf_embed(table, mx.array(ids), layout, 640, stream=mx.cpu)
+        np.testing.assert_array_equal(np.array(got), wd[ids])
+    with pytest.raises(ValueError, match="multiple of 16"):
+        gk.extension().pack_q8_0(mx.array(w[:40]))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8, 64, 70])
+def test_a_packed_q8_0_head_gives_the_file_layouts_products(rows, act_bits):
+    """Where the kernels take Q8_0_R16 (avx512vnni), its products are the file layout's: the
+    same floats from 4 activation rows on, where both run the grouped kernel; within the
+    integer path's bound below that (the file's rows go row by row, summed in another order)."""
+    ext = gk.extension()
+    if not ext.packs_q8_0():
+        pytest.skip(f"the {gk.isa()} kernels do not take packed Q8_0")
+    rng = np.random.default_rng(rows)
+    n, k = 96, 640
+    w, wd = q8_0_table(n, k, rng)
+    x = mx.array(rng.standard_normal((rows, k)).astype(np.float32))
+    packed = ext.pack_q8_0(mx.array(w))
+    got = np.array(gk.matmul(x, packed, gk.Q8_0_R16, n, k))
+    file_layout = np.array(gk.matmul(x, mx.array(w), T.Q8_0, n, k))
+    if rows >= 4 and act_bits:
+        np.testing.assert_array_equal(got, file_layout)
+    bits = act_bits or 16  # the packed table always takes the integer path
+    xb = np.abs(np.array(x)).reshape(rows, k // 32, 32).max(axis=2) / (2 ** (bits - 1) - 1) / 2
+    bound = (np.abs(np.array(x)) @ np.abs(wd).T) * BOUND + xb @ np.abs(wd).reshape(n, k // 32, 32).sum(2).T
+    assert (np.abs(got - np.array(x, dtype=np.float64) @ wd.T.astype(np.float64)) <= bound * 1.01).all()
+
+
+def test_a_packed_q8_0_head_refuses_an_isa_without_its_kernel():
+    ext = gk.extension()
+    if not ext.packs_q8_0():
+        pytest.skip(f"the {gk.isa()} kernels do not take packed Q8_0")
+    w, _ = q8_0_table(32, 64, np.random.default_rng(0))
+    packed = ext.pack_q8_0(mx.array(w))
+    try:
+        ext.set_isa("avx2")
+        with pytest.raises(ValueError, match="VNNI"):
+            gk.matmul(mx.zeros((1, 64)), packed, gk.Q8_0_R16, 32, 64)
+    finally:
+        ext.set_isa("")
+
+
+def test_an_embedding_packs_a_q8_0_table_only_where_the_kernels_take_it(monkeypatch):
+    rng = np.random.default_rng(12)
+    w, wd = q8_0_table(64, 256, rng)
+    x = mx.array(rng.standard_normal((8, 256)).astype(np.float32))
+    emb = gk.GGUFEmbedding(mx.array(w), T.Q8_0, 256)
+    assert emb.pack() == gk.extension().packs_q8_0()
+    assert emb.ggml_type == T.Q8_0
+    assert (emb.kernel_type == gk.Q8_0_R16) == gk.extension().packs_q8_0()
+    assert not emb.pack()  # once
+    monkeypatch.setenv("GMLX_KERNELS_PACK", "0")
+    plain = gk.GGUFEmbedding(mx.array(w), T.Q8_0, 256)
+    assert not plain.pack()
+    assert plain.kernel_type == T.Q8_0 and np.array_equal(np.array(plain.weight), w)
+    np.testing.assert_array_equal(np.array(emb(mx.array([[1, 63]]))), wd[[[1, 63]]])
+    np.testing.assert_array_equal(np.array(emb.as_linear(x)), np.array(plain.as_linear(x)))
+
+
 @pytest.mark.parametrize("rows", [1, 3, 80], ids=["decode", "decode3", "prefill"])
 def test_grouped_linears_give_each_members_own_product(rows):
     """q, k and v as one group (mixed types, a bias), called as mlx_lm's attention calls them,

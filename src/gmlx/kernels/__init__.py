@@ -29,6 +29,8 @@ GMLX_KERNELS_ISA (generic, avx2, avx512, avx512vnni, amx),
 GMLX_KERNELS_ACT_BITS (16; 8 = llama.cpp's Q8_0 activations; 0 = float path only),
 GMLX_KERNELS_PIN (0 leaves the threads unpinned; by default, on Linux, where they use every CPU the
 process may run on, each keeps one of its own),
+GMLX_KERNELS_PACK (0 keeps a Q8_0 embedding table in the file's layout; by default, where the ISA is
+avx512vnni, it is packed for its kernels: see GGUFEmbedding),
 GMLX_KERNELS_EXT (load the extension from another build).
 """
 
@@ -49,6 +51,8 @@ from mlx.utils import tree_unflatten
 # GGML types the kernels read directly.
 TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
 TYPE_NAMES = tuple(t.name for t in TYPES)
+# gmlx's own layout of Q8_0 bytes, as the kernels number it (Q8_0_R16 in csrc/gguf_kernels.h).
+Q8_0_R16 = 1008
 
 _reason: str | None = None
 
@@ -251,22 +255,52 @@ def fuse_mlps(model: nn.Module) -> int:
     return len(swaps)
 
 
+def pack_tables(model: nn.Module) -> int:
+    """GGUFEmbedding.pack for each of the model's tables, after their weights are loaded; returns
+    how many were packed."""
+    return sum(m.pack() for _, m in model.named_modules() if isinstance(m, GGUFEmbedding))
+
+
+def packs_q8_0(rows: int) -> bool:
+    """Whether a Q8_0 table of `rows` rows is packed (Q8_0_R16) for the active kernels."""
+    ext = _load()
+    return (
+        ext is not None
+        and ext.packs_q8_0()
+        and rows % 16 == 0
+        and os.environ.get("GMLX_KERNELS_PACK", "1") != "0"
+        and os.environ.get("GMLX_KERNELS_ACT_BITS") != "0"  # the float path reads only the file's layout
+    )
+
+
 class GGUFEmbedding(nn.Module):
     """nn.Embedding over a GGUF quantized table: a lookup dequantizes only the rows it gathers;
-    as_linear (a tied LM head) is the quantized matmul."""
+    as_linear (a tied LM head) is the quantized matmul.
+
+    A Q8_0 table (the default model's, and most tied heads') is packed where the kernels are
+    avx512vnni's: the same bytes, each 16 rows' blocks interleaved so the head's kernel reads them
+    in order with no transposes (docs/ARCHITECTURE.md, decision 25), by `pack` once its weight is
+    loaded. `kernel_type` is the layout the kernels are given; `ggml_type` stays the file's."""
 
     def __init__(self, weight: mx.array, ggml_type: int, dims: int):
         super().__init__()
-        self.ggml_type = int(ggml_type)
+        self.ggml_type = self.kernel_type = int(ggml_type)
         self.num_embeddings, self.dims = weight.shape[0], dims
         self.weight = weight
         self.freeze()
 
+    def pack(self) -> bool:
+        """Repack the weight for the active kernels where they take its layout; True if it was."""
+        if self.kernel_type != T.Q8_0 or not packs_q8_0(self.num_embeddings):
+            return False
+        self.weight, self.kernel_type = _load().pack_q8_0(self.weight), Q8_0_R16
+        return True
+
     def __call__(self, ids: mx.array) -> mx.array:
-        return dequant_rows(self.weight[ids], self.ggml_type, self.dims)
+        return _load().gguf_embed(self.weight, ids, self.kernel_type, self.dims, stream=mx.cpu)
 
     def as_linear(self, x: mx.array) -> mx.array:
-        return matmul(x, self.weight, self.ggml_type, self.num_embeddings, self.dims)
+        return matmul(x, self.weight, self.kernel_type, self.num_embeddings, self.dims)
 
     def _extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.dims}, {T(self.ggml_type).name}"

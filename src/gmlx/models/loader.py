@@ -145,9 +145,10 @@ def _build(
         raise GGUFError(f"{h.architecture}: tensors do not match the model ({' '.join(str(e).split())})") from None
     arch.finish(model, h, arrays)
     if blocks:
-        from gmlx.kernels import fuse_mlps
+        from gmlx.kernels import fuse_mlps, pack_tables
 
         fuse_mlps(model)  # after the weights: it checks each fused MLP against the module's own output
+        pack_tables(model)
     return model
 
 
