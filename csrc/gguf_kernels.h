@@ -125,7 +125,7 @@ struct Impl {
   void (*matmul_rows_int)(const MatmulArgs& a, const int16_t* xq, const float* xd, const float* xs,
                           int64_t n0, int64_t n1, void* scratch, int bits);
   // The same for a Q8_0_R16 weight (n0, n1 multiples of PACK_ROWS); null where the ISA has no
-  // kernel for that layout (all but avx512vnni).
+  // kernel for that layout (generic, amx).
   void (*packed_rows_int)(const MatmulArgs& a, const int16_t* xq, const float* xd, int64_t n0, int64_t n1,
                           void* scratch, int bits);
   // y[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w (w may be null), rows of D floats

@@ -532,8 +532,8 @@ static void check_weight(const char* op, const mx::array& w, int type, int64_t r
   }
   if (type == Q8_0_R16 && (rows % PACK_ROWS != 0 || !active_impl()->packed_rows_int)) {
     std::ostringstream msg;
-    msg << op << ": a packed Q8_0 weight needs a multiple of " << PACK_ROWS << " rows and the kernels of an ISA with "
-        << "VNNI (the active ISA is " << active_impl()->name << ")";
+    msg << op << ": a packed Q8_0 weight needs a multiple of " << PACK_ROWS << " rows and kernels that take it "
+        << "(avx2, avx512, avx512vnni; the active ISA is " << active_impl()->name << ")";
     throw std::invalid_argument(msg.str());
   }
 }

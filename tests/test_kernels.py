@@ -212,26 +212,49 @@ def test_a_packed_q8_0_table_looks_up_the_files_rows_exactly():
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 8, 64, 70])
-def test_a_packed_q8_0_head_gives_the_file_layouts_products(rows, act_bits):
-    """Where the kernels take Q8_0_R16 (avx512vnni), its products are the file layout's: the
-    same floats from 4 activation rows on, where both run the grouped kernel; within the
-    integer path's bound below that (the file's rows go row by row, summed in another order)."""
+def test_a_packed_q8_0_head_gives_the_file_layouts_products(rows, act_bits, isa):
+    """Where the kernels take Q8_0_R16 (avx2, avx512, avx512vnni), its products stay within the
+    integer path's bound of the float64 reference. With VNNI they are the file layout's floats
+    wherever both run the grouped kernel (from 4 rows, or any with 8-bit codes); the file's rows
+    otherwise go row by row, summed in another order."""
     ext = gk.extension()
     if not ext.packs_q8_0():
-        pytest.skip(f"the {gk.isa()} kernels do not take packed Q8_0")
+        pytest.skip(f"the {isa} kernels do not take packed Q8_0")
     rng = np.random.default_rng(rows)
     n, k = 96, 640
     w, wd = q8_0_table(n, k, rng)
     x = mx.array(rng.standard_normal((rows, k)).astype(np.float32))
-    packed = ext.pack_q8_0(mx.array(w))
-    got = np.array(gk.matmul(x, packed, gk.Q8_0_R16, n, k))
-    file_layout = np.array(gk.matmul(x, mx.array(w), T.Q8_0, n, k))
-    if rows >= 4 and act_bits:
-        np.testing.assert_array_equal(got, file_layout)
-    bits = act_bits or 16  # the packed table always takes the integer path
+    got = np.array(gk.matmul(x, ext.pack_q8_0(mx.array(w)), gk.Q8_0_R16, n, k))
+    if isa == "avx512vnni" and (act_bits == 8 or (act_bits == 16 and rows >= 4)):
+        np.testing.assert_array_equal(got, np.array(gk.matmul(x, mx.array(w), T.Q8_0, n, k)))
+    bits = act_bits or 16  # a packed table always takes the integer path
     xb = np.abs(np.array(x)).reshape(rows, k // 32, 32).max(axis=2) / (2 ** (bits - 1) - 1) / 2
     bound = (np.abs(np.array(x)) @ np.abs(wd).T) * BOUND + xb @ np.abs(wd).reshape(n, k // 32, 32).sum(2).T
     assert (np.abs(got - np.array(x, dtype=np.float64) @ wd.T.astype(np.float64)) <= bound * 1.01).all()
+
+
+@pytest.mark.parametrize("rows", [1, 5, 70])
+def test_a_packed_q8_0_head_gives_the_same_floats_on_every_isa_that_takes_it(rows, act_bits):
+    """The packed kernels sum each block's integers exactly and scale them in one order, so
+    AVX2's (madd), AVX-512's and VNNI's (dpwssd) agree to the bit: a server's head does not
+    depend on which of them the CPU has."""
+    ext = gk.extension()
+    rng = np.random.default_rng(rows)
+    w, _ = q8_0_table(64, 640, rng)
+    packed = ext.pack_q8_0(mx.array(w))
+    x = mx.array(rng.standard_normal((rows, 640)).astype(np.float32))
+    outs = {}
+    try:
+        for name in ("avx2", "avx512", "avx512vnni"):
+            if ext.set_isa(name) == name and ext.packs_q8_0():
+                outs[name] = np.array(gk.matmul(x, packed, gk.Q8_0_R16, 64, 640))
+    finally:
+        ext.set_isa("")
+    if len(outs) < 2:
+        pytest.skip(f"one ISA here takes packed Q8_0: {list(outs)}")
+    first, *rest = outs.values()
+    for out in rest:
+        np.testing.assert_array_equal(out, first)
 
 
 def test_a_packed_q8_0_head_refuses_an_isa_without_its_kernel():
@@ -241,8 +264,8 @@ def test_a_packed_q8_0_head_refuses_an_isa_without_its_kernel():
     w, _ = q8_0_table(32, 64, np.random.default_rng(0))
     packed = ext.pack_q8_0(mx.array(w))
     try:
-        ext.set_isa("avx2")
-        with pytest.raises(ValueError, match="VNNI"):
+        ext.set_isa("generic")
+        with pytest.raises(ValueError, match="kernels that take it"):
             gk.matmul(mx.zeros((1, 64)), packed, gk.Q8_0_R16, 32, 64)
     finally:
         ext.set_isa("")

@@ -82,5 +82,53 @@ inline void row_dot(const uint8_t* w, const XQ& x, int M_, float* out) {
   }
 }
 
+// Activation rows MC (<= 6: their sums stay in 12 of the 16 registers through a block; two
+// chains each spilled and were slower) against a Q8_0_R16 group, out[m * PACK_ROWS + i] += each
+// block's products: int16_avx512.h's packed_dot in two halves of 8 lanes, madd and add for its
+// dpwssd, so the same floats.
+template <int MC>
+inline void packed_dot_rows(const uint8_t* w, const XQ& x, float* out) {
+  const int64_t K = x.K, nb32 = K / 32;
+  for (int64_t b = 0; b < nb32; b++) {
+    const uint8_t* blk = w + b * PACKED_BLOCK;
+    for (int l = 0; l < PACKED_BLOCK; l += 64) _mm_prefetch((const char*)blk + PREFETCH_PACKED + l, _MM_HINT_T0);
+    __m256i s[MC][2] = {};  // row m, lanes 0-7 / 8-15 (an add's latency is short: one chain each)
+    for (int p = 0; p < 16; p++) {
+      const __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(blk + 32 + 32 * p)));
+      const __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(blk + 48 + 32 * p)));
+      for (int m = 0; m < MC; m++) {
+        const __m256i xv = _mm256_set1_epi32(((const int32_t*)(x.q + m * K + b * 32))[p]);
+        s[m][0] = _mm256_add_epi32(s[m][0], _mm256_madd_epi16(lo, xv));
+        s[m][1] = _mm256_add_epi32(s[m][1], _mm256_madd_epi16(hi, xv));
+      }
+    }
+    const __m256 d[2] = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)blk)),
+                         _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16)))};
+    for (int m = 0; m < MC; m++) {
+      const __m256 xd = _mm256_set1_ps(x.d[m * nb32 + b]);
+      for (int h = 0; h < 2; h++) {
+        float* o = out + m * PACK_ROWS + 8 * h;
+        _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[m][h]), _mm256_mul_ps(d[h], xd), _mm256_loadu_ps(o)));
+      }
+    }
+  }
+}
+
+inline void packed_dot(const uint8_t* w, const XQ& x, int M, float* out) {
+  for (int m = 0; m < M; m++) memset(out + m * PACK_ROWS, 0, PACK_ROWS * sizeof(float));
+  for (int m0 = 0; m0 < M; m0 += 6) {
+    const XQ rows{x.q + m0 * x.K, x.d + m0 * (x.K / 32), nullptr, x.K};
+    float* o = out + m0 * PACK_ROWS;
+    switch (M - m0 < 6 ? M - m0 : 6) {
+      case 1: packed_dot_rows<1>(w, rows, o); break;
+      case 2: packed_dot_rows<2>(w, rows, o); break;
+      case 3: packed_dot_rows<3>(w, rows, o); break;
+      case 4: packed_dot_rows<4>(w, rows, o); break;
+      case 5: packed_dot_rows<5>(w, rows, o); break;
+      default: packed_dot_rows<6>(w, rows, o); break;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace gmlx_kernels::GMLX_ISA

@@ -134,6 +134,43 @@ inline void row_dot(const uint8_t* w, const XQ& x, int M_, float* out) {
   }
 }
 
+// acc + the products of w's and x's int16 pairs, each pair summed into its 32-bit lane
+inline __m512i pair_dot(__m512i acc, __m512i w, __m512i x) {
+#ifdef __AVX512VNNI__
+  return _mm512_dpwssd_epi32(acc, w, x);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(w, x));
+#endif
+}
+
+// A Q8_0_R16 group (gguf_kernels.h: 16 weight rows, a lane each) against M coded activation
+// rows: out[m * PACK_ROWS + i]. Each block's codes are read in place, in order, as the lanes take
+// them; with VNNI these are group_dot's sums in its order, so its floats, where group_dot spent
+// as many instructions transposing as multiplying at 8 rows.
+inline void packed_dot(const uint8_t* w, const XQ& x, int M, float* out) {
+  const int64_t K = x.K, nb32 = K / 32;
+  for (int m = 0; m < M; m++) _mm512_storeu_ps(out + m * PACK_ROWS, _mm512_setzero_ps());
+  for (int64_t b = 0; b < nb32; b++) {
+    const uint8_t* blk = w + b * PACKED_BLOCK;
+    for (int l = 0; l < PACKED_BLOCK; l += 64) _mm_prefetch((const char*)blk + PREFETCH_PACKED + l, _MM_HINT_T0);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)blk));
+    __m512i r[16];
+    for (int p = 0; p < 16; p++) r[p] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(blk + 32 + 32 * p)));
+    for (int m = 0; m < M; m++) {
+      const int32_t* xp = (const int32_t*)(x.q + m * K + b * 32);
+      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();  // two chains, as in group_dot
+      for (int p = 0; p < 16; p += 2) {
+        s0 = pair_dot(s0, r[p], _mm512_set1_epi32(xp[p]));
+        s1 = pair_dot(s1, r[p + 1], _mm512_set1_epi32(xp[p + 1]));
+      }
+      const __m512 xd = _mm512_set1_ps(x.d[m * nb32 + b]);
+      const __m512 acc = _mm512_loadu_ps(out + m * PACK_ROWS);
+      _mm512_storeu_ps(out + m * PACK_ROWS,
+                       _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_mul_ps(d, xd), acc));
+    }
+  }
+}
+
 #ifdef __AVX512VNNI__  // the avx512vnni ISA: group_dot
 // Rows of W at a time for group_dot: one lane each.
 constexpr int GROUP = 16;
@@ -142,8 +179,6 @@ constexpr int GROUP = 16;
 constexpr int GROUP_MIN_ROWS = 4;
 // Activation rows group_dot takes at once: each block's transpose serves them all.
 constexpr int GROUP_ROWS = 64;
-// Bytes ahead that packed_dot prefetches its group's stream (four of its blocks).
-constexpr int64_t PREFETCH_PACKED = 4 * PACKED_BLOCK;
 
 // r[i] (16 dwords of weight row i) -> r[p]: dword p of every row, lane i from row i.
 inline void transpose16(__m512i* r) {
@@ -220,33 +255,6 @@ void group_dot(const uint8_t* w, int64_t rb, const XQ& x, int M, float* out) {
         if constexpr (has_min(TYPE)) acc = _mm512_fmadd_ps(mv, _mm512_set1_ps(x.s[m * nb32 + b]), acc);
         _mm512_storeu_ps(out + m * GROUP, acc);
       }
-    }
-  }
-}
-
-// group_dot over a Q8_0_R16 group (gguf_kernels.h): the same sums in the same order, so the same
-// floats, but each block's codes are read in place, in order, as the lanes want them; group_dot
-// spent as many instructions transposing as multiplying at 8 rows.
-inline void packed_dot(const uint8_t* w, const XQ& x, int M, float* out) {
-  const int64_t K = x.K, nb32 = K / 32;
-  for (int m = 0; m < M; m++) _mm512_storeu_ps(out + m * GROUP, _mm512_setzero_ps());
-  for (int64_t b = 0; b < nb32; b++) {
-    const uint8_t* blk = w + b * PACKED_BLOCK;
-    for (int l = 0; l < PACKED_BLOCK; l += 64) _mm_prefetch((const char*)blk + PREFETCH_PACKED + l, _MM_HINT_T0);
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)blk));
-    __m512i r[16];
-    for (int p = 0; p < 16; p++) r[p] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(blk + 32 + 32 * p)));
-    for (int m = 0; m < M; m++) {
-      const int32_t* xp = (const int32_t*)(x.q + m * K + b * 32);
-      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-      for (int p = 0; p < 16; p += 2) {
-        s0 = _mm512_dpwssd_epi32(s0, r[p], _mm512_set1_epi32(xp[p]));
-        s1 = _mm512_dpwssd_epi32(s1, r[p + 1], _mm512_set1_epi32(xp[p + 1]));
-      }
-      const __m512 xd = _mm512_set1_ps(x.d[m * nb32 + b]);
-      const __m512 acc = _mm512_loadu_ps(out + m * GROUP);
-      _mm512_storeu_ps(out + m * GROUP,
-                       _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_mul_ps(d, xd), acc));
     }
   }
 }

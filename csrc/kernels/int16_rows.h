@@ -103,18 +103,21 @@ void int_rows(const MatmulArgs& a, const int16_t* xq, const float* xd, const flo
   }
 }
 
-#ifdef __AVX512VNNI__
 #define GMLX_PACKED_PATH 1
+// Activation rows a packed_dot call takes (its out holds PACKED_ROWS * PACK_ROWS floats).
+constexpr int PACKED_ROWS = 64;
+
 // Weight rows n0 .. n1 of a Q8_0_R16 tensor against every activation row, a group at a time.
-// 8-bit codes (narrowed in place) are widened back to int16 in scratch, INT_ROWS rows at a time:
-// their sums are the same integers.
-void packed_rows_int(const MatmulArgs& a, const int16_t* xq, const float* xd, int64_t n0, int64_t n1, void* scratch,
-                     int bits) {
-  const int64_t nb = a.K / 32, step = bits == 8 ? INT_ROWS : GROUP_ROWS;
-  float out[GROUP_ROWS * GROUP];
+// With VNNI, 8-bit codes (narrowed in place, code_row) are widened back to int16 in scratch,
+// INT_ROWS rows at a time: their sums are the same integers.
+void packed_rows_int(const MatmulArgs& a, const int16_t* xq, const float* xd, int64_t n0, int64_t n1,
+                     [[maybe_unused]] void* scratch, int bits) {
+  const int64_t nb = a.K / 32, step = bits == 8 ? INT_ROWS : PACKED_ROWS;
+  float out[PACKED_ROWS * PACK_ROWS];
   for (int64_t m0 = 0; m0 < a.M; m0 += step) {
     const int mc = (int)(a.M - m0 < step ? a.M - m0 : step);
     XQ x{xq + m0 * a.K, xd + m0 * nb, nullptr, a.K};
+#ifdef __AVX512VNNI__
     if (bits == 8) {
       int16_t* wide = (int16_t*)scratch;  // INT_ROWS * K int16 fit INT_SCRATCH_PER_K * K bytes
       for (int m = 0; m < mc; m++) {
@@ -124,13 +127,13 @@ void packed_rows_int(const MatmulArgs& a, const int16_t* xq, const float* xd, in
       }
       x.q = wide;
     }
+#endif
     for (int64_t n = n0; n < n1; n += PACK_ROWS) {
       packed_dot(a.w + n * a.row_bytes, x, mc, out);
-      for (int m = 0; m < mc; m++) memcpy(a.y + (m0 + m) * a.N + n, out + m * GROUP, GROUP * sizeof(float));
+      for (int m = 0; m < mc; m++) memcpy(a.y + (m0 + m) * a.N + n, out + m * PACK_ROWS, PACK_ROWS * sizeof(float));
     }
   }
 }
-#endif
 
 }  // namespace
 }  // namespace gmlx_kernels::GMLX_ISA

@@ -86,6 +86,9 @@ void quantize_row(const float* x, int64_t K, float qmax, int16_t* q, float* d, f
   }
 }
 
+// Bytes ahead that a Q8_0_R16 kernel prefetches its group's stream (four of its blocks).
+constexpr int64_t PREFETCH_PACKED = 4 * PACKED_BLOCK;
+
 struct XQ {  // the int16 path's view of one pass of coded activation rows
   const int16_t* q;  // M rows of K codes
   const float* d;    // M rows of K/32 scales

@@ -29,8 +29,8 @@ GMLX_KERNELS_ISA (generic, avx2, avx512, avx512vnni, amx),
 GMLX_KERNELS_ACT_BITS (16; 8 = llama.cpp's Q8_0 activations; 0 = float path only),
 GMLX_KERNELS_PIN (0 leaves the threads unpinned; by default, on Linux, where they use every CPU the
 process may run on, each keeps one of its own),
-GMLX_KERNELS_PACK (0 keeps a Q8_0 embedding table in the file's layout; by default, where the ISA is
-avx512vnni, it is packed for its kernels: see GGUFEmbedding),
+GMLX_KERNELS_PACK (0 keeps a Q8_0 embedding table in the file's layout; by default, where the kernels
+have an int16 path (AVX2, AVX-512), it is packed for them: see GGUFEmbedding),
 GMLX_KERNELS_EXT (load the extension from another build).
 """
 
@@ -277,10 +277,10 @@ class GGUFEmbedding(nn.Module):
     """nn.Embedding over a GGUF quantized table: a lookup dequantizes only the rows it gathers;
     as_linear (a tied LM head) is the quantized matmul.
 
-    A Q8_0 table (the default model's, and most tied heads') is packed where the kernels are
-    avx512vnni's: the same bytes, each 16 rows' blocks interleaved so the head's kernel reads them
-    in order with no transposes (docs/ARCHITECTURE.md, decision 25), by `pack` once its weight is
-    loaded. `kernel_type` is the layout the kernels are given; `ggml_type` stays the file's."""
+    A Q8_0 table (the default model's, and most tied heads') is packed where the kernels have an
+    int16 path (AVX2, AVX-512): the same bytes, each 16 rows' blocks interleaved so the head's
+    kernel reads them in order with no transposes (docs/ARCHITECTURE.md, decision 25), by `pack`
+    once its weight is loaded. `kernel_type` is the layout the kernels are given; `ggml_type` stays the file's."""
 
     def __init__(self, weight: mx.array, ggml_type: int, dims: int):
         super().__init__()
