@@ -16,6 +16,8 @@ Dequantized rows must equal gguf's float32 values exactly.
 
 from __future__ import annotations
 
+import os
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -276,7 +278,9 @@ def test_an_embedding_packs_a_q8_0_table_only_where_the_kernels_take_it(monkeypa
     w, wd = q8_0_table(64, 256, rng)
     x = mx.array(rng.standard_normal((8, 256)).astype(np.float32))
     emb = gk.GGUFEmbedding(mx.array(w), T.Q8_0, 256)
+    cpus = os.sched_getaffinity(0)
     assert emb.pack() == gk.extension().packs_q8_0()
+    assert os.sched_getaffinity(0) == cpus  # the loading thread (the engine's) keeps every CPU
     assert emb.ggml_type == T.Q8_0
     assert (emb.kernel_type == gk.Q8_0_R16) == gk.extension().packs_q8_0()
     assert not emb.pack()  # once
