@@ -251,7 +251,7 @@ def _matmuls(model: str, isas: list[str], rounds: int) -> dict:
                     if ext.set_isa(isa) != isa:
                         raise SystemExit(f"ISA {isa} is not available here")
                     if t == gk.Q8_0_R16 and not ext.packs_q8_0():
-                        continue  # the packed layout has this ISA's kernel only (avx512vnni)
+                        continue  # no kernel for the packed layout here (generic, amx)
                     mx.eval(gk.matmul(x, w, t, n, k))
                     t0 = time.perf_counter()
                     mx.eval([gk.matmul(x, w, t, n, k) for _ in range(calls)])
