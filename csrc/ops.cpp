@@ -522,15 +522,17 @@ static int64_t row_bytes_for(int type, int64_t K) {
   return K / block_size(type) * type_size(type);
 }
 
-// w must be a GGUF tensor's bytes: uint8 (rows, K / block_size * type_size).
-static void check_weight(const char* op, const mx::array& w, int type, int64_t rows, int64_t K) {
+// w must be a GGUF tensor's bytes: uint8 (rows, K / block_size * type_size). A packed one must
+// also have rows in whole groups and, for a product (`multiplied`), this ISA's kernel for it.
+static void check_weight(const char* op, const mx::array& w, int type, int64_t rows, int64_t K,
+                         bool multiplied = true) {
   const int64_t rb = row_bytes_for(type, K);
   if (w.dtype() != mx::uint8 || w.ndim() != 2 || w.shape(0) != rows || w.shape(1) != rb) {
     std::ostringstream msg;
     msg << op << ": weight must be uint8 of shape (" << rows << ", " << rb << ")";
     throw std::invalid_argument(msg.str());
   }
-  if (type == Q8_0_R16 && (rows % PACK_ROWS != 0 || !active_impl()->packed_rows_int)) {
+  if (type == Q8_0_R16 && (rows % PACK_ROWS != 0 || (multiplied && !active_impl()->packed_rows_int))) {
     std::ostringstream msg;
     msg << op << ": a packed Q8_0 weight needs a multiple of " << PACK_ROWS << " rows and kernels that take it "
         << "(avx2, avx512, avx512vnni; the active ISA is " << active_impl()->name << ")";
@@ -615,7 +617,7 @@ mx::array gguf_dequant_rows(const mx::array& rows, int type, int64_t K, mx::Stre
 }
 
 mx::array gguf_embed(const mx::array& w, const mx::array& ids, int type, int64_t K, mx::StreamOrDevice s) {
-  check_weight("gguf_embed", w, type, w.ndim() == 2 ? w.shape(0) : -1, K);
+  check_weight("gguf_embed", w, type, w.ndim() == 2 ? w.shape(0) : -1, K, false);  // a lookup is plain code
   auto stream = mx::to_stream(s, mx::Device::cpu);
   if (stream.device != mx::Device::cpu) throw std::invalid_argument("gguf_embed runs on the CPU only");
   if (!mx::issubdtype(ids.dtype(), mx::integer)) throw std::invalid_argument("gguf_embed: ids must be integers");
