@@ -53,6 +53,7 @@ NB_MODULE(_ext, m) {
   m.def("set_isa", &gk::set_isa, "want"_a, "Pick the ISA (generic, avx2, avx512, avx512vnni, amx; '' = best); returns the one chosen.");
   m.def("set_act_bits", &gk::set_act_bits, "bits"_a,
         "Decode path activations: 16-bit integer codes (default), 8 (as llama.cpp), 0 (float path only).");
+  m.def("act_bits", &gk::act_bits, "The decode path's activation bits now: 16, 8 or 0 (float path only).");
   m.def("set_blas", &gk::set_blas, "on"_a, "Prefill through the process's optimized cblas_sgemm (default on).");
   m.def(
       "integer_rows",

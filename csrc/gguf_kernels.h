@@ -55,6 +55,11 @@ int type_size(int type);
 inline constexpr int Q8_0_R16 = 1008;
 inline constexpr int PACK_ROWS = 16;
 inline constexpr int PACKED_BLOCK = PACK_ROWS * 34;  // bytes per 32-block of a group
+// Within a group's 32-block: row i's scale, every row's code pair p (32 bytes, 2 a row), and row
+// i's code c (static: each ISA's object keeps its own copy, see above).
+static constexpr int packed_scale_at(int i) { return 2 * i; }
+static constexpr int packed_pairs_at(int p) { return 32 + 32 * p; }
+static constexpr int packed_code_at(int i, int c) { return packed_pairs_at(c / 2) + 2 * i + c % 2; }
 
 // Rows of W dequantized together: the unit of work handed to a thread.
 constexpr int ROW_TILE = 16;

@@ -149,20 +149,6 @@ const Impl* choose_impl(std::string want) {
 
 thread_local std::vector<float> tl_scratch;
 
-// Bits of the decode path's integer activation codes: 16 (default, rounding ~1/65534 of each
-// 32-block's max), 8 (llama.cpp's Q8_0 activations: ~1/254), 0 (float path only).
-std::atomic<int> g_bits{-1};
-int act_bits() {
-  int v = g_bits.load(std::memory_order_relaxed);
-  if (v < 0) {
-    const char* s = std::getenv("GMLX_KERNELS_ACT_BITS");
-    v = s ? std::atoi(s) : 16;
-    if (v != 0 && v != 8) v = 16;
-    g_bits.store(v);
-  }
-  return v;
-}
-
 float* scratch(size_t n) {
   if (tl_scratch.size() < n) tl_scratch.resize(n);
   return tl_scratch.data();
@@ -322,6 +308,20 @@ std::string blas_name() {
   return "";
 }
 
+// Bits of the decode path's integer activation codes: 16 (default, rounding ~1/65534 of each
+// 32-block's max), 8 (llama.cpp's Q8_0 activations: ~1/254), 0 (float path only).
+std::atomic<int> g_bits{-1};
+int act_bits() {
+  int v = g_bits.load(std::memory_order_relaxed);
+  if (v < 0) {
+    const char* s = std::getenv("GMLX_KERNELS_ACT_BITS");
+    v = s ? std::atoi(s) : 16;
+    if (v != 0 && v != 8) v = 16;
+    g_bits.store(v);
+  }
+  return v;
+}
+
 void set_act_bits(int bits) {
   if (bits != 0 && bits != 8 && bits != 16) throw std::invalid_argument("activation bits must be 16, 8 or 0");
   g_bits.store(bits);
@@ -452,11 +452,6 @@ void GGUFDequantRows::eval_cpu(const std::vector<mx::array>& inputs, std::vector
   });
 }
 
-bool GGUFDequantRows::is_equivalent(const mx::Primitive& other) const {
-  auto& o = static_cast<const GGUFDequantRows&>(other);
-  return type_ == o.type_ && K_ == o.K_;
-}
-
 std::vector<mx::Shape> GGUFDequantRows::output_shapes(const std::vector<mx::array>& inputs) {
   auto shape = inputs[0].shape();
   shape.back() = (int)K_;
@@ -470,9 +465,9 @@ static void packed_row(const uint8_t* w, int64_t row_bytes, int64_t row, int64_t
   for (int64_t b = 0; b < K / 32; b++) {
     const uint8_t* blk = group + b * PACKED_BLOCK;
     mx::float16_t h;
-    memcpy(&h, blk + 2 * i, 2);
+    memcpy(&h, blk + packed_scale_at(i), 2);
     const float d = static_cast<float>(h);
-    for (int c = 0; c < 32; c++) y[b * 32 + c] = d * (float)(int8_t)blk[32 + 32 * (c / 2) + 2 * i + c % 2];
+    for (int c = 0; c < 32; c++) y[b * 32 + c] = d * (float)(int8_t)blk[packed_code_at(i, c)];
   }
 }
 
@@ -492,11 +487,6 @@ void GGUFEmbed::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
         active_impl()->dequant_rows(type, wp + row * rb, 1, K, rb, y + n * K);
     }
   });
-}
-
-bool GGUFEmbed::is_equivalent(const mx::Primitive& other) const {
-  auto& o = static_cast<const GGUFEmbed&>(other);
-  return type_ == o.type_ && K_ == o.K_;
 }
 
 std::vector<mx::Shape> GGUFEmbed::output_shapes(const std::vector<mx::array>& inputs) {
@@ -643,9 +633,9 @@ mx::array pack_q8_0(const mx::array& w_in) {
     const uint8_t* group = src + g * PACK_ROWS * rb;
     uint8_t* out = dst + g * PACK_ROWS * rb;
     for (int64_t b = 0; b < nb; b++, out += PACKED_BLOCK) {
-      for (int i = 0; i < PACK_ROWS; i++) memcpy(out + 2 * i, group + i * rb + b * 34, 2);
-      for (int p = 0; p < 16; p++)
-        for (int i = 0; i < PACK_ROWS; i++) memcpy(out + 32 + 32 * p + 2 * i, group + i * rb + b * 34 + 2 + 2 * p, 2);
+      for (int i = 0; i < PACK_ROWS; i++) memcpy(out + packed_scale_at(i), group + i * rb + b * 34, 2);
+      for (int c = 0; c < 32; c += 2)
+        for (int i = 0; i < PACK_ROWS; i++) memcpy(out + packed_code_at(i, c), group + i * rb + b * 34 + 2 + c, 2);
     }
   }
   return packed;

@@ -22,6 +22,7 @@ std::string set_isa(const std::string& want);
 // Integer path (< 64 activation rows, 8 at a time; AVX2, AVX-512): bits of each activation's integer code: 16 (default,
 // near float), 8 (llama.cpp's Q8_0 activations), 0 (the float path always).
 void set_act_bits(int bits);
+int act_bits();
 // Prefill (>= 64 rows) through the process's optimized BLAS (OpenBLAS preloaded by gmlx), if any.
 // set_blas(false) forces the own float kernel; returns "" when no such BLAS is used.
 std::string set_blas(bool on);
@@ -132,30 +133,36 @@ class GGUFGatedMLP : public CPUPrimitive {
   int act_;
 };
 
-class GGUFDequantRows : public CPUPrimitive {
+// Rows of a GGUF tensor of one type as K floats each: the two ops below differ in which rows.
+class GGUFRows : public CPUPrimitive {
  public:
-  GGUFDequantRows(mx::Stream stream, int type, int64_t K) : CPUPrimitive(stream), type_(type), K_(K) {}
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
-  const char* name() const override { return "GGUFDequantRows"; }
-  bool is_equivalent(const mx::Primitive& other) const override;
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+  GGUFRows(mx::Stream stream, int type, int64_t K) : CPUPrimitive(stream), type_(type), K_(K) {}
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const GGUFRows&>(other);
+    return type_ == o.type_ && K_ == o.K_;
+  }
 
- private:
+ protected:
   int type_;
   int64_t K_;
 };
 
-class GGUFEmbed : public CPUPrimitive {
+// The block rows given, each dequantized.
+class GGUFDequantRows : public GGUFRows {
  public:
-  GGUFEmbed(mx::Stream stream, int type, int64_t K) : CPUPrimitive(stream), type_(type), K_(K) {}
+  using GGUFRows::GGUFRows;
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "GGUFDequantRows"; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+};
+
+// The rows of a weight that ids name (an embedding lookup), in any layout, Q8_0_R16 included.
+class GGUFEmbed : public GGUFRows {
+ public:
+  using GGUFRows::GGUFRows;
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   const char* name() const override { return "GGUFEmbed"; }
-  bool is_equivalent(const mx::Primitive& other) const override;
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
-
- private:
-  int type_;
-  int64_t K_;
 };
 
 class RMSNorm : public CPUPrimitive {

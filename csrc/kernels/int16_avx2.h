@@ -94,8 +94,8 @@ inline void packed_dot_rows(const uint8_t* w, const XQ& x, float* out) {
     for (int l = 0; l < PACKED_BLOCK; l += 64) _mm_prefetch((const char*)blk + PREFETCH_PACKED + l, _MM_HINT_T0);
     __m256i s[MC][2] = {};  // row m, lanes 0-7 / 8-15 (an add's latency is short: one chain each)
     for (int p = 0; p < 16; p++) {
-      const __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(blk + 32 + 32 * p)));
-      const __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(blk + 48 + 32 * p)));
+      const __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(blk + packed_pairs_at(p))));
+      const __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(blk + packed_pairs_at(p) + 16)));
       for (int m = 0; m < MC; m++) {
         const __m256i xv = _mm256_set1_epi32(((const int32_t*)(x.q + m * K + b * 32))[p]);
         s[m][0] = _mm256_add_epi32(s[m][0], _mm256_madd_epi16(lo, xv));

@@ -143,6 +143,17 @@ inline __m512i pair_dot(__m512i acc, __m512i w, __m512i x) {
 #endif
 }
 
+// The int32 sums, a lane each, of weight pairs r[p0 .. p1) against activation pairs xp[p] (each
+// broadcast): in two chains, not one, since each instruction waits on the last's result.
+inline __m512i pair_sums(const __m512i* r, const int32_t* xp, int p0, int p1) {
+  __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+  for (int p = p0; p < p1; p += 2) {
+    s0 = pair_dot(s0, r[p], _mm512_set1_epi32(xp[p]));
+    s1 = pair_dot(s1, r[p + 1], _mm512_set1_epi32(xp[p + 1]));
+  }
+  return _mm512_add_epi32(s0, s1);
+}
+
 // A Q8_0_R16 group (gguf_kernels.h: 16 weight rows, a lane each) against M coded activation
 // rows: out[m * PACK_ROWS + i]. Each block's codes are read in place, in order, as the lanes take
 // them; with VNNI these are group_dot's sums in its order, so its floats, without group_dot's
@@ -155,18 +166,12 @@ inline void packed_dot(const uint8_t* w, const XQ& x, int M, float* out) {
     for (int l = 0; l < PACKED_BLOCK; l += 64) _mm_prefetch((const char*)blk + PREFETCH_PACKED + l, _MM_HINT_T0);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)blk));
     __m512i r[16];
-    for (int p = 0; p < 16; p++) r[p] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(blk + 32 + 32 * p)));
+    for (int p = 0; p < 16; p++) r[p] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(blk + packed_pairs_at(p))));
     for (int m = 0; m < M; m++) {
-      const int32_t* xp = (const int32_t*)(x.q + m * K + b * 32);
-      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();  // two chains, as in group_dot
-      for (int p = 0; p < 16; p += 2) {
-        s0 = pair_dot(s0, r[p], _mm512_set1_epi32(xp[p]));
-        s1 = pair_dot(s1, r[p + 1], _mm512_set1_epi32(xp[p + 1]));
-      }
+      const __m512i s = pair_sums(r, (const int32_t*)(x.q + m * K + b * 32), 0, 16);
       const __m512 xd = _mm512_set1_ps(x.d[m * nb32 + b]);
       const __m512 acc = _mm512_loadu_ps(out + m * PACK_ROWS);
-      _mm512_storeu_ps(out + m * PACK_ROWS,
-                       _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_mul_ps(d, xd), acc));
+      _mm512_storeu_ps(out + m * PACK_ROWS, _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, xd), acc));
     }
   }
 }
@@ -243,13 +248,7 @@ void group_dot(const uint8_t* w, int64_t rb, const XQ& x, int M, float* out) {
         const __m512 xd = _mm512_set1_ps(x.d[m * nb32 + b]);
         __m512 acc = _mm512_loadu_ps(out + m * GROUP);
         for (int h = 0; h < HALVES; h++) {
-          // two chains of dpwssd, not one: each waits on the last's result (a latency of several cycles)
-          __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-          for (int p = h * 16 / HALVES; p < (h + 1) * 16 / HALVES; p += 2) {
-            s0 = _mm512_dpwssd_epi32(s0, r[p], _mm512_set1_epi32(xp[p]));
-            s1 = _mm512_dpwssd_epi32(s1, r[p + 1], _mm512_set1_epi32(xp[p + 1]));
-          }
-          const __m512i s = _mm512_add_epi32(s0, s1);
+          const __m512i s = pair_sums(r, xp, h * 16 / HALVES, (h + 1) * 16 / HALVES);
           acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(_mm512_load_ps(d[h]), xd), acc);
         }
         if constexpr (has_min(TYPE)) acc = _mm512_fmadd_ps(mv, _mm512_set1_ps(x.s[m * nb32 + b]), acc);

@@ -269,7 +269,7 @@ def packs_q8_0(rows: int) -> bool:
         and ext.packs_q8_0()
         and rows % 16 == 0
         and os.environ.get("GMLX_KERNELS_PACK", "1") != "0"
-        and os.environ.get("GMLX_KERNELS_ACT_BITS") != "0"  # the float path reads only the file's layout
+        and ext.act_bits() != 0  # the float path reads only the file's layout
     )
 
 
