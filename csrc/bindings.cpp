@@ -37,6 +37,15 @@ NB_MODULE(_ext, m) {
         "log(sum(exp(x))) over the last axis as one CPU node (float32), exp vectorized.");
   m.def("rope", &gk::rope, "x"_a, "dims"_a, nb::kw_only(), "traditional"_a, "base"_a.none(), "scale"_a, "offset"_a,
         "freqs"_a = nb::none(), "stream"_a = nb::none(), "mx.fast.rope as one CPU node (float32).");
+  m.def("heads", &gk::heads, "x"_a, "n"_a, nb::kw_only(), "weight"_a = nb::none(), "eps"_a = 0.f, "dims"_a = 0,
+        "traditional"_a = false, "base"_a = nb::none(), "scale"_a = 1.f, "offset"_a = 0, "freqs"_a = nb::none(),
+        "stream"_a = nb::none(),
+        "x (B, L, n * D) as (B, n, L, D), each row rms_norm'd by weight (if given), then roped (if dims > 0), "
+        "as one CPU node (float32).");
+  m.def("add_norm", &gk::add_norm, "x"_a, "r"_a, "weight"_a, "eps"_a, nb::kw_only(), "next_weight"_a = nb::none(),
+        "next_eps"_a = 0.f, "stream"_a = nb::none(),
+        "[h = x + rms_norm(r, weight, eps)], and rms_norm(h, next_weight, next_eps) with next_weight, as one CPU "
+        "node (float32).");
   m.def("attention", &gk::attention, "q"_a, "k"_a, "v"_a, nb::kw_only(), "scale"_a, "mask"_a = nb::none(),
         "causal"_a = false, "stream"_a = nb::none(),
         "softmax(scale q k^T + mask) v as one CPU node (float32), q (B, Hq, L, D), k and v (B, Hkv, T, D).");

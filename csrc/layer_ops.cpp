@@ -25,7 +25,7 @@ constexpr int64_t PARALLEL_MIN_WORK = 1 << 16;
 constexpr int64_t ATTN_FEW_ROWS = 32;
 constexpr int64_t ATTN_BLOCK = 64;
 
-thread_local std::vector<float> tl_a, tl_b, tl_c, tl_work;
+thread_local std::vector<float> tl_a, tl_b, tl_c, tl_d, tl_work;
 
 float* work_buffer(size_t n) {
   if (tl_work.size() < n) tl_work.resize(n);
@@ -232,6 +232,34 @@ void Sample::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
   });
 }
 
+namespace {
+
+// RoPE's frequencies as mx.fast.rope computes them: exp(-i * log(base) / half), or 1 / freqs, in float32.
+std::vector<float> inverse_frequencies(int dims, float base, const std::optional<mx::array>& freqs) {
+  const int64_t half = dims / 2;
+  std::vector<float> inv_freq(half);
+  const float* fp = freqs ? row_major(*freqs, tl_c) : nullptr;
+  const float step = (float)(std::log((double)base) / (double)half);
+  for (int64_t i = 0; i < half; i++) inv_freq[i] = fp ? 1.f / fp[i] : std::exp((float)(-i) * step);
+  return inv_freq;
+}
+
+void set_offsets(RopeArgs& a, const std::optional<mx::array>& offsets) {
+  if (!offsets) return;
+  a.offsets = offsets->data<int32_t>();
+  a.offsets_per_batch = offsets->size() > 1;
+}
+
+// Rows per chunk of a RoPE over rows of D: a whole sequence at least, so its positions' angles are
+// computed once.
+int64_t rope_rows_per_chunk(int64_t L, int64_t D) {
+  return std::max<int64_t>(L, PARALLEL_MIN_WORK / (8 * std::max<int64_t>(D, 1)));
+}
+
+thread_local std::vector<float> tl_heads;
+
+}  // namespace
+
 void RoPE::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& enc = prepare(inputs, outputs);
   auto out = mx::array::unsafe_weak_copy(outputs[0]);
@@ -244,21 +272,84 @@ void RoPE::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>
                 offset = offset_]() mutable {
     const auto& shape = x.shape();
     const int64_t D = shape.back(), L = shape[shape.size() - 2], B = shape[0];
-    const int64_t rows = x.size() / D, half = dims / 2;
-    // as mx.fast.rope computes them: exp(-i * log(base) / half), or 1 / freqs, in float32
-    std::vector<float> inv_freq(half);
-    const float* fp = freqs ? row_major(*freqs, tl_b) : nullptr;
-    const float step = (float)(std::log((double)base) / (double)half);
-    for (int64_t i = 0; i < half; i++) inv_freq[i] = fp ? 1.f / fp[i] : std::exp((float)(-i) * step);
+    const int64_t rows = x.size() / D;
+    const std::vector<float> inv_freq = inverse_frequencies(dims, base, freqs);
     RopeArgs a{row_major(x, tl_a), out.data<float>(), L, D, rows / (B * L), dims, traditional,
                inv_freq.data(), scale, offset, nullptr, false};
-    if (offsets) {
-      a.offsets = offsets->data<int32_t>();
-      a.offsets_per_batch = offsets->size() > 1;
+    set_offsets(a, offsets);
+    const Impl* impl = active_impl();
+    row_chunks(rows, rope_rows_per_chunk(L, D), [&](int64_t r0, int64_t n) {
+      impl->rope_rows(a, r0, r0 + n, work_buffer(dims));
+    });
+  });
+}
+
+void Heads::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& enc = prepare(inputs, outputs);
+  auto out = mx::array::unsafe_weak_copy(outputs[0]);
+  auto x = mx::array::unsafe_weak_copy(inputs[0]);
+  size_t next = 1;
+  std::optional<mx::array> w, freqs, offsets;
+  if (has_norm_) w = mx::array::unsafe_weak_copy(inputs[next++]);
+  if (has_freqs_) freqs = mx::array::unsafe_weak_copy(inputs[next++]);
+  if (next < inputs.size()) offsets = mx::array::unsafe_weak_copy(inputs[next]);
+  enc.dispatch([x, w, freqs, offsets, out, n = n_, eps = eps_, dims = dims_, traditional = traditional_,
+                base = base_, scale = scale_, offset = offset_]() mutable {
+    const int64_t B = x.shape(0), L = x.shape(1), D = x.shape(2) / n, rows = B * n * L;
+    const float* xp = row_major(x, tl_a);
+    const float* wp = w ? row_major(*w, tl_b) : nullptr;
+    float* yp = out.data<float>();
+    // rotated heads are normalised (or copied) in head order into a buffer first, so RoPE reads
+    // its input as rope() does, apart from its output
+    float* normed = yp;
+    std::vector<float> inv_freq;
+    RopeArgs a{};
+    if (dims > 0) {
+      tl_heads.resize(out.size());
+      normed = tl_heads.data();
+      inv_freq = inverse_frequencies(dims, base, freqs);
+      a = RopeArgs{normed, yp, L, D, n, dims, traditional, inv_freq.data(), scale, offset, nullptr, false};
+      set_offsets(a, offsets);
     }
     const Impl* impl = active_impl();
-    const int64_t per = std::max<int64_t>(L, PARALLEL_MIN_WORK / (8 * std::max<int64_t>(D, 1)));
-    row_chunks(rows, per, [&](int64_t r0, int64_t n) { impl->rope_rows(a, r0, r0 + n, work_buffer(dims)); });
+    row_chunks(rows, rope_rows_per_chunk(L, D), [&](int64_t r0, int64_t count) {
+      for (int64_t r = r0; r < r0 + count; r++) {  // row r of (B, n, L, D) is head r / L % n of x's row (b, l)
+        const int64_t b = r / (n * L), h = r / L % n, l = r % L;
+        const float* src = xp + ((b * L + l) * n + h) * D;
+        if (wp)
+          impl->rms_norm_rows(src, wp, normed + r * D, 1, D, eps);
+        else
+          std::copy(src, src + D, normed + r * D);
+      }
+      if (dims > 0) impl->rope_rows(a, r0, r0 + count, work_buffer(dims));
+    });
+  });
+}
+
+void AddNorm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& enc = prepare(inputs, outputs);
+  auto h = mx::array::unsafe_weak_copy(outputs[0]);
+  std::optional<mx::array> y, next_w;
+  if (outputs.size() > 1) {
+    y = mx::array::unsafe_weak_copy(outputs[1]);
+    next_w = mx::array::unsafe_weak_copy(inputs[3]);
+  }
+  enc.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]), r = mx::array::unsafe_weak_copy(inputs[1]),
+                w = mx::array::unsafe_weak_copy(inputs[2]), next_w, h, y, eps = eps_,
+                next_eps = next_eps_]() mutable {
+    const int64_t D = x.shape().back(), rows = D ? x.size() / D : 0;
+    const float* xp = row_major(x, tl_a);
+    const float* rp = row_major(r, tl_b);
+    const float* wp = row_major(w, tl_c);
+    const float* nwp = next_w ? row_major(*next_w, tl_d) : nullptr;
+    const Impl* impl = active_impl();
+    row_chunks(rows, std::max<int64_t>(1, PARALLEL_MIN_WORK / std::max<int64_t>(D, 1)), [&](int64_t r0, int64_t n) {
+      float* hp = h.data<float>() + r0 * D;
+      const float* xr = xp + r0 * D;
+      impl->rms_norm_rows(rp + r0 * D, wp, hp, n, D, eps);
+      for (int64_t i = 0; i < n * D; i++) hp[i] = xr[i] + hp[i];
+      if (y) impl->rms_norm_rows(hp, nwp, y->data<float>() + r0 * D, n, D, next_eps);
+    });
   });
 }
 
@@ -362,31 +453,88 @@ mx::array sample(const mx::array& x_in, const mx::array& u, float temperature, f
                    {f32(x_in, stream), f32(u, stream)});
 }
 
+namespace {
+
+// The inputs a RoPE takes after x and its norm weight: freqs if given, the offset unless static
+// (returned).
+// (returned). B: x's batch rows, D: its features.
+int64_t rope_inputs(const char* op, int B, int D, int dims, const std::optional<float>& base,
+                    const std::variant<int, mx::array>& offset, const std::optional<mx::array>& freqs,
+                    std::vector<mx::array>& inputs, mx::Stream stream) {
+  const std::string name(op);
+  check(dims > 0 && dims % 2 == 0 && dims <= D, (name + ": dims must be even and at most D").c_str());
+  check(base.has_value() != freqs.has_value(), (name + ": give exactly one of base and freqs").c_str());
+  if (freqs) {
+    check(freqs->ndim() == 1 && freqs->shape(0) == dims / 2, (name + ": freqs must be (dims / 2,)").c_str());
+    inputs.push_back(f32(*freqs, stream));
+  }
+  if (auto* o = std::get_if<mx::array>(&offset)) {
+    check(o->size() == 1 || (o->ndim() == 1 && o->shape(0) == B),
+          (name + ": an offset array must hold one value or one per batch row").c_str());
+    inputs.push_back(o->dtype() == mx::int32 ? *o : mx::astype(*o, mx::int32, stream));
+    return 0;
+  }
+  return std::get<int>(offset);
+}
+
+}  // namespace
+
 mx::array rope(const mx::array& x_in, int dims, bool traditional, std::optional<float> base, float scale,
                const std::variant<int, mx::array>& offset, const std::optional<mx::array>& freqs,
                mx::StreamOrDevice s) {
   auto stream = cpu_stream(s, "rope");
   check(x_in.ndim() >= 3, "rope: x must be (B, ..., L, D)");
-  check(dims > 0 && dims % 2 == 0 && dims <= x_in.shape().back(), "rope: dims must be even and at most D");
-  check(base.has_value() != freqs.has_value(), "rope: give exactly one of base and freqs");
   const auto dtype = x_in.dtype();
   std::vector<mx::array> inputs{f32(x_in, stream)};
-  if (freqs) {
-    check(freqs->ndim() == 1 && freqs->shape(0) == dims / 2, "rope: freqs must be (dims / 2,)");
-    inputs.push_back(f32(*freqs, stream));
-  }
-  int64_t static_offset = 0;
-  if (auto* o = std::get_if<mx::array>(&offset)) {
-    check(o->size() == 1 || (o->ndim() == 1 && o->shape(0) == x_in.shape(0)),
-          "rope: an offset array must hold one value or one per batch row");
-    inputs.push_back(o->dtype() == mx::int32 ? *o : mx::astype(*o, mx::int32, stream));
-  } else {
-    static_offset = std::get<int>(offset);
-  }
+  const int64_t static_offset =
+      rope_inputs("rope", x_in.shape(0), x_in.shape().back(), dims, base, offset, freqs, inputs, stream);
   auto p = std::make_shared<RoPE>(stream, dims, traditional, base.value_or(0.f), scale, static_offset,
                                   freqs.has_value());
   mx::array y(x_in.shape(), mx::float32, std::move(p), std::move(inputs));
   return dtype == mx::float32 ? y : mx::astype(y, dtype, stream);
+}
+
+mx::array heads(const mx::array& x_in, int n, const std::optional<mx::array>& w, float eps, int dims,
+                bool traditional, std::optional<float> base, float scale, const std::variant<int, mx::array>& offset,
+                const std::optional<mx::array>& freqs, mx::StreamOrDevice s) {
+  auto stream = cpu_stream(s, "heads");
+  check(x_in.ndim() == 3, "heads: x must be (B, L, n * D)");
+  check(n > 0 && x_in.shape(2) % n == 0, "heads: x's last dimension must be a multiple of n");
+  const int D = x_in.shape(2) / n;
+  const auto dtype = x_in.dtype();
+  std::vector<mx::array> inputs{f32(x_in, stream)};
+  if (w) {
+    check(w->ndim() == 1 && w->shape(0) == D, "heads: the norm weight must be (D,)");
+    inputs.push_back(f32(*w, stream));
+  }
+  int64_t static_offset = 0;
+  if (dims > 0) {
+    static_offset = rope_inputs("heads", x_in.shape(0), D, dims, base, offset, freqs, inputs, stream);
+  }
+  auto p = std::make_shared<Heads>(stream, n, w.has_value(), eps, dims, traditional, base.value_or(0.f), scale,
+                                   static_offset, dims > 0 && freqs.has_value());
+  mx::array y({x_in.shape(0), n, x_in.shape(1), D}, mx::float32, std::move(p), std::move(inputs));
+  return dtype == mx::float32 ? y : mx::astype(y, dtype, stream);
+}
+
+std::vector<mx::array> add_norm(const mx::array& x, const mx::array& r, const mx::array& w, float eps,
+                                const std::optional<mx::array>& next_w, float next_eps, mx::StreamOrDevice s) {
+  auto stream = cpu_stream(s, "add_norm");
+  check(x.ndim() >= 1 && x.shape() == r.shape(), "add_norm: x and r must have one shape");
+  const int D = x.shape().back();
+  check(w.ndim() == 1 && w.shape(0) == D, "add_norm: the weight must be (D,)");
+  const auto dtype = x.dtype();
+  std::vector<mx::array> inputs{f32(x, stream), f32(r, stream), f32(w, stream)};
+  if (next_w) {
+    check(next_w->ndim() == 1 && next_w->shape(0) == D, "add_norm: the next weight must be (D,)");
+    inputs.push_back(f32(*next_w, stream));
+  }
+  const size_t outs = next_w ? 2 : 1;
+  auto ys = mx::array::make_arrays(std::vector<mx::Shape>(outs, x.shape()), std::vector<mx::Dtype>(outs, mx::float32),
+                                   std::make_shared<AddNorm>(stream, eps, next_eps), std::move(inputs));
+  if (dtype != mx::float32)
+    for (auto& y : ys) y = mx::astype(y, dtype, stream);
+  return ys;
 }
 
 mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,

@@ -70,6 +70,16 @@ mx::array sample(const mx::array& x, const mx::array& u, float temperature, floa
 mx::array rope(const mx::array& x, int dims, bool traditional, std::optional<float> base, float scale,
                const std::variant<int, mx::array>& offset, const std::optional<mx::array>& freqs,
                mx::StreamOrDevice s = {});
+// An attention input's heads in one node: x (B, L, n * D) -> (B, n, L, D), each row RMS-normalised
+// (x / sqrt(mean(x^2) + eps) * w) where w is given, then rotated as rope() rotates it where dims > 0.
+// The floats are those of rms_norm and rope composed (the same row functions, in the same order).
+mx::array heads(const mx::array& x, int n, const std::optional<mx::array>& w, float eps, int dims, bool traditional,
+                std::optional<float> base, float scale, const std::variant<int, mx::array>& offset,
+                const std::optional<mx::array>& freqs, mx::StreamOrDevice s = {});
+// A residual sum and the norms about it in one node: h = x + rms_norm(r, w, eps), and with next_w
+// also rms_norm(h, next_w, next_eps) ({h} or {h, that}); the floats of the ops composed.
+std::vector<mx::array> add_norm(const mx::array& x, const mx::array& r, const mx::array& w, float eps,
+                                const std::optional<mx::array>& next_w, float next_eps, mx::StreamOrDevice s = {});
 // softmax(scale q k^T + mask) v with q (B, Hq, L, D), k and v (B, Hkv, T, D), Hq a multiple of
 // Hkv; mask bool (attend where true) or float (added), broadcastable to (B, Hq, L, T).
 mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
@@ -244,6 +254,55 @@ class RoPE : public CPUPrimitive {
   float base_, scale_;
   int64_t offset_;
   bool has_freqs_;
+};
+
+class Heads : public CPUPrimitive {
+ public:
+  // inputs: x, then w if has_norm, freqs if has_freqs, the offset array unless the offset is static
+  Heads(mx::Stream s, int n, bool has_norm, float eps, int dims, bool traditional, float base, float scale,
+        int64_t offset, bool has_freqs)
+      : CPUPrimitive(s), n_(n), has_norm_(has_norm), eps_(eps), dims_(dims), traditional_(traditional), base_(base),
+        scale_(scale), offset_(offset), has_freqs_(has_freqs) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "GmlxHeads"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const Heads&>(other);
+    return n_ == o.n_ && has_norm_ == o.has_norm_ && eps_ == o.eps_ && dims_ == o.dims_ &&
+           traditional_ == o.traditional_ && base_ == o.base_ && scale_ == o.scale_ && offset_ == o.offset_ &&
+           has_freqs_ == o.has_freqs_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    const auto& x = inputs[0].shape();
+    return {{x[0], n_, x[1], x[2] / n_}};
+  }
+
+ private:
+  int n_;
+  bool has_norm_;
+  float eps_;
+  int dims_;
+  bool traditional_;
+  float base_, scale_;
+  int64_t offset_;
+  bool has_freqs_;
+};
+
+class AddNorm : public CPUPrimitive {
+ public:
+  // inputs: x, r, w, then next_w if there are two outputs
+  AddNorm(mx::Stream s, float eps, float next_eps) : CPUPrimitive(s), eps_(eps), next_eps_(next_eps) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "GmlxAddNorm"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const AddNorm&>(other);
+    return eps_ == o.eps_ && next_eps_ == o.next_eps_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return std::vector<mx::Shape>(inputs.size() - 2, inputs[0].shape());
+  }
+
+ private:
+  float eps_, next_eps_;
 };
 
 class Attention : public CPUPrimitive {

@@ -130,12 +130,73 @@ def test_other_calls_go_to_mlx(rng, monkeypatch):
     assert calls == []
 
 
+def composed_heads(x: mx.array, n: int, norm, rope, offset) -> mx.array:
+    """What mlx_lm's attention layers compute, node by node: reshape, transpose, rms_norm, rope."""
+    B, L, _ = x.shape
+    y = x.reshape(B, L, n, -1).transpose(0, 2, 1, 3)
+    if norm is not None:
+        y = mx.fast.rms_norm(y, *norm)
+    return y if rope is None else rope(y, offset=offset)
+
+
+@pytest.mark.parametrize("L", [1, 5, 70])
+def test_heads_are_the_composed_ops_to_the_bit(rng, L, isa):
+    # every mix of norm and rope, a partial and a traditional rotation, per-row offsets (a batch
+    # cache), and a RoPE of another kind (run after): the same floats as the four nodes composed
+    import mlx.nn as nn
+
+    B, n, D = 3, 4, 64
+    x = randn(rng, B, L, n * D)
+    norm = (randn(rng, D), 1e-6)
+    ropes = [None, nn.RoPE(D, base=10000.0), nn.RoPE(32, traditional=True, base=500.0, scale=0.25)]
+    ropes.append(lambda y, offset: nn.RoPE(D)(y, offset=offset) * 2.0)  # not an nn.RoPE: applied after
+    for rope in ropes:
+        for nm in (None, norm):
+            for offset in (0, 17, mx.array([1, 40, 300], mx.int32)):
+                got = fast.heads(x, n, norm=nm, rope=rope, offset=offset)
+                want = composed_heads(x, n, nm, rope, offset)
+                assert got.shape == (B, n, L, D)
+                assert np.array_equal(np.array(got), np.array(want)), (rope, nm is not None, offset)
+
+
+def test_add_norm_is_the_composed_ops_to_the_bit(rng, isa):
+    x, r = randn(rng, 2, 3, 640), randn(rng, 2, 3, 640)
+    norm, nxt = (randn(rng, 640), 1e-6), (randn(rng, 640), 1e-5)
+    h = x + mx.fast.rms_norm(r, *norm)
+    assert np.array_equal(np.array(fast.add_norm(x, r, norm)), np.array(h))
+    got_h, got_y = fast.add_norm(x, r, norm, nxt)
+    assert np.array_equal(np.array(got_h), np.array(h))
+    assert np.array_equal(np.array(got_y), np.array(mx.fast.rms_norm(h, *nxt)))
+
+
+def test_fused_ops_compose_mlxs_own_where_the_kernels_do_not_run(rng):
+    import mlx.nn as nn
+
+    x16, r16 = randn(rng, 1, 2, 64).astype(mx.float16), randn(rng, 1, 2, 64).astype(mx.float16)
+    norm = (randn(rng, 16).astype(mx.float16), 1e-6)
+    got = fast.heads(x16, 4, norm=norm, rope=nn.RoPE(16), offset=3)
+    assert got.dtype == mx.float16
+    close(got.astype(mx.float32), composed_heads(x16, 4, norm, nn.RoPE(16), 3).astype(mx.float32))
+    norm64 = (randn(rng, 64), 1e-6)
+    got = fast.add_norm(x16, r16, norm64)
+    assert np.array_equal(np.array(got), np.array(x16 + mx.fast.rms_norm(r16, *norm64)))
+    fast.uninstall()  # float32, but the fast ops are not installed (GMLX_FAST_OPS=0)
+    x, norm32 = randn(rng, 1, 2, 64), (randn(rng, 16), 1e-6)
+    assert np.array_equal(np.array(fast.heads(x, 4, norm=norm32)), np.array(composed_heads(x, 4, norm32, None, 0)))
+
+
 def test_bad_arguments_raise_not_crash(rng):
     ext = kernels.extension()
     with pytest.raises(ValueError):
         ext.rms_norm(randn(rng, 2, 8), randn(rng, 4), 1e-5)
     with pytest.raises(ValueError):
         ext.rope(randn(rng, 1, 2, 8), 7, traditional=False, base=1e4, scale=1.0, offset=0)
+    with pytest.raises(ValueError):
+        ext.heads(randn(rng, 1, 2, 10), 4)  # 10 features are not 4 heads
+    with pytest.raises(ValueError):
+        ext.heads(randn(rng, 1, 2, 16), 2, weight=randn(rng, 16))  # the norm is per head: (8,)
+    with pytest.raises(ValueError):
+        ext.add_norm(randn(rng, 2, 8), randn(rng, 3, 8), randn(rng, 8), 1e-6)
     with pytest.raises(ValueError):
         ext.attention(randn(rng, 1, 3, 1, 8), randn(rng, 1, 2, 4, 8), randn(rng, 1, 2, 4, 8), scale=1.0)
     with pytest.raises(ValueError):

@@ -58,6 +58,47 @@ def test_gemma_norms_lose_the_stored_plus_one(tiny_models: dict[str, Path]) -> N
     assert args.rope_local_base_freq == 10000.0
 
 
+def test_gemma3_layers_in_fewer_nodes_give_mlx_lms_floats(tiny_models: dict[str, Path]) -> None:
+    # Where the kernels run, Gemma 3's attention and blocks take fused nodes (fast.heads, fast.add_norm):
+    # the logits must be those of mlx_lm's own layers to the bit, over a prompt longer than the
+    # sliding window (a rotating cache) and then batched decode steps (per-row offsets).
+    from mlx_lm.models import gemma3_text
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from gmlx import kernels
+    from gmlx.kernels import fast
+    from gmlx.models.gemma3 import Gemma3Attention, Gemma3Block
+
+    if not (kernels.available() and fast.installed()):
+        pytest.skip("the fused layers run only with gmlx's CPU kernels")
+    m = load(tiny_models["gemma3"], "gguf")
+    blocks = m.model.model.layers
+    assert all(type(b) is Gemma3Block and type(b.self_attn) is Gemma3Attention for b in blocks)
+
+    def run() -> list[np.ndarray]:
+        # two prompts past the window, prefilled apart, then decoded together in mlx_lm's batch
+        # caches (merged: left-padded rows, per-row offsets), as the engine runs them
+        rng = np.random.default_rng(3)
+        rows, outs = [], []
+        for n in (90, 71):
+            cache = make_prompt_cache(m.model)
+            outs.append(m.model(mx.array(rng.integers(3, 200, (1, n))), cache=cache))
+            rows.append(cache)
+        batch = [c.merge([row[i] for row in rows]) for i, c in enumerate(rows[0])]
+        assert all(isinstance(c.offset, mx.array) and c.offset.shape == (2,) for c in batch)
+        y = mx.concatenate([mx.argmax(o[:, -1], axis=-1) for o in outs])[:, None]
+        for _ in range(4):
+            outs.append(m.model(y, cache=batch))
+            y = mx.argmax(outs[-1][:, -1], axis=-1)[:, None]
+        return [np.array(o) for o in outs]
+
+    fused = run()
+    for b in blocks:
+        b.__class__, b.self_attn.__class__ = gemma3_text.TransformerBlock, gemma3_text.Attention
+    own = run()
+    assert all(np.array_equal(a, b) for a, b in zip(fused, own))
+
+
 def test_llama_uses_interleaved_rope(tiny_models: dict[str, Path]) -> None:
     # llama.cpp's converter permutes Q/K for interleaved RoPE: `traditional` in MLX.
     m = load(tiny_models["llama"], "float")

@@ -3,8 +3,9 @@ vectorized CPU graph nodes.
 
 MLX has no CPU kernels for the fast ops: on the CPU each call is composed from 8 to 25 graph
 nodes, and a decode step of a small model then spends more time scheduling thousands of
-nodes than computing (gemma3-270m: 3,338 nodes a step, 553 with these). Its CPU logsumexp
-takes a scalar exp, and mlx_lm's BatchGenerator normalizes every step's logits with it: 38 ms
+nodes than computing (gemma3-270m: 3,338 nodes a step, 553 with these, 359 with the fused
+model ops at the end). Its CPU logsumexp takes a scalar exp, and mlx_lm's BatchGenerator
+normalizes every step's logits with it: 38 ms
 a step for 8 rows of a 262,144-token vocabulary, 0.9 ms here. install() points mx.fast and
 mx.logsumexp at dispatchers that send the calls gmlx.kernels handles (float32 on the CPU;
 logsumexp over the last axis) to its own primitives and every other call to MLX's, so
@@ -20,6 +21,7 @@ import os
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from gmlx import kernels
 
@@ -67,6 +69,20 @@ def rms_norm(x: mx.array, weight: mx.array | None, eps: float, *, stream: Any = 
     return ORIGINAL["rms_norm"](x, weight, eps, stream=stream)
 
 
+def _rope_ours(
+    shape: tuple[int, ...], dims: int, base: float | None, freqs: mx.array | None, offset: int | mx.array
+) -> bool:
+    """Whether the kernels' RoPE takes these arguments for a float32 x of this shape, (B, ..., L, D)."""
+    return (
+        _f32(freqs)
+        and len(shape) >= 3
+        and dims % 2 == 0
+        and 0 < dims <= shape[-1]
+        and (base is None) != (freqs is None)
+        and (isinstance(offset, int) or offset.size == 1 or offset.shape == (shape[0],))
+    )
+
+
 def rope(
     a: mx.array,
     dims: int,
@@ -78,16 +94,7 @@ def rope(
     freqs: mx.array | None = None,
     stream: Any = None,
 ) -> mx.array:
-    ours = (
-        _cpu(stream)
-        and _f32(a, freqs)
-        and a.ndim >= 3
-        and dims % 2 == 0
-        and 0 < dims <= a.shape[-1]
-        and (base is None) != (freqs is None)
-        and (isinstance(offset, int) or offset.size == 1 or offset.shape == (a.shape[0],))
-    )
-    if ours:
+    if _cpu(stream) and _f32(a) and _rope_ours(a.shape, dims, base, freqs, offset):
         return kernels.extension().rope(
             a, dims, traditional=traditional, base=base, scale=scale, offset=offset, freqs=freqs, stream=mx.cpu
         )
@@ -138,3 +145,54 @@ def logsumexp(
     if _cpu(stream) and _f32(a) and last and a.shape[-1] > 0:
         return kernels.extension().logsumexp(a, keepdims=keepdims, stream=mx.cpu)
     return ORIGINAL["logsumexp"](a, axis=axis, keepdims=keepdims, stream=stream)
+
+
+# Fused model ops: what mlx_lm's layers compose from several nodes, as one node where the kernels
+# run (float32 on the CPU, the ops installed), and as those nodes elsewhere.
+
+
+def takes(x: mx.array) -> bool:
+    """Whether the fused ops below run as one node for x: float32 on the CPU, the fast ops installed."""
+    return installed() and _cpu(None) and x.dtype == mx.float32
+
+
+def heads(
+    x: mx.array,
+    n: int,
+    *,
+    norm: tuple[mx.array, float] | None = None,
+    rope: nn.Module | None = None,
+    offset: int | mx.array = 0,
+) -> mx.array:
+    """x (B, L, n * D) split into its n heads, (B, n, L, D), each row normalised by `norm` (rms_norm's
+    weight and eps) and rotated by `rope` at positions offset + l: an attention layer's reshape,
+    transpose, q/k norm and RoPE (four nodes) as one. A RoPE other than nn.RoPE's runs after it."""
+    B, L, _ = x.shape
+    if norm is None and rope is None and L == 1:
+        return x.reshape(B, n, 1, -1)  # one head row each: the transpose moves nothing
+    if takes(x):
+        shape = (B, n, L, x.shape[-1] // n)
+        plain = type(rope) is nn.RoPE and _rope_ours(shape, rope.dims, rope.base, None, offset)
+        kw: dict[str, Any] = {"weight": norm[0], "eps": norm[1]} if norm is not None else {}
+        if plain:
+            kw.update(dims=rope.dims, traditional=rope.traditional, base=rope.base, scale=rope.scale, offset=offset)
+        if norm is None or _f32(norm[0]):
+            y = kernels.extension().heads(x, n, **kw, stream=mx.cpu)
+            return y if plain or rope is None else rope(y, offset=offset)
+    y = x.reshape(B, L, n, -1).transpose(0, 2, 1, 3)
+    if norm is not None:
+        y = mx.fast.rms_norm(y, *norm)
+    return y if rope is None else rope(y, offset=offset)
+
+
+def add_norm(
+    x: mx.array, r: mx.array, norm: tuple[mx.array, float], next_norm: tuple[mx.array, float] | None = None
+) -> Any:
+    """h = x + rms_norm(r, *norm), a residual stream and a block's output normalised; with next_norm
+    also (h, rms_norm(h, *next_norm)), the input of the block after: up to three nodes as one."""
+    if takes(x) and _f32(r, norm[0], next_norm[0] if next_norm else None) and x.shape == r.shape:
+        nxt = {"next_weight": next_norm[0], "next_eps": next_norm[1]} if next_norm is not None else {}
+        ys = kernels.extension().add_norm(x, r, *norm, **nxt, stream=mx.cpu)
+        return ys[0] if next_norm is None else (ys[0], ys[1])
+    h = x + mx.fast.rms_norm(r, *norm)
+    return h if next_norm is None else (h, mx.fast.rms_norm(h, *next_norm))
