@@ -58,26 +58,29 @@ def test_gemma_norms_lose_the_stored_plus_one(tiny_models: dict[str, Path]) -> N
     assert args.rope_local_base_freq == 10000.0
 
 
-def test_gemma3_layers_in_fewer_nodes_give_mlx_lms_floats(tiny_models: dict[str, Path]) -> None:
-    # Where the kernels run, Gemma 3's attention and blocks take fused nodes (fast.heads, fast.add_norm):
-    # the logits must be those of mlx_lm's own layers to the bit, over a prompt longer than the
-    # sliding window (a rotating cache) and then batched decode steps (per-row offsets).
-    from mlx_lm.models import gemma3_text
+@pytest.mark.parametrize("arch", ARCHES)
+def test_layers_in_fewer_nodes_give_mlx_lms_floats(tiny_models: dict[str, Path], arch: str) -> None:
+    # Where the kernels run, attention layers split their heads in fused nodes (fast.heads) and
+    # Gemma 3's blocks add their residuals with the norms about them (fast.add_norm): the logits
+    # must be those of mlx_lm's own layers to the bit, over prompts past Gemma 3's sliding window
+    # (a rotating cache), then batched decode steps (per-row offsets).
     from mlx_lm.models.cache import make_prompt_cache
 
     from gmlx import kernels
     from gmlx.kernels import fast
-    from gmlx.models.gemma3 import Gemma3Attention, Gemma3Block
+    from gmlx.models.fused import FusedAttention
+    from gmlx.models.gemma3 import Gemma3Block
 
     if not (kernels.available() and fast.installed()):
         pytest.skip("the fused layers run only with gmlx's CPU kernels")
-    m = load(tiny_models["gemma3"], "gguf")
+    m = load(tiny_models[arch], "gguf")
     blocks = m.model.model.layers
-    assert all(type(b) is Gemma3Block and type(b.self_attn) is Gemma3Attention for b in blocks)
+    assert all(isinstance(b.self_attn, FusedAttention) for b in blocks)
+    assert all(isinstance(b, Gemma3Block) for b in blocks) == (arch == "gemma3")
 
     def run() -> list[np.ndarray]:
-        # two prompts past the window, prefilled apart, then decoded together in mlx_lm's batch
-        # caches (merged: left-padded rows, per-row offsets), as the engine runs them
+        # two prompts, prefilled apart, then decoded together in mlx_lm's batch caches (merged:
+        # left-padded rows, per-row offsets), as the engine runs them
         rng = np.random.default_rng(3)
         rows, outs = [], []
         for n in (90, 71):
@@ -93,8 +96,10 @@ def test_gemma3_layers_in_fewer_nodes_give_mlx_lms_floats(tiny_models: dict[str,
         return [np.array(o) for o in outs]
 
     fused = run()
-    for b in blocks:
-        b.__class__, b.self_attn.__class__ = gemma3_text.TransformerBlock, gemma3_text.Attention
+    for b in blocks:  # back to mlx_lm's own classes, the parameters unchanged
+        b.self_attn.__class__ = type(b.self_attn).__bases__[-1]
+        if isinstance(b, Gemma3Block):
+            b.__class__ = type(b).__bases__[0]
     own = run()
     assert all(np.array_equal(a, b) for a, b in zip(fused, own))
 

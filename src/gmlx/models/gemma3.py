@@ -48,12 +48,10 @@ class Gemma3(Architecture):
             if type(m).__name__ == "RMSNorm" and type(m).__module__ == f"mlx_lm.models.{self.model_type}"
         ]
         model.update_modules(tree_unflatten(swaps))
-        # The same layers in fewer graph nodes where the kernels run (docs/ARCHITECTURE.md, decision 26).
+        # The same blocks in fewer graph nodes where the kernels run (docs/ARCHITECTURE.md, decision 26).
         for _, m in model.named_modules():
             if type(m) is gemma3_text.TransformerBlock:
                 m.__class__ = Gemma3Block
-            elif type(m) is gemma3_text.Attention:
-                m.__class__ = Gemma3Attention
 
     def adjust(self, name: str, array: mx.array) -> mx.array:
         # llama.cpp stores gemma's RMSNorm weights with the +1 folded in; mlx_lm adds it itself.
@@ -77,25 +75,6 @@ class FoldedRMSNorm(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         return mx.fast.rms_norm(x, self._scale, self.eps)
-
-
-class Gemma3Attention(gemma3_text.Attention):
-    """mlx_lm's Gemma 3 attention with q, k and v split into heads by one node each (`fast.heads`:
-    norm and RoPE in it), and a single query row's output joined without a transpose."""
-
-    def __call__(self, x: mx.array, mask: mx.array | None = None, cache: Any = None) -> mx.array:
-        if not fast.takes(x):
-            return super().__call__(x, mask, cache)
-        B, L, _ = x.shape
-        offset = cache.offset if cache is not None else 0
-        q = fast.heads(self.q_proj(x), self.n_heads, norm=self.q_norm.folded, rope=self.rope, offset=offset)
-        k = fast.heads(self.k_proj(x), self.n_kv_heads, norm=self.k_norm.folded, rope=self.rope, offset=offset)
-        v = fast.heads(self.v_proj(x), self.n_kv_heads)
-        if cache is not None:
-            k, v = cache.update_and_fetch(k, v)
-        out = gemma3_text.scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
-        out = out.reshape(B, L, -1) if L == 1 else out.transpose(0, 2, 1, 3).reshape(B, L, -1)
-        return self.o_proj(out)
 
 
 class Gemma3Block(gemma3_text.TransformerBlock):

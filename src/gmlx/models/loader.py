@@ -20,6 +20,7 @@ from gmlx.models import check_supported
 from gmlx.models.architecture import Architecture
 from gmlx.models.deepseek2 import DeepSeek2
 from gmlx.models.experts import use_gguf_experts
+from gmlx.models.fused import fuse_attention
 from gmlx.models.gemma2 import Gemma2
 from gmlx.models.gemma3 import Gemma3
 from gmlx.models.llama import Granite, Llama, SmolLM3
@@ -144,6 +145,7 @@ def _build(
     except ValueError as e:  # a shape or type mismatch; MLX's message may span lines
         raise GGUFError(f"{h.architecture}: tensors do not match the model ({' '.join(str(e).split())})") from None
     arch.finish(model, h, arrays)
+    fuse_attention(model)
     if blocks:
         from gmlx.kernels import fuse_mlps, pack_tables
 
