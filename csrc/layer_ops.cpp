@@ -327,7 +327,9 @@ void Heads::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array
 }
 
 void AddNorm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  auto& enc = prepare(inputs, outputs);
+  // h takes r's buffer and the normalised h x's, where the graph holds them alone, as MLX's own add
+  // takes its operand's: the composed ops' peak memory (a long prefill's) and no more.
+  auto& enc = prepare(inputs, outputs, {1, 0});
   auto h = mx::array::unsafe_weak_copy(outputs[0]);
   std::optional<mx::array> y, next_w;
   if (outputs.size() > 1) {
@@ -344,11 +346,14 @@ void AddNorm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arr
     const float* nwp = next_w ? row_major(*next_w, tl_d) : nullptr;
     const Impl* impl = active_impl();
     row_chunks(rows, std::max<int64_t>(1, PARALLEL_MIN_WORK / std::max<int64_t>(D, 1)), [&](int64_t r0, int64_t n) {
-      float* hp = h.data<float>() + r0 * D;
-      const float* xr = xp + r0 * D;
-      impl->rms_norm_rows(rp + r0 * D, wp, hp, n, D, eps);
-      for (int64_t i = 0; i < n * D; i++) hp[i] = xr[i] + hp[i];
-      if (y) impl->rms_norm_rows(hp, nwp, y->data<float>() + r0 * D, n, D, next_eps);
+      float* t = work_buffer(D);
+      for (int64_t row = r0; row < r0 + n; row++) {  // a row's x and r are read before h and y overwrite them
+        float* hr = h.data<float>() + row * D;
+        const float* xr = xp + row * D;
+        impl->rms_norm_rows(rp + row * D, wp, t, 1, D, eps);
+        for (int64_t i = 0; i < D; i++) hr[i] = xr[i] + t[i];
+        if (y) impl->rms_norm_rows(hr, nwp, y->data<float>() + row * D, 1, D, next_eps);
+      }
     });
   });
 }

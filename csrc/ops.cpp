@@ -337,12 +337,18 @@ namespace mx = mlx::core;
 
 thread_local std::vector<float> tl_x;
 
-mx::cpu::CommandEncoder& CPUPrimitive::prepare(const std::vector<mx::array>& inputs,
-                                               std::vector<mx::array>& outputs) {
+mx::cpu::CommandEncoder& CPUPrimitive::prepare(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs,
+                                               const std::vector<int>& donors) {
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (auto& in : inputs) encoder.set_input_array(in);
-  for (auto& out : outputs) {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
+  for (size_t i = 0; i < outputs.size(); i++) {
+    auto& out = outputs[i];
+    const mx::array* in = i < donors.size() ? &inputs[donors[i]] : nullptr;
+    if (in && in->is_donatable() && in->flags().row_contiguous && in->dtype() == out.dtype() &&
+        in->nbytes() == out.nbytes())
+      out.copy_shared_buffer(*in);
+    else
+      out.set_data(mx::allocator::malloc(out.nbytes()));
     encoder.set_output_array(out);
   }
   return encoder;

@@ -96,8 +96,11 @@ class CPUPrimitive : public mx::Primitive {
 
  protected:
   // The stream's encoder, with every input and output registered and the outputs allocated:
-  // eval_cpu then dispatches its work on it.
-  mx::cpu::CommandEncoder& prepare(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs);
+  // eval_cpu then dispatches its work on it. Output i takes input donors[i]'s buffer instead where
+  // nothing else holds that input (its size and layout the output's; the work must read each
+  // element before writing it).
+  mx::cpu::CommandEncoder& prepare(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs,
+                                   const std::vector<int>& donors = {});
 };
 
 class GGUFMatmul : public CPUPrimitive {

@@ -4,7 +4,10 @@ decision 26).
 Llama's, Qwen 2's, Qwen 3's and Gemma 3's attention split q, k and v into heads with a reshape and a
 transpose each, normalise q and k (Qwen 3, Gemma 3), rotate them, and join the heads' output with a
 transpose and a reshape. `FusedAttention` computes the same through `kernels.fast.heads`: one node
-for each of q and k (split, norm and RoPE), a view for v and for a single query row's output.
+for each of q and k (split, norm and RoPE), a view for v and for the output. Only single-token steps
+(decode) take it: there a node's fixed cost weighs against little compute, while in a prompt's
+chunk fewer nodes let MLX allocate further ahead of the computation (it allocates a node's outputs
+as it queues it, about fifty nodes ahead), and a fan-out's prefill peaked above the capacity table.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ class FusedAttention:
 
     def __call__(self, x: mx.array, mask: mx.array | None = None, cache: Any = None) -> mx.array:
         q_norm, k_norm = _norm(getattr(self, "q_norm", None)), _norm(getattr(self, "k_norm", None))
-        if not fast.takes(x) or _NOT_FUSED in (q_norm, k_norm):
+        if x.shape[1] != 1 or not fast.takes(x) or _NOT_FUSED in (q_norm, k_norm):
             return super().__call__(x, mask, cache)  # type: ignore[misc]
         B, L, _ = x.shape
         offset = cache.offset if cache is not None else 0
@@ -47,8 +50,7 @@ class FusedAttention:
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         out = scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
-        out = out.reshape(B, L, -1) if L == 1 else out.transpose(0, 2, 1, 3).reshape(B, L, -1)
-        return self.o_proj(out)
+        return self.o_proj(out.reshape(B, L, -1))  # one query row: the transpose moves nothing
 
 
 _FUSED: dict[type, type] = {

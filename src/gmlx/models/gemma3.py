@@ -79,10 +79,11 @@ class FoldedRMSNorm(nn.Module):
 
 class Gemma3Block(gemma3_text.TransformerBlock):
     """mlx_lm's Gemma 3 block with each residual sum and the norms about it as one node
-    (`fast.add_norm`); in float32 mlx_lm's clip_residual is that sum."""
+    (`fast.add_norm`) in single-token steps, as `models.fused` says why; in float32 mlx_lm's
+    clip_residual is that sum."""
 
     def __call__(self, x: mx.array, mask: mx.array | None = None, cache: Any = None) -> mx.array:
-        if not fast.takes(x):
+        if x.shape[1] != 1 or not fast.takes(x):
             return super().__call__(x, mask, cache)
         r = self.self_attn(self.input_layernorm(x), mask, cache)
         h, y = fast.add_norm(x, r, self.post_attention_layernorm.folded, self.pre_feedforward_layernorm.folded)
