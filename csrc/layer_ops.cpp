@@ -461,7 +461,6 @@ mx::array sample(const mx::array& x_in, const mx::array& u, float temperature, f
 namespace {
 
 // The inputs a RoPE takes after x and its norm weight: freqs if given, the offset unless static
-// (returned).
 // (returned). B: x's batch rows, D: its features.
 int64_t rope_inputs(const char* op, int B, int D, int dims, const std::optional<float>& base,
                     const std::variant<int, mx::array>& offset, const std::optional<mx::array>& freqs,

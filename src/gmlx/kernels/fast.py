@@ -1,18 +1,18 @@
 """MLX's fast ops (rms_norm, rope, scaled_dot_product_attention) and logsumexp as single,
-vectorized CPU graph nodes.
+vectorized CPU graph nodes, and the fused model ops a decode step's layers take (heads, add_norm).
 
 MLX has no CPU kernels for the fast ops: on the CPU each call is composed from 8 to 25 graph
 nodes, and a decode step of a small model then spends more time scheduling thousands of
 nodes than computing (gemma3-270m: 3,338 nodes a step, 553 with these, 359 with the fused
 model ops at the end). Its CPU logsumexp takes a scalar exp, and mlx_lm's BatchGenerator
-normalizes every step's logits with it: 38 ms
-a step for 8 rows of a 262,144-token vocabulary, 0.9 ms here. install() points mx.fast and
-mx.logsumexp at dispatchers that send the calls gmlx.kernels handles (float32 on the CPU;
-logsumexp over the last axis) to its own primitives and every other call to MLX's, so
-mlx_lm's code is unchanged. GMLX_FAST_OPS=0 keeps MLX's own. Attention takes a few query
-rows (decode, speculative verification) by KV-head group, and more (prefill) as flash
-attention over tiles of keys: MLX materializes every score, causal or not (gemma3-270m's
-layer at 511 tokens: 16.7 ms there, 4.5 ms here; at 2,048: 290 and 63 ms).
+normalizes every step's logits with it: 38 ms a step for 8 rows of a 262,144-token
+vocabulary, 0.9 ms here. install() points mx.fast and mx.logsumexp at dispatchers that send
+the calls gmlx.kernels handles (float32 on the CPU; logsumexp over the last axis) to its own
+primitives and every other call to MLX's, so mlx_lm's code is unchanged. GMLX_FAST_OPS=0
+keeps MLX's own. Attention takes a few query rows (decode, speculative verification) by
+KV-head group, and more (prefill) as flash attention over tiles of keys: MLX materializes
+every score, causal or not (gemma3-270m's layer at 511 tokens: 16.7 ms there, 4.5 ms here;
+at 2,048: 290 and 63 ms).
 """
 
 from __future__ import annotations
