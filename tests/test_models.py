@@ -60,10 +60,10 @@ def test_gemma_norms_lose_the_stored_plus_one(tiny_models: dict[str, Path]) -> N
 
 @pytest.mark.parametrize("arch", ARCHES)
 def test_layers_in_fewer_nodes_give_mlx_lms_floats(tiny_models: dict[str, Path], arch: str) -> None:
-    # Where the kernels run, attention layers split their heads in fused nodes (fast.heads) and
-    # Gemma 3's blocks add their residuals with the norms about them (fast.add_norm): the logits
-    # must be those of mlx_lm's own layers to the bit, over prompts past Gemma 3's sliding window
-    # (a rotating cache), then batched decode steps (per-row offsets).
+    # Where the kernels run, a decode step's attention layers split their heads in fused nodes
+    # (fast.heads) and Gemma 3's blocks add their residuals with the norms about them
+    # (fast.add_norm): the logits must be those of mlx_lm's own layers to the bit, in batched decode
+    # steps (per-row offsets) after prompts past Gemma 3's sliding window (a rotated cache).
     from mlx_lm.models.cache import make_prompt_cache
 
     from gmlx import kernels
