@@ -234,20 +234,29 @@ void Sample::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
 
 namespace {
 
-// RoPE's frequencies as mx.fast.rope computes them: exp(-i * log(base) / half), or 1 / freqs, in float32.
-std::vector<float> inverse_frequencies(int dims, float base, const std::optional<mx::array>& freqs) {
-  const int64_t half = dims / 2;
-  std::vector<float> inv_freq(half);
-  const float* fp = freqs ? row_major(*freqs, tl_c) : nullptr;
-  const float step = (float)(std::log((double)base) / (double)half);
-  for (int64_t i = 0; i < half; i++) inv_freq[i] = fp ? 1.f / fp[i] : std::exp((float)(-i) * step);
-  return inv_freq;
+// The rotation's inputs from inputs[next] on: its frequencies, if given, and its offset array, if any.
+void rotation_inputs(const Rotation& rot, const std::vector<mx::array>& inputs, size_t next,
+                     std::optional<mx::array>& freqs, std::optional<mx::array>& offsets) {
+  if (rot.has_freqs) freqs = mx::array::unsafe_weak_copy(inputs[next++]);
+  if (next < inputs.size()) offsets = mx::array::unsafe_weak_copy(inputs[next]);
 }
 
-void set_offsets(RopeArgs& a, const std::optional<mx::array>& offsets) {
-  if (!offsets) return;
-  a.offsets = offsets->data<int32_t>();
-  a.offsets_per_batch = offsets->size() > 1;
+// A RoPE's work over rows of x (N, L, D), N = batch rows x heads, into y; inv_freq gets the
+// frequencies as mx.fast.rope computes them: exp(-i * log(base) / half), or 1 / freqs, in float32.
+RopeArgs rope_args(const Rotation& rot, const float* x, float* y, int64_t L, int64_t D, int64_t heads,
+                   const std::optional<mx::array>& freqs, const std::optional<mx::array>& offsets,
+                   std::vector<float>& inv_freq) {
+  const int64_t half = rot.dims / 2;
+  inv_freq.resize(half);
+  const float* fp = freqs ? row_major(*freqs, tl_c) : nullptr;
+  const float step = (float)(std::log((double)rot.base) / (double)half);
+  for (int64_t i = 0; i < half; i++) inv_freq[i] = fp ? 1.f / fp[i] : std::exp((float)(-i) * step);
+  RopeArgs a{x, y, L, D, heads, rot.dims, rot.traditional, inv_freq.data(), rot.scale, rot.offset, nullptr, false};
+  if (offsets) {
+    a.offsets = offsets->data<int32_t>();
+    a.offsets_per_batch = offsets->size() > 1;
+  }
+  return a;
 }
 
 // Rows per chunk of a RoPE over rows of D: a whole sequence at least, so its positions' angles are
@@ -264,22 +273,17 @@ void RoPE::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>
   auto& enc = prepare(inputs, outputs);
   auto out = mx::array::unsafe_weak_copy(outputs[0]);
   auto x = mx::array::unsafe_weak_copy(inputs[0]);
-  size_t next = 1;
   std::optional<mx::array> freqs, offsets;
-  if (has_freqs_) freqs = mx::array::unsafe_weak_copy(inputs[next++]);
-  if (next < inputs.size()) offsets = mx::array::unsafe_weak_copy(inputs[next]);
-  enc.dispatch([x, freqs, offsets, out, dims = dims_, traditional = traditional_, base = base_, scale = scale_,
-                offset = offset_]() mutable {
+  rotation_inputs(rot_, inputs, 1, freqs, offsets);
+  enc.dispatch([x, freqs, offsets, out, rot = rot_]() mutable {
     const auto& shape = x.shape();
     const int64_t D = shape.back(), L = shape[shape.size() - 2], B = shape[0];
     const int64_t rows = x.size() / D;
-    const std::vector<float> inv_freq = inverse_frequencies(dims, base, freqs);
-    RopeArgs a{row_major(x, tl_a), out.data<float>(), L, D, rows / (B * L), dims, traditional,
-               inv_freq.data(), scale, offset, nullptr, false};
-    set_offsets(a, offsets);
+    std::vector<float> inv_freq;
+    const RopeArgs a = rope_args(rot, row_major(x, tl_a), out.data<float>(), L, D, rows / (B * L), freqs, offsets, inv_freq);
     const Impl* impl = active_impl();
     row_chunks(rows, rope_rows_per_chunk(L, D), [&](int64_t r0, int64_t n) {
-      impl->rope_rows(a, r0, r0 + n, work_buffer(dims));
+      impl->rope_rows(a, r0, r0 + n, work_buffer(rot.dims));
     });
   });
 }
@@ -288,13 +292,10 @@ void Heads::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array
   auto& enc = prepare(inputs, outputs);
   auto out = mx::array::unsafe_weak_copy(outputs[0]);
   auto x = mx::array::unsafe_weak_copy(inputs[0]);
-  size_t next = 1;
   std::optional<mx::array> w, freqs, offsets;
-  if (has_norm_) w = mx::array::unsafe_weak_copy(inputs[next++]);
-  if (has_freqs_) freqs = mx::array::unsafe_weak_copy(inputs[next++]);
-  if (next < inputs.size()) offsets = mx::array::unsafe_weak_copy(inputs[next]);
-  enc.dispatch([x, w, freqs, offsets, out, n = n_, eps = eps_, dims = dims_, traditional = traditional_,
-                base = base_, scale = scale_, offset = offset_]() mutable {
+  if (has_norm_) w = mx::array::unsafe_weak_copy(inputs[1]);
+  rotation_inputs(rot_, inputs, has_norm_ ? 2 : 1, freqs, offsets);
+  enc.dispatch([x, w, freqs, offsets, out, n = n_, eps = eps_, rot = rot_]() mutable {
     const int64_t B = x.shape(0), L = x.shape(1), D = x.shape(2) / n, rows = B * n * L;
     const float* xp = row_major(x, tl_a);
     const float* wp = w ? row_major(*w, tl_b) : nullptr;
@@ -304,12 +305,10 @@ void Heads::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array
     float* normed = yp;
     std::vector<float> inv_freq;
     RopeArgs a{};
-    if (dims > 0) {
+    if (rot.dims > 0) {
       tl_heads.resize(out.size());
       normed = tl_heads.data();
-      inv_freq = inverse_frequencies(dims, base, freqs);
-      a = RopeArgs{normed, yp, L, D, n, dims, traditional, inv_freq.data(), scale, offset, nullptr, false};
-      set_offsets(a, offsets);
+      a = rope_args(rot, normed, yp, L, D, n, freqs, offsets, inv_freq);
     }
     const Impl* impl = active_impl();
     row_chunks(rows, rope_rows_per_chunk(L, D), [&](int64_t r0, int64_t count) {
@@ -321,7 +320,7 @@ void Heads::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array
         else
           std::copy(src, src + D, normed + r * D);
       }
-      if (dims > 0) impl->rope_rows(a, r0, r0 + count, work_buffer(dims));
+      if (rot.dims > 0) impl->rope_rows(a, r0, r0 + count, work_buffer(rot.dims));
     });
   });
 }
@@ -460,14 +459,15 @@ mx::array sample(const mx::array& x_in, const mx::array& u, float temperature, f
 
 namespace {
 
-// The inputs a RoPE takes after x and its norm weight: freqs if given, the offset unless static
-// (returned). B: x's batch rows, D: its features.
-int64_t rope_inputs(const char* op, int B, int D, int dims, const std::optional<float>& base,
-                    const std::variant<int, mx::array>& offset, const std::optional<mx::array>& freqs,
-                    std::vector<mx::array>& inputs, mx::Stream stream) {
+// A RoPE's settings, checked, with its inputs after x and its norm weight pushed: freqs if given,
+// the offset unless static. B: x's batch rows, D: its features.
+Rotation rotation(const char* op, int B, int D, int dims, bool traditional, const std::optional<float>& base,
+                  float scale, const std::variant<int, mx::array>& offset, const std::optional<mx::array>& freqs,
+                  std::vector<mx::array>& inputs, mx::Stream stream) {
   const std::string name(op);
   check(dims > 0 && dims % 2 == 0 && dims <= D, (name + ": dims must be even and at most D").c_str());
   check(base.has_value() != freqs.has_value(), (name + ": give exactly one of base and freqs").c_str());
+  Rotation rot{dims, traditional, base.value_or(0.f), scale, 0, freqs.has_value()};
   if (freqs) {
     check(freqs->ndim() == 1 && freqs->shape(0) == dims / 2, (name + ": freqs must be (dims / 2,)").c_str());
     inputs.push_back(f32(*freqs, stream));
@@ -476,9 +476,10 @@ int64_t rope_inputs(const char* op, int B, int D, int dims, const std::optional<
     check(o->size() == 1 || (o->ndim() == 1 && o->shape(0) == B),
           (name + ": an offset array must hold one value or one per batch row").c_str());
     inputs.push_back(o->dtype() == mx::int32 ? *o : mx::astype(*o, mx::int32, stream));
-    return 0;
+  } else {
+    rot.offset = std::get<int>(offset);
   }
-  return std::get<int>(offset);
+  return rot;
 }
 
 }  // namespace
@@ -490,11 +491,9 @@ mx::array rope(const mx::array& x_in, int dims, bool traditional, std::optional<
   check(x_in.ndim() >= 3, "rope: x must be (B, ..., L, D)");
   const auto dtype = x_in.dtype();
   std::vector<mx::array> inputs{f32(x_in, stream)};
-  const int64_t static_offset =
-      rope_inputs("rope", x_in.shape(0), x_in.shape().back(), dims, base, offset, freqs, inputs, stream);
-  auto p = std::make_shared<RoPE>(stream, dims, traditional, base.value_or(0.f), scale, static_offset,
-                                  freqs.has_value());
-  mx::array y(x_in.shape(), mx::float32, std::move(p), std::move(inputs));
+  const Rotation rot =
+      rotation("rope", x_in.shape(0), x_in.shape().back(), dims, traditional, base, scale, offset, freqs, inputs, stream);
+  mx::array y(x_in.shape(), mx::float32, std::make_shared<RoPE>(stream, rot), std::move(inputs));
   return dtype == mx::float32 ? y : mx::astype(y, dtype, stream);
 }
 
@@ -511,13 +510,11 @@ mx::array heads(const mx::array& x_in, int n, const std::optional<mx::array>& w,
     check(w->ndim() == 1 && w->shape(0) == D, "heads: the norm weight must be (D,)");
     inputs.push_back(f32(*w, stream));
   }
-  int64_t static_offset = 0;
-  if (dims > 0) {
-    static_offset = rope_inputs("heads", x_in.shape(0), D, dims, base, offset, freqs, inputs, stream);
-  }
-  auto p = std::make_shared<Heads>(stream, n, w.has_value(), eps, dims, traditional, base.value_or(0.f), scale,
-                                   static_offset, dims > 0 && freqs.has_value());
-  mx::array y({x_in.shape(0), n, x_in.shape(1), D}, mx::float32, std::move(p), std::move(inputs));
+  const Rotation rot =
+      dims > 0 ? rotation("heads", x_in.shape(0), D, dims, traditional, base, scale, offset, freqs, inputs, stream)
+               : Rotation{};
+  mx::array y({x_in.shape(0), n, x_in.shape(1), D}, mx::float32,
+              std::make_shared<Heads>(stream, n, w.has_value(), eps, rot), std::move(inputs));
   return dtype == mx::float32 ? y : mx::astype(y, dtype, stream);
 }
 

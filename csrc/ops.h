@@ -236,43 +236,40 @@ class Sample : public CPUPrimitive {
   int top_k_;
 };
 
+// A RoPE's settings, as RoPE and Heads take them: dims 0 rotates nothing. Inputs after x (and a
+// norm weight): freqs if has_freqs (else base sets the frequencies), the offset array unless the
+// offset is static.
+struct Rotation {
+  int dims = 0;
+  bool traditional = false;
+  float base = 0.f, scale = 1.f;
+  int64_t offset = 0;
+  bool has_freqs = false;
+  bool operator==(const Rotation&) const = default;
+};
+
 class RoPE : public CPUPrimitive {
  public:
-  // inputs: x, freqs if has_freqs (else base sets the frequencies), the offset array unless
-  // the offset is static
-  RoPE(mx::Stream s, int dims, bool traditional, float base, float scale, int64_t offset, bool has_freqs)
-      : CPUPrimitive(s), dims_(dims), traditional_(traditional), base_(base), scale_(scale), offset_(offset),
-        has_freqs_(has_freqs) {}
+  // inputs: x, then the rotation's
+  RoPE(mx::Stream s, Rotation rot) : CPUPrimitive(s), rot_(rot) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   const char* name() const override { return "GmlxRoPE"; }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    auto& o = static_cast<const RoPE&>(other);
-    return dims_ == o.dims_ && traditional_ == o.traditional_ && base_ == o.base_ && scale_ == o.scale_ &&
-           offset_ == o.offset_ && has_freqs_ == o.has_freqs_;
-  }
+  bool is_equivalent(const mx::Primitive& other) const override { return rot_ == static_cast<const RoPE&>(other).rot_; }
 
  private:
-  int dims_;
-  bool traditional_;
-  float base_, scale_;
-  int64_t offset_;
-  bool has_freqs_;
+  Rotation rot_;
 };
 
 class Heads : public CPUPrimitive {
  public:
-  // inputs: x, then w if has_norm, freqs if has_freqs, the offset array unless the offset is static
-  Heads(mx::Stream s, int n, bool has_norm, float eps, int dims, bool traditional, float base, float scale,
-        int64_t offset, bool has_freqs)
-      : CPUPrimitive(s), n_(n), has_norm_(has_norm), eps_(eps), dims_(dims), traditional_(traditional), base_(base),
-        scale_(scale), offset_(offset), has_freqs_(has_freqs) {}
+  // inputs: x, then w if has_norm, then the rotation's
+  Heads(mx::Stream s, int n, bool has_norm, float eps, Rotation rot)
+      : CPUPrimitive(s), n_(n), has_norm_(has_norm), eps_(eps), rot_(rot) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   const char* name() const override { return "GmlxHeads"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const Heads&>(other);
-    return n_ == o.n_ && has_norm_ == o.has_norm_ && eps_ == o.eps_ && dims_ == o.dims_ &&
-           traditional_ == o.traditional_ && base_ == o.base_ && scale_ == o.scale_ && offset_ == o.offset_ &&
-           has_freqs_ == o.has_freqs_;
+    return n_ == o.n_ && has_norm_ == o.has_norm_ && eps_ == o.eps_ && rot_ == o.rot_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     const auto& x = inputs[0].shape();
@@ -283,11 +280,7 @@ class Heads : public CPUPrimitive {
   int n_;
   bool has_norm_;
   float eps_;
-  int dims_;
-  bool traditional_;
-  float base_, scale_;
-  int64_t offset_;
-  bool has_freqs_;
+  Rotation rot_;
 };
 
 class AddNorm : public CPUPrimitive {
