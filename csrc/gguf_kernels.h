@@ -141,9 +141,12 @@ struct Impl {
   void (*logsumexp_rows)(const float* x, float* y, int64_t rows, int64_t N);
   // rows r0..r1 of RoPE; cs holds dims floats
   void (*rope_rows)(const RopeArgs& a, int64_t r0, int64_t r1, float* cs);
-  // softmax(scale q k^T + mask) v for query heads h0..h1 of batch row b (one KV head's group);
-  // scores holds (h1 - h0) * L * T floats
-  void (*attend)(const AttentionArgs& a, int64_t b, int64_t h0, int64_t h1, float* scores);
+  // Query heads h0..h1 of batch row b (one KV head's group) against keys t0..t1 only (decode: a
+  // part of split attention): for each of their R = (h1 - h0) * L rows, in order, the maximum m of
+  // its scores (scale q k^T + mask) and the sum of e^(score - m) (ml: R pairs), and that sum's
+  // weighting of the values (o: R x D); scores holds R * (t1 - t0) floats
+  void (*attend)(const AttentionArgs& a, int64_t b, int64_t h0, int64_t h1, int64_t t0, int64_t t1, float* scores,
+                 float* ml, float* o);
   // the same for query rows l0..l1 of head h of batch row b, by tiles of keys (prefill: many
   // rows); work holds attend_rows_work(l1 - l0, D) floats
   void (*attend_rows)(const AttentionArgs& a, int64_t b, int64_t h, int64_t l0, int64_t l1, float* work);

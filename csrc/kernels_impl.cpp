@@ -64,7 +64,8 @@ void gated_act(const float* g, const float* u, float* h, int64_t n, int act);
 void rms_norm_rows(const float* x, const float* w, float* y, int64_t rows, int64_t D, float eps);
 void logsumexp_rows(const float* x, float* y, int64_t rows, int64_t N);
 void rope_rows(const RopeArgs& a, int64_t r0, int64_t r1, float* cs);
-void attend(const AttentionArgs& a, int64_t b, int64_t h0, int64_t h1, float* scores);
+void attend(const AttentionArgs& a, int64_t b, int64_t h0, int64_t h1, int64_t t0, int64_t t1, float* scores,
+            float* ml, float* o);
 void attend_rows(const AttentionArgs& a, int64_t b, int64_t h, int64_t l0, int64_t l1, float* work);
 int64_t argmax_row(const float* x, int64_t n);
 float exp_sum(const float* x, int64_t n, float m, float k, float* w);

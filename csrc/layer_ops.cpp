@@ -24,8 +24,12 @@ constexpr int64_t PARALLEL_MIN_WORK = 1 << 16;
 // Attention for more query rows than this goes by blocks of ATTN_BLOCK rows over tiles of keys.
 constexpr int64_t ATTN_FEW_ROWS = 32;
 constexpr int64_t ATTN_BLOCK = 64;
+// Split decode attention: parts a thread takes (so a descheduled thread holds up one small part),
+// and the fewest keys a part has.
+constexpr int64_t ATTN_PARTS_PER_THREAD = 2;
+constexpr int64_t ATTN_PART_KEYS = 64;
 
-thread_local std::vector<float> tl_a, tl_b, tl_c, tl_d, tl_work;
+thread_local std::vector<float> tl_a, tl_b, tl_c, tl_d, tl_work, tl_parts;
 
 float* work_buffer(size_t n) {
   if (tl_work.size() < n) tl_work.resize(n);
@@ -398,17 +402,43 @@ void Attention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
       });
       return;
     }
-    // few query rows (decode): items are (batch row, a group of query heads sharing one KV
-    // head), so each key is read once for the group; a group is split when there are fewer
-    // KV heads than threads
-    const int64_t G = a.Hq / a.Hkv, groups = a.B * a.Hkv;
-    const int64_t splits = std::min<int64_t>(G, (nt + groups - 1) / groups);
-    const int64_t per = (G + splits - 1) / splits;
-    parallel_chunks(nt, groups * splits, [&](int64_t c) {
-      const int64_t g = c / splits, h0 = (g % a.Hkv) * G + (c % splits) * per;
-      const int64_t h1 = std::min(h0 + per, (g % a.Hkv + 1) * G);
-      if (h0 < h1) impl->attend(a, g / a.Hkv, h0, h1, work_buffer((size_t)((h1 - h0) * a.L * a.T)));
+    // few query rows (decode): items are (batch row, the query heads sharing a KV head) by a range
+    // of keys, so each key is read once. Where there are fewer such groups than threads the keys
+    // are split (each part's sums are merged below), not the heads: a decode step reads the whole
+    // cache, and split by heads each thread read all of it (docs/ARCHITECTURE.md, decision 27).
+    const int64_t G = a.Hq / a.Hkv, groups = a.B * a.Hkv, rows = G * a.L, D = a.D;
+    const int64_t parts =
+        groups >= nt ? 1
+                    : std::clamp<int64_t>((ATTN_PARTS_PER_THREAD * nt + groups - 1) / groups, 1,
+                                          std::max<int64_t>(1, a.T / ATTN_PART_KEYS));
+    const int64_t stride = rows * (D + 2);  // a part's (m, l) pairs and its rows' outputs
+    if (tl_parts.size() < (size_t)(groups * parts * stride)) tl_parts.resize(groups * parts * stride);
+    float* part = tl_parts.data();
+    parallel_chunks(nt, groups * parts, [&](int64_t c) {
+      const int64_t g = c / parts, p = c % parts, h0 = g % a.Hkv * G;
+      const int64_t t0 = a.T * p / parts, t1 = a.T * (p + 1) / parts;
+      float* mine = part + c * stride;
+      impl->attend(a, g / a.Hkv, h0, h0 + G, t0, t1, work_buffer((size_t)(rows * (t1 - t0))), mine, mine + 2 * rows);
     });
+    for (int64_t g = 0; g < groups; g++) {
+      const float* first = part + g * parts * stride;
+      float* o = a.out + (g / a.Hkv * a.Hq + g % a.Hkv * G) * a.L * D;  // the group's rows lie together
+      for (int64_t r = 0; r < rows; r++, o += D) {
+        float m = -INFINITY, sum = 0.f;
+        for (int64_t p = 0; p < parts; p++) m = std::max(m, first[p * stride + 2 * r]);
+        std::fill(o, o + D, 0.f);
+        if (m == -INFINITY) continue;  // nothing to attend to (a padding row): zeros, not NaN
+        for (int64_t p = 0; p < parts; p++) {
+          const float* pp = first + p * stride;
+          const float w = std::exp(pp[2 * r] - m);  // 0 for a part that saw no key
+          sum += w * pp[2 * r + 1];
+          const float* po = pp + 2 * rows + r * D;
+          for (int64_t d = 0; d < D; d++) o[d] += w * po[d];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t d = 0; d < D; d++) o[d] *= inv;
+      }
+    }
   });
 }
 

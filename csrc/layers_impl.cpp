@@ -390,28 +390,27 @@ bool masked_out(const AttentionArgs& a, int64_t b, int64_t h, int64_t l0, int64_
 
 }  // namespace
 
-void attend(const AttentionArgs& a, int64_t b, int64_t h0, int64_t h1, float* scores) {
+void attend(const AttentionArgs& a, int64_t b, int64_t h0, int64_t h1, int64_t t0, int64_t t1, float* scores,
+            float* ml, float* o) {
   // Query heads h0..h1 share one KV head: each key and value row is read once for all of them.
-  const int64_t L = a.L, T = a.T, D = a.D, rows = (h1 - h0) * L;
+  const int64_t L = a.L, T = a.T, D = a.D, n = t1 - t0, rows = (h1 - h0) * L;
   const int64_t kvh = h0 / (a.Hq / a.Hkv);
-  const float* kb = a.k + b * a.ks[0] + kvh * a.ks[1];
-  const float* vb = a.v + b * a.vs[0] + kvh * a.vs[1];
-  float* out = a.out + (b * a.Hq + h0) * L * D;
-  qk_rows(a.q + (b * a.Hq + h0) * L * D, rows, D, kb, a.ks[2], T, a.scale, scores);
+  const float* kb = a.k + b * a.ks[0] + kvh * a.ks[1] + t0 * a.ks[2];
+  const float* vb = a.v + b * a.vs[0] + kvh * a.vs[1] + t0 * a.vs[2];
+  qk_rows(a.q + (b * a.Hq + h0) * L * D, rows, D, kb, a.ks[2], n, a.scale, scores);
   for (int64_t r = 0; r < rows; r++) {
     const int64_t l = r % L;
-    float* s = scores + r * T;
+    float* s = scores + r * n;
     // the last query row sees every key; row l sees the first T - L + 1 + l
-    const float m = mask_row(a, b, h0 + r / L, l, 0, a.causal ? T - L + 1 + l : T, T, s);
-    if (m == -INFINITY) {  // nothing to attend to (a padding row): zeros, not NaN
-      memset(s, 0, sizeof(float) * T);
-      continue;
-    }
-    const float inv = 1.f / exp_sum(s, T, m, 1.f, s);
-    for (int64_t t = 0; t < T; t++) s[t] *= inv;
+    int64_t seen = a.causal ? T - L + 1 + l - t0 : n;
+    seen = seen < 0 ? 0 : seen > n ? n : seen;
+    const float m = mask_row(a, b, h0 + r / L, l, t0, seen, n, s);
+    ml[2 * r] = m;
+    ml[2 * r + 1] = m == -INFINITY ? 0.f : exp_sum(s, n, m, 1.f, s);
+    if (m == -INFINITY) memset(s, 0, sizeof(float) * n);  // nothing to attend to here: no weight
   }
-  memset(out, 0, sizeof(float) * rows * D);
-  pv(scores, T, rows, vb, a.vs[2], T, D, out);
+  memset(o, 0, sizeof(float) * rows * D);
+  pv(scores, n, rows, vb, a.vs[2], n, D, o);
 }
 
 void attend_rows(const AttentionArgs& a, int64_t b, int64_t h, int64_t l0, int64_t l1, float* work) {

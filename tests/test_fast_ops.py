@@ -69,10 +69,12 @@ def test_rope(rng, traditional, dims):
 
 @pytest.mark.parametrize("hq,hkv", [(4, 1), (4, 2), (3, 3)])
 @pytest.mark.parametrize("L,D", [(1, 64), (4, 80), (32, 72), (33, 64), (70, 80), (300, 72)])
-def test_attention_over_a_cache_view(rng, hq, hkv, L, D, isa):
+@pytest.mark.parametrize("B,past", [(2, 33), (1, 290)])
+def test_attention_over_a_cache_view(rng, hq, hkv, L, D, B, past, isa):
     # L up to 32: the few-rows (decode) path; from 33, blocks of 64 rows over tiles of 128 keys, with
-    # head sizes that leave a vector's and a scalar's tail
-    B, T = 2, L + 33
+    # head sizes that leave a vector's and a scalar's tail. One batch row of a long cache: fewer KV
+    # heads than threads, so decode splits the keys into parts (the window's first parts see nothing).
+    T = L + past
     q = randn(rng, B, hq, L, D)
     kbuf, vbuf = randn(rng, B, hkv, T + 27, D), randn(rng, B, hkv, T + 27, D)
     k, v = kbuf[:, :, :T], vbuf[:, :, :T]  # what a KV cache hands back: a view of its buffer
@@ -108,9 +110,10 @@ def test_logsumexp_over_a_vocabulary(rng):
 
 
 @pytest.mark.parametrize("L", [1, 40])
-def test_attention_row_with_nothing_to_attend_is_zero_not_nan(rng, L):
-    q, k, v = randn(rng, 1, 2, L, 8), randn(rng, 1, 1, 4, 8), randn(rng, 1, 1, 4, 8)
-    out = np.array(mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask=mx.zeros((4,), mx.bool_)))
+@pytest.mark.parametrize("T", [4, 500])
+def test_attention_row_with_nothing_to_attend_is_zero_not_nan(rng, L, T):
+    q, k, v = randn(rng, 1, 2, L, 64), randn(rng, 1, 1, T, 64), randn(rng, 1, 1, T, 64)
+    out = np.array(mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask=mx.zeros((T,), mx.bool_)))
     assert np.all(out == 0)
 
 
