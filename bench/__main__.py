@@ -75,6 +75,16 @@ def machine() -> dict[str, Any]:
     }
 
 
+def run_record(model: Path) -> dict[str, Any]:
+    """What a result file opens with: the model, this machine, the time and the load at the start."""
+    return {
+        "model": model.name,
+        "machine": machine(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "load_average_1m_start": os.getloadavg()[0],
+    }
+
+
 def ratios(peers: dict[str, Any]) -> dict[str, Any]:
     """gmlx over each peer, as speed ratios (above 1: gmlx is faster); TTFT as peer TTFT / gmlx TTFT."""
     ours = peers.get("gmlx", {})

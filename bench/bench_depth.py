@@ -18,12 +18,11 @@ import asyncio
 import json
 import os
 import statistics
-import time
 from typing import Any
 
 import httpx
 
-from bench.__main__ import RESULTS, machine
+from bench.__main__ import RESULTS, run_record
 from bench.harness import Server, log, prompt_of, stream_once
 from bench.peers import peer
 from gmlx.default_model import resolve_model
@@ -55,10 +54,7 @@ def main() -> None:
         for i, name in enumerate(PEERS)
     }
     out: dict[str, Any] = {
-        "model": model.name,
-        "machine": machine(),
-        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "load_average_1m_start": os.getloadavg()[0],
+        **run_record(model),
         "max_tokens": args.max_tokens,
         "rounds": args.rounds,
     }

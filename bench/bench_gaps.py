@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from bench.__main__ import RESULTS, machine
+from bench.__main__ import RESULTS, run_record
 from bench.harness import Server, log, prompt_of, story_prompt
 from bench.peers import Peer, peer
 from gmlx.default_model import resolve_model
@@ -97,10 +97,7 @@ def main() -> None:
     model = resolve_model(args.model)
     tokenizer = load_tokenizer(read_header(model))
     out: dict[str, Any] = {
-        "model": model.name,
-        "machine": machine(),
-        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "load_average_1m_start": os.getloadavg()[0],
+        **run_record(model),
         "streams": args.streams,
         "long_prompt_tokens": args.long,
         "peers": {},
