@@ -3,6 +3,7 @@ this process or as a `gmlx serve` process of its own."""
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import subprocess
@@ -67,6 +68,8 @@ class LiveServer:
 
     def __init__(self, model: Path, build=None, **overrides: object):
         """`build(deployment, others_bytes)` makes each model's engine (server.build's by default)."""
+        import mlx.core as mx
+
         from gmlx.deployment import deployments
         from gmlx.presets import load_presets
         from gmlx.server.app import create_app
@@ -75,6 +78,10 @@ class LiveServer:
         from gmlx.server.system import models_dir_files
         from gmlx.settings import resolve_settings
 
+        # The server reads this process's MLX memory as its own (fits_now, the governor): earlier
+        # tests' engines, held in reference cycles until the collector runs, would count as in use.
+        gc.collect()
+        mx.clear_cache()
         flags = {"decode_batch": 4, "weights": "float", "log_level": "warning", **overrides}
         self.settings = s = resolve_settings(flags, env={})
         presets = load_presets(s.models_preset) if s.models_preset else {}
