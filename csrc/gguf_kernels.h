@@ -143,8 +143,8 @@ struct Impl {
   void (*rope_rows)(const RopeArgs& a, int64_t r0, int64_t r1, float* cs);
   // Query heads h0..h1 of batch row b (one KV head's group) against keys t0..t1 only (decode: a
   // part of split attention): for each of their R = (h1 - h0) * L rows, in order, the maximum m of
-  // its scores (scale q k^T + mask) and the sum of e^(score - m) (ml: R pairs), and that sum's
-  // weighting of the values (o: R x D); scores holds R * (t1 - t0) floats
+  // its scores (scale q k^T + mask) and the sum of e^(score - m) (ml: R pairs), and the values
+  // weighted by those e^(score - m) (o: R x D); scores holds R * (t1 - t0) floats
   void (*attend)(const AttentionArgs& a, int64_t b, int64_t h0, int64_t h1, int64_t t0, int64_t t1, float* scores,
                  float* ml, float* o);
   // the same for query rows l0..l1 of head h of batch row b, by tiles of keys (prefill: many
