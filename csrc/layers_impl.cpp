@@ -312,6 +312,54 @@ void pv(const float* P, int64_t ldp, int64_t rows, const float* V, int64_t vs, i
   }
 }
 
+// O (R x D) += P (R x n, stride ldp) V, V's rows read in order, four at a time against every
+// row's outputs (which stay in L1): a decode step's values then stream from memory once, where
+// pv walks all n rows again for each slice of D. Each output sums its products in key order, as pv.
+template <int R>
+void pv_stream_rows(const float* P, int64_t ldp, const float* V, int64_t vs, int64_t n, int64_t D, float* O) {
+  const int64_t Dv = D / FW * FW;
+  int64_t t = 0;
+  for (; t + 4 <= n; t += 4) {
+    const float* v[4] = {V + t * vs, V + (t + 1) * vs, V + (t + 2) * vs, V + (t + 3) * vs};
+    fvec p[R][4];
+    for (int r = 0; r < R; r++)
+      for (int k = 0; k < 4; k++) p[r][k] = vset(P[r * ldp + t + k]);
+    for (int64_t d = 0; d < Dv; d += FW) {
+      const fvec a = vld(v[0] + d), b = vld(v[1] + d), c = vld(v[2] + d), e = vld(v[3] + d);
+      for (int r = 0; r < R; r++) {
+        fvec o = vld(O + r * D + d);
+        o += p[r][0] * a;
+        o += p[r][1] * b;
+        o += p[r][2] * c;
+        o += p[r][3] * e;
+        vst(O + r * D + d, o);
+      }
+    }
+    for (int64_t d = Dv; d < D; d++)
+      for (int r = 0; r < R; r++)
+        for (int k = 0; k < 4; k++) O[r * D + d] += P[r * ldp + t + k] * v[k][d];
+  }
+  for (; t < n; t++)
+    for (int r = 0; r < R; r++) {
+      const float pr = P[r * ldp + t];
+      const float* vt = V + t * vs;
+      for (int64_t d = 0; d < D; d++) O[r * D + d] += pr * vt[d];
+    }
+}
+
+void pv_stream(const float* P, int64_t ldp, int64_t rows, const float* V, int64_t vs, int64_t n, int64_t D, float* O) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) pv_stream_rows<4>(P + r * ldp, ldp, V, vs, n, D, O + r * D);
+  const float* Pr = P + r * ldp;
+  float* Or = O + r * D;
+  switch (rows - r) {
+    case 1: pv_stream_rows<1>(Pr, ldp, V, vs, n, D, Or); break;
+    case 2: pv_stream_rows<2>(Pr, ldp, V, vs, n, D, Or); break;
+    case 3: pv_stream_rows<3>(Pr, ldp, V, vs, n, D, Or); break;
+    default: break;
+  }
+}
+
 // S (R x T) = scale Q K^T for few rows (decode), K's rows read as they lie: two query rows by
 // NK keys a step, so 2 NK independent accumulators hide the FMA's latency, each reduced once.
 void qk_rows(const float* Q, int64_t R, int64_t D, const float* K, int64_t ks, int64_t T, float scale, float* S) {
@@ -410,7 +458,7 @@ void attend(const AttentionArgs& a, int64_t b, int64_t h0, int64_t h1, int64_t t
     if (m == -INFINITY) memset(s, 0, sizeof(float) * n);  // nothing to attend to here: no weight
   }
   memset(o, 0, sizeof(float) * rows * D);
-  pv(scores, n, rows, vb, a.vs[2], n, D, o);
+  pv_stream(scores, n, rows, vb, a.vs[2], n, D, o);
 }
 
 void attend_rows(const AttentionArgs& a, int64_t b, int64_t h, int64_t l0, int64_t l1, float* work) {
