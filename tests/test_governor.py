@@ -291,6 +291,18 @@ def test_each_band_acts_on_a_live_server(tmp_path: Path) -> None:
 
         watcher = threading.Thread(target=watch)
         watcher.start()
+        # The three overlap however fast this machine prefills: the engine's first step waits until
+        # one of them queues (a loaded CI machine once admitted each before the next arrived).
+        step = engine._step
+
+        def held(gen):
+            deadline = time.monotonic() + 10
+            while gate.waiting == 0 and time.monotonic() < deadline:
+                time.sleep(0.001)
+            engine._step = step
+            return step(gen)
+
+        engine._step = held
         readers = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
         for t in readers:
             t.start()
