@@ -8,6 +8,8 @@
 #include <math.h>
 #include <string.h>
 
+#include <utility>
+
 #if defined(__AVX512F__)
 #include <immintrin.h>  // _mm512_reduce_add_ps
 #endif
@@ -296,20 +298,22 @@ void pv_rows(const float* P, int64_t ldp, const float* V, int64_t vs, int64_t n,
       for (int64_t t = 0; t < n; t++) O[r * D + d] += P[r * ldp + t] * V[t * vs + d];
 }
 
+// f(R, r) for rows r .. r + R of `rows`: blocks of MR, then one of the rest. R is a compile-time
+// count (a std::integral_constant), so a block's accumulators stay in registers.
+template <int MR, class F>
+void row_blocks(int64_t rows, F&& f) {
+  int64_t r = 0;
+  for (; r + MR <= rows; r += MR) f(std::integral_constant<int, MR>{}, r);
+  [&]<int... R>(std::integer_sequence<int, R...>) {
+    ((rows - r == R + 1 ? f(std::integral_constant<int, R + 1>{}, r) : void()), ...);
+  }(std::make_integer_sequence<int, MR - 1>{});
+}
+
 // O (rows x D) += P (rows x n, stride ldp) V: ATTN_MR rows at a time, then the rest
 void pv(const float* P, int64_t ldp, int64_t rows, const float* V, int64_t vs, int64_t n, int64_t D, float* O) {
-  int64_t r = 0;
-  for (; r + ATTN_MR <= rows; r += ATTN_MR) pv_rows<ATTN_MR>(P + r * ldp, ldp, V, vs, n, D, O + r * D);
-  const float* Pr = P + r * ldp;
-  float* Or = O + r * D;
-  switch (rows - r) {
-    case 1: pv_rows<1>(Pr, ldp, V, vs, n, D, Or); break;
-    case 2: pv_rows<2>(Pr, ldp, V, vs, n, D, Or); break;
-    case 3: pv_rows<3>(Pr, ldp, V, vs, n, D, Or); break;
-    case 4: pv_rows<4>(Pr, ldp, V, vs, n, D, Or); break;
-    case 5: pv_rows<5>(Pr, ldp, V, vs, n, D, Or); break;
-    default: break;
-  }
+  row_blocks<ATTN_MR>(rows, [&](auto R, int64_t r) {
+    pv_rows<decltype(R)::value>(P + r * ldp, ldp, V, vs, n, D, O + r * D);
+  });
 }
 
 // O (R x D) += P (R x n, stride ldp) V, V's rows read in order, four at a time against every
@@ -348,16 +352,9 @@ void pv_stream_rows(const float* P, int64_t ldp, const float* V, int64_t vs, int
 }
 
 void pv_stream(const float* P, int64_t ldp, int64_t rows, const float* V, int64_t vs, int64_t n, int64_t D, float* O) {
-  int64_t r = 0;
-  for (; r + 4 <= rows; r += 4) pv_stream_rows<4>(P + r * ldp, ldp, V, vs, n, D, O + r * D);
-  const float* Pr = P + r * ldp;
-  float* Or = O + r * D;
-  switch (rows - r) {
-    case 1: pv_stream_rows<1>(Pr, ldp, V, vs, n, D, Or); break;
-    case 2: pv_stream_rows<2>(Pr, ldp, V, vs, n, D, Or); break;
-    case 3: pv_stream_rows<3>(Pr, ldp, V, vs, n, D, Or); break;
-    default: break;
-  }
+  row_blocks<4>(rows, [&](auto R, int64_t r) {
+    pv_stream_rows<decltype(R)::value>(P + r * ldp, ldp, V, vs, n, D, O + r * D);
+  });
 }
 
 // S (R x T) = scale Q K^T for few rows (decode), K's rows read as they lie: two query rows by
