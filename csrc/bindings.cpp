@@ -77,9 +77,4 @@ NB_MODULE(_ext, m) {
   m.def("type_size", &gk::type_size, "type"_a);
   m.attr("mlx_version") = std::to_string(MLX_VERSION_MAJOR) + "." + std::to_string(MLX_VERSION_MINOR) + "." +
                           std::to_string(MLX_VERSION_PATCH);
-#ifdef _OPENMP
-  m.attr("openmp") = true;
-#else
-  m.attr("openmp") = false;
-#endif
 }

@@ -9,15 +9,10 @@
 #include <cstring>
 #include <sstream>
 #include <stdexcept>
-#include <thread>
 #include <vector>
 
 #if defined(__unix__) || defined(__APPLE__)
 #include <dlfcn.h>
-#endif
-#ifdef __linux__
-#include <pthread.h>
-#include <sched.h>
 #endif
 #if defined(GMLX_HAVE_AMX) && defined(__linux__)
 #include <cpuid.h>
@@ -43,60 +38,6 @@ int type_size(int type) {
   for (const BlockFormat& f : FORMATS)
     if (f.type == type) return f.bytes;
   return 0;
-}
-
-namespace {
-
-// The CPUs this process may run on, in order (a container's cpuset, taskset's mask); empty where
-// that is not known.
-const std::vector<int>& allowed_cpus() {
-  static const std::vector<int> cpus = [] {
-    std::vector<int> out;
-#ifdef __linux__
-    cpu_set_t set;
-    if (sched_getaffinity(0, sizeof set, &set) == 0)
-      for (int c = 0; c < CPU_SETSIZE; c++)
-        if (CPU_ISSET(c, &set)) out.push_back(c);
-#endif
-    return out;
-  }();
-  return cpus;
-}
-
-}  // namespace
-
-int n_threads() {
-  static int n = [] {
-    if (const char* s = std::getenv("GMLX_KERNELS_THREADS")) {
-      int v = std::atoi(s);
-      if (v > 0) return v;
-    }
-    if (!allowed_cpus().empty()) return (int)allowed_cpus().size();
-    unsigned hw = std::thread::hardware_concurrency();
-    return hw ? (int)hw : 1;
-  }();
-  return n;
-}
-
-void pin_member(int i) {
-#ifdef __linux__
-  // Only a team that uses every CPU the process may run on is pinned: fewer threads than those
-  // CPUs (GMLX_KERNELS_THREADS) leave the rest to other work, which could be on any of them, and
-  // more would share CPUs anyway.
-  static const std::vector<int> cpus = [] {
-    const char* env = std::getenv("GMLX_KERNELS_PIN");
-    if ((env && std::string(env) == "0") || (int)allowed_cpus().size() != n_threads()) return std::vector<int>{};
-    return allowed_cpus();
-  }();
-  thread_local int pinned = -1;
-  if (i >= (int)cpus.size() || pinned == cpus[i]) return;
-  cpu_set_t one;
-  CPU_ZERO(&one);
-  CPU_SET(cpus[i], &one);
-  if (pthread_setaffinity_np(pthread_self(), sizeof one, &one) == 0) pinned = cpus[i];
-#else
-  (void)i;
-#endif
 }
 
 namespace {

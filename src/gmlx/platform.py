@@ -61,11 +61,6 @@ def prepare() -> BlasInfo:
     """Preload an optimized BLAS on Linux; idempotent. Must run before `import mlx`."""
     if not sys.platform.startswith("linux"):
         return BlasInfo("accelerate" if sys.platform == "darwin" else "none", None)
-    # The kernels' OpenMP threads spin ~300,000 rounds after each parallel region by default,
-    # holding a core that OpenBLAS's threads (prefill) and the Python thread building the next
-    # step need: a short spin measured prefill +15-30 % and batch-1 decode +5-10 % on 2 cores.
-    # libgomp reads this once, when it loads; respect a user's own setting.
-    os.environ.setdefault("GOMP_SPINCOUNT", "10000")
     if os.environ.get("GMLX_BLAS") == "reference":
         return BlasInfo("reference", None)
     # One OpenBLAS thread per usable CPU was fastest here; respect a user's own choice.

@@ -348,7 +348,7 @@ def _serve(settings: Settings) -> int:
 
 def _exit_now(code: int) -> NoReturn:
     """End the process once the server has drained, without the interpreter's teardown: MLX's and
-    OpenMP's native threads do not survive static destruction ("terminate called without an active
+    the kernels' native threads do not survive static destruction ("terminate called without an active
     exception", exit 134), and nothing of gmlx's needs it (logs and streams are flushed here)."""
     logging.shutdown()
     sys.stdout.flush()
