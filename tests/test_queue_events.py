@@ -49,16 +49,19 @@ class Holder:
 
 def test_a_waiting_stream_hears_its_place_then_runs(server: LiveServer) -> None:
     release = Holder(server)
-    with server.client() as c, c.stream("POST", "/v1/chat/completions", json=ASK, headers=HEADER) as r:
-        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-        lines = r.iter_lines()
-        first = next(lines)
-        started = time.monotonic()
-        assert (m := QUEUED.fullmatch(first)) and m.group(1) == m.group(2) == "1", first
-        second = next(line for line in lines if line)
-        assert QUEUED.fullmatch(second) and time.monotonic() - started > 0.5  # about a second apart
+    try:  # a failed check still frees the slot, or every later test would find it taken
+        with server.client() as c, c.stream("POST", "/v1/chat/completions", json=ASK, headers=HEADER) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            lines = r.iter_lines()
+            first = next(lines)
+            started = time.monotonic()
+            assert (m := QUEUED.fullmatch(first)) and m.group(1) == m.group(2) == "1", first
+            second = next(line for line in lines if line)
+            assert QUEUED.fullmatch(second) and time.monotonic() - started > 0.5  # about a second apart
+            release.set()
+            rest = [line for line in lines if line.startswith("data: ")]
+    finally:
         release.set()
-        rest = [line for line in lines if line.startswith("data: ")]
     assert rest[-1] == "data: [DONE]"
     chunks = [json.loads(line.removeprefix("data: ")) for line in rest[:-1]]
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant" and chunks[-1]["choices"][0]["finish_reason"]

@@ -91,9 +91,10 @@ async def _queued_stream(
         told = False
         while not task.done():
             if rid in m.queued:
+                # Both from the model's queue: a request is in it a moment before the gate counts it.
                 ahead = list(m.queued).index(rid) + 1
                 eta = m.gate.retry_after(waiting=ahead)
-                yield f": queued position={ahead} waiting={m.gate.waiting} eta_s={eta}\n\n"
+                yield f": queued position={ahead} waiting={len(m.queued)} eta_s={eta}\n\n"
                 told = True
             await asyncio.wait({task}, timeout=QUEUE_EVENT_EVERY_S if told else _PREFILL_POLL_S)
         try:
