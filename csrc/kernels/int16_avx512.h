@@ -353,6 +353,58 @@ void group_dot8(const uint8_t* w, int64_t rb, int n, const XQ& x, int M, float* 
   }
 }
 
+// packed_dot with 8-bit activation codes (narrow_row), for MR activation rows from m0, whose sums
+// stay in registers across the blocks: a block's 16 pairs of codes, read as 8 registers of 4
+// codes a lane (one permute each: a row's pairs 2q and 2q + 1 lie 32 bytes apart), meet each
+// activation row in 8 dpbusd where packed_dot spends 16 dpwssd, signed as group_dot8 does, so the
+// integer sums are packed_dot's on the same codes, and so are the floats.
+template <int MR>
+inline void packed_dot8_rows(const uint8_t* w, const XQ& x, int m0, float* out) {
+  const int64_t K = x.K, nb32 = K / 32;
+  alignas(64) static constexpr int16_t ORDER[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                    8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i order = _mm512_load_si512(ORDER);  // word 2i: pair 2q of row i; word 2i + 1: pair 2q + 1
+  __m512 acc[MR];
+  for (int i = 0; i < MR; i++) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb32; b++) {
+    const uint8_t* blk = w + b * PACKED_BLOCK;
+    for (int l = 0; l < PACKED_BLOCK; l += 64) _mm_prefetch((const char*)blk + PREFETCH_PACKED + l, _MM_HINT_T0);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)blk));
+    __m512i r[8];
+    for (int q = 0; q < 8; q++)
+      r[q] = _mm512_xor_si512(_mm512_permutexvar_epi16(order, _mm512_loadu_si512(blk + packed_pairs_at(2 * q))),
+                              _mm512_set1_epi8((char)0x80));
+    for (int i = 0; i < MR; i++) {
+      const int8_t* row = (const int8_t*)(x.q + (m0 + i) * K);
+      const int32_t* xp = (const int32_t*)(row + b * 32);
+      __m512i s0 = _mm512_set1_epi32(((const int32_t*)(row + K))[2 * b]), s1 = _mm512_setzero_si512();
+      for (int q = 0; q < 8; q += 2) {
+        s0 = _mm512_dpbusd_epi32(s0, r[q], _mm512_set1_epi32(xp[q]));
+        s1 = _mm512_dpbusd_epi32(s1, r[q + 1], _mm512_set1_epi32(xp[q + 1]));
+      }
+      const __m512 xd = _mm512_set1_ps(x.d[(m0 + i) * nb32 + b]);
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_mul_ps(d, xd), acc[i]);
+    }
+  }
+  for (int i = 0; i < MR; i++) _mm512_storeu_ps(out + (m0 + i) * PACK_ROWS, acc[i]);
+}
+
+// A Q8_0_R16 group against M rows of 8-bit codes: out[m * PACK_ROWS + i], 8 rows at a time.
+inline void packed_dot8(const uint8_t* w, const XQ& x, int M, float* out) {
+  int m0 = 0;
+  for (; m0 + 8 <= M; m0 += 8) packed_dot8_rows<8>(w, x, m0, out);
+  switch (M - m0) {
+    case 0: break;
+    case 1: packed_dot8_rows<1>(w, x, m0, out); break;
+    case 2: packed_dot8_rows<2>(w, x, m0, out); break;
+    case 3: packed_dot8_rows<3>(w, x, m0, out); break;
+    case 4: packed_dot8_rows<4>(w, x, m0, out); break;
+    case 5: packed_dot8_rows<5>(w, x, m0, out); break;
+    case 6: packed_dot8_rows<6>(w, x, m0, out); break;
+    default: packed_dot8_rows<7>(w, x, m0, out); break;
+  }
+}
+
 #endif  // __AVX512VNNI__
 
 }  // namespace

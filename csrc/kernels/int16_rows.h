@@ -108,28 +108,21 @@ void int_rows(const MatmulArgs& a, const int16_t* xq, const float* xd, const flo
 constexpr int PACKED_ROWS = 64;
 
 // Weight rows n0 .. n1 of a Q8_0_R16 tensor against every activation row, a group at a time.
-// With VNNI, 8-bit codes (narrowed in place, code_row) are widened back to int16 in scratch,
-// INT_ROWS rows at a time: their sums are the same integers.
+// With VNNI, 8-bit codes (narrowed in place, code_row) take packed_dot8.
 void packed_rows_int(const MatmulArgs& a, const int16_t* xq, const float* xd, int64_t n0, int64_t n1,
-                     [[maybe_unused]] void* scratch, int bits) {
-  const int64_t nb = a.K / 32, step = bits == 8 ? INT_ROWS : PACKED_ROWS;
+                     [[maybe_unused]] void* scratch, [[maybe_unused]] int bits) {
+  const int64_t nb = a.K / 32;
   float out[PACKED_ROWS * PACK_ROWS];
-  for (int64_t m0 = 0; m0 < a.M; m0 += step) {
-    const int mc = (int)(a.M - m0 < step ? a.M - m0 : step);
-    XQ x{xq + m0 * a.K, xd + m0 * nb, nullptr, a.K};
-#ifdef __AVX512VNNI__
-    if (bits == 8) {
-      int16_t* wide = (int16_t*)scratch;  // INT_ROWS * K int16 fit INT_SCRATCH_PER_K * K bytes
-      for (int m = 0; m < mc; m++) {
-        const int8_t* codes = (const int8_t*)(xq + (m0 + m) * a.K);
-        for (int64_t k = 0; k < a.K; k += 32)
-          _mm512_storeu_si512(wide + m * a.K + k, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(codes + k))));
-      }
-      x.q = wide;
-    }
-#endif
+  for (int64_t m0 = 0; m0 < a.M; m0 += PACKED_ROWS) {
+    const int mc = (int)(a.M - m0 < PACKED_ROWS ? a.M - m0 : PACKED_ROWS);
+    const XQ x{xq + m0 * a.K, xd + m0 * nb, nullptr, a.K};
     for (int64_t n = n0; n < n1; n += PACK_ROWS) {
-      packed_dot(a.w + n * a.row_bytes, x, mc, out);
+#ifdef __AVX512VNNI__
+      if (bits == 8)
+        packed_dot8(a.w + n * a.row_bytes, x, mc, out);
+      else
+#endif
+        packed_dot(a.w + n * a.row_bytes, x, mc, out);
       for (int m = 0; m < mc; m++) memcpy(a.y + (m0 + m) * a.N + n, out + m * PACK_ROWS, PACK_ROWS * sizeof(float));
     }
   }
