@@ -574,7 +574,7 @@ mx::array pack_q8_0(const mx::array& w_in) {
   mx::array packed(mx::allocator::malloc((size_t)(rows * rb)), w.shape(), mx::uint8);
   const uint8_t* src = w.data<uint8_t>();
   uint8_t* dst = packed.data<uint8_t>();
-  // Written in order (a third of the time scattered writes took). One thread: the kernels' team
+  // Written in order (a third of the time scattered writes took). One thread: a parallel region
   // would pin the loading thread to a CPU for good (pin_member), and this runs once.
   for (int64_t g = 0; g < rows / PACK_ROWS; g++) {
     const uint8_t* group = src + g * PACK_ROWS * rb;
