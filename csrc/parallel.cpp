@@ -1,6 +1,7 @@
 // The kernels' threads: how many, where they run, and the pool that runs a parallel region.
 #include "parallel.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
