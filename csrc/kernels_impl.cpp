@@ -4,6 +4,7 @@
 //   kernels/dispatch.h     GGML type id -> the kernels' compile-time TYPE (from FORMATS)
 //   kernels/dequant.h      blocks -> float (float path, BLAS panels, embeddings)
 //   kernels/vec.h          the float vector of each ISA
+//   kernels/row_blocks.h   rows in blocks of a compile-time count (register-blocked kernels)
 //   kernels/float_path.h   any rows: dequantized tiles and a register-blocked micro-kernel
 //   kernels/int_codes.h    integer paths: activation codes, weight blocks as int8 codes
 //   kernels/int16_rows.h   AVX2 / AVX-512 (int16_avx2.h, int16_avx512.h): few rows, int16 madd

@@ -4,11 +4,11 @@
 // width. Plain C maths only (see kernels_impl.cpp).
 
 #include "gguf_kernels.h"
+#include "kernels/row_blocks.h"
 
 #include <math.h>
 #include <string.h>
 
-#include <utility>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>  // _mm512_reduce_add_ps
@@ -296,17 +296,6 @@ void pv_rows(const float* P, int64_t ldp, const float* V, int64_t vs, int64_t n,
   for (; d < D; d++)
     for (int r = 0; r < MR; r++)
       for (int64_t t = 0; t < n; t++) O[r * D + d] += P[r * ldp + t] * V[t * vs + d];
-}
-
-// f(R, r) for rows r .. r + R of `rows`: blocks of MR, then one of the rest. R is a compile-time
-// count (a std::integral_constant), so a block's accumulators stay in registers.
-template <int MR, class F>
-void row_blocks(int64_t rows, F&& f) {
-  int64_t r = 0;
-  for (; r + MR <= rows; r += MR) f(std::integral_constant<int, MR>{}, r);
-  [&]<int... R>(std::integer_sequence<int, R...>) {
-    ((rows - r == R + 1 ? f(std::integral_constant<int, R + 1>{}, r) : void()), ...);
-  }(std::make_integer_sequence<int, MR - 1>{});
 }
 
 // O (rows x D) += P (rows x n, stride ldp) V: ATTN_MR rows at a time, then the rest

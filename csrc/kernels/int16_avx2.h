@@ -116,18 +116,10 @@ inline void packed_dot_rows(const uint8_t* w, const XQ& x, float* out) {
 
 inline void packed_dot(const uint8_t* w, const XQ& x, int M, float* out) {
   for (int m = 0; m < M; m++) memset(out + m * PACK_ROWS, 0, PACK_ROWS * sizeof(float));
-  for (int m0 = 0; m0 < M; m0 += 6) {
+  row_blocks<6>(M, [&](auto R, int64_t m0) {
     const XQ rows{x.q + m0 * x.K, x.d + m0 * (x.K / 32), nullptr, x.K};
-    float* o = out + m0 * PACK_ROWS;
-    switch (M - m0 < 6 ? M - m0 : 6) {
-      case 1: packed_dot_rows<1>(w, rows, o); break;
-      case 2: packed_dot_rows<2>(w, rows, o); break;
-      case 3: packed_dot_rows<3>(w, rows, o); break;
-      case 4: packed_dot_rows<4>(w, rows, o); break;
-      case 5: packed_dot_rows<5>(w, rows, o); break;
-      default: packed_dot_rows<6>(w, rows, o); break;
-    }
-  }
+    packed_dot_rows<decltype(R)::value>(w, rows, out + m0 * PACK_ROWS);
+  });
 }
 
 }  // namespace

@@ -391,18 +391,7 @@ inline void packed_dot8_rows(const uint8_t* w, const XQ& x, int m0, float* out) 
 
 // A Q8_0_R16 group against M rows of 8-bit codes: out[m * PACK_ROWS + i], 8 rows at a time.
 inline void packed_dot8(const uint8_t* w, const XQ& x, int M, float* out) {
-  int m0 = 0;
-  for (; m0 + 8 <= M; m0 += 8) packed_dot8_rows<8>(w, x, m0, out);
-  switch (M - m0) {
-    case 0: break;
-    case 1: packed_dot8_rows<1>(w, x, m0, out); break;
-    case 2: packed_dot8_rows<2>(w, x, m0, out); break;
-    case 3: packed_dot8_rows<3>(w, x, m0, out); break;
-    case 4: packed_dot8_rows<4>(w, x, m0, out); break;
-    case 5: packed_dot8_rows<5>(w, x, m0, out); break;
-    case 6: packed_dot8_rows<6>(w, x, m0, out); break;
-    default: packed_dot8_rows<7>(w, x, m0, out); break;
-  }
+  row_blocks<8>(M, [&](auto R, int64_t m0) { packed_dot8_rows<decltype(R)::value>(w, x, (int)m0, out); });
 }
 
 #endif  // __AVX512VNNI__

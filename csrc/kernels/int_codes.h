@@ -9,6 +9,7 @@
 #pragma once
 
 #include "kernels/dequant.h"
+#include "kernels/row_blocks.h"
 #include "kernels/vec.h"
 
 #include <immintrin.h>
