@@ -20,6 +20,7 @@ import os
 import platform
 import sys
 import time
+from dataclasses import replace
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -162,6 +163,8 @@ def serve(args: argparse.Namespace) -> None:
         shout(warning)
     model = resolve_model(args.model)
     plan = QUICK if args.quick else FULL
+    if args.temperature > 0:
+        plan = replace(plan, sampling=(("temperature", args.temperature), ("top_p", args.top_p)))
     names = [n.strip() for n in args.peers.split(",") if n.strip()]
     if unknown := set(names) - set(PEERS):
         sys.exit(f"unknown peers {sorted(unknown)} (known: {', '.join(PEERS)})")
@@ -204,13 +207,14 @@ def serve(args: argparse.Namespace) -> None:
             **plan.__dict__,
             "quick": args.quick,
             "endpoint": "/v1/completions",
-            "greedy": True,
+            "sampling": dict(plan.sampling),
             "llama_context_per_slot": context,
         },
         "peers": peers,
     }
     results["ratios"] = ratios(peers)
-    stem = args.out / f"serve-{model.stem}"
+    sampled = f"-t{args.temperature:g}-p{args.top_p:g}" if args.temperature > 0 else ""
+    stem = args.out / f"serve-{model.stem}{sampled}"
     Path(f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
     plot(results, Path(f"{stem}.png"))
     print(table(results))
@@ -246,6 +250,8 @@ def main() -> None:
     s.add_argument("--quick", action="store_true", help="fewer, shorter requests (under 10 minutes)")
     s.add_argument("--port", type=int, default=8190, help="first loopback port; one per peer")
     s.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON, PNG and server logs")
+    s.add_argument("--temperature", type=float, default=0.0, help="decode requests' temperature (0: greedy)")
+    s.add_argument("--top-p", type=float, default=1.0, help="decode requests' top_p, with --temperature")
     s.set_defaults(run=serve)
     b = sub.add_parser(
         "build-llama",

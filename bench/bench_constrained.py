@@ -1,6 +1,6 @@
 """What the per-row work costs: the engine's decode rate with every row constrained to a JSON schema,
-and with every row asking for top_logprobs 5, against free decoding, at the same widths, in one
-process.
+with every row asking for top_logprobs 5, and with every row sampled (temperature 0.7, top_p 0.9,
+each its own seed), against free greedy decoding, at the same widths, in one process.
 
     python -m bench.bench_constrained [--model M.gguf] [--widths 1 8] [--max-tokens 64] [--rounds 4]
 
@@ -27,6 +27,7 @@ from bench.bench_engine import engine_round
 from gmlx.default_model import resolve_model
 from gmlx.engine.grammar import GrammarProcessor, json_schema_constraint
 from gmlx.engine.processors import Decoding
+from gmlx.engine.sampling import SamplingParams
 from gmlx.deployment import Deployment
 from gmlx.server.build import build_engine
 from gmlx.settings import resolve_settings
@@ -78,14 +79,21 @@ def main() -> None:
     start = time.perf_counter()
     json_schema_constraint({**SCHEMA, "title": "another"}, engine.loaded)
     compile_ms = (time.perf_counter() - start) * 1e3
-    ways = {"free": (Decoding(), None), "constrained": (constrained, None), "top_logprobs_5": (Decoding(), 5)}
+    greedy, sampled = SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_p=0.9)
+    ways = {
+        "free": (Decoding(), None, greedy),
+        "constrained": (constrained, None, greedy),
+        "top_logprobs_5": (Decoding(), 5, greedy),
+        "top_p_0.9": (Decoding(), None, sampled),
+    }
     load_before = load_average()
     engine_round(engine, 1, 4, "warm", constrained)
     best: dict[str, dict[int, float]] = {name: {} for name in ways}
     for r in range(args.rounds):
         for b in args.widths:
-            for name, (decoding, logprobs) in ways.items():
-                rate = engine_round(engine, b, args.max_tokens, f"r{r}b{b}{name}", decoding, logprobs)[1] or 0.0
+            for name, (decoding, logprobs, sampling) in ways.items():
+                rate = engine_round(engine, b, args.max_tokens, f"r{r}b{b}{name}", decoding, logprobs, sampling)[1]
+                rate = rate or 0.0
                 best[name][b] = max(best[name].get(b, 0.0), rate)
     engine.stop()
     out = {

@@ -52,10 +52,17 @@ TOPICS = [
 
 
 def engine_round(
-    engine: Engine, b: int, max_tokens: int, tag: str, decoding: Decoding = Decoding(), logprobs: int | None = None
+    engine: Engine,
+    b: int,
+    max_tokens: int,
+    tag: str,
+    decoding: Decoding = Decoding(),
+    logprobs: int | None = None,
+    sampling: SamplingParams = SamplingParams(temperature=0),
 ) -> tuple[float | None, float | None]:
     """(aggregate decode tok/s as bench_serve measures it, tok/s while all B streams decode), each
-    stream shaped by `decoding` and scored for `logprobs` alternatives (bench_constrained)."""
+    stream shaped by `decoding`, scored for `logprobs` alternatives and drawn with `sampling`
+    (bench_constrained)."""
     tok = engine.loaded.tokenizer  # type: ignore[union-attr]
     done = threading.Event()
     firsts: list[float] = []
@@ -92,7 +99,7 @@ def engine_round(
                 f"{tag}-{i}",
                 list(ids),
                 max_tokens,
-                SamplingParams(temperature=0),
+                sampling,
                 emit=emitter(),
                 decoding=decoding,
                 logprobs=logprobs,

@@ -37,6 +37,7 @@ class Plan:
     max_tokens: int
     prompt_lengths: tuple[int, ...]
     ttft_repeats: int
+    sampling: tuple[tuple[str, float], ...] = (("temperature", 0.0),)  # the decode requests' sampling fields
 
 
 def story_prompt() -> str:
@@ -124,12 +125,17 @@ class Server:
 
 
 async def stream_once(
-    client: httpx.AsyncClient, peer: Peer, tokenizer: TokenizerWrapper, prompt: str, max_tokens: int
+    client: httpx.AsyncClient,
+    peer: Peer,
+    tokenizer: TokenizerWrapper,
+    prompt: str,
+    max_tokens: int,
+    sampling: tuple[tuple[str, float], ...] = (("temperature", 0.0),),
 ) -> dict[str, Any]:
     body = {
         "prompt": prompt,
         "max_tokens": max_tokens,
-        "temperature": 0,
+        **dict(sampling),
         "stream": True,
         "stream_options": {"include_usage": True},
         **peer.body,
@@ -171,7 +177,7 @@ async def run_width(server: Server, tokenizer: TokenizerWrapper, width: int, pla
 
     async def client_loop(client: httpx.AsyncClient) -> list[dict[str, Any]]:
         return [
-            await stream_once(client, server.peer, tokenizer, story_prompt(), plan.max_tokens)
+            await stream_once(client, server.peer, tokenizer, story_prompt(), plan.max_tokens, plan.sampling)
             for _ in range(plan.requests_per_client)
         ]
 

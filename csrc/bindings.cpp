@@ -55,6 +55,8 @@ NB_MODULE(_ext, m) {
         "top_k"_a = 0, "stream"_a = nb::none(),
         "A token per row of x drawn with u (uniform in [0, 1)) from softmax(x / temperature) after mlx_lm's "
         "top_p, min_p and top_k filters, as one CPU node.");
+  m.def("sample_rows", &gk::sample_rows, "x"_a, "u"_a, "settings"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "sample() with each row's own settings (..., 4): temperature, top_p, min_p, top_k; rows drawn in parallel.");
   m.def(
       "clear_compile_cache", [] { mlx::core::detail::compile_clear_cache(mlx::core::detail::compile_cache()); },
       "Empty the calling thread's mx.compile cache (call it holding the GIL, before the thread ends).");

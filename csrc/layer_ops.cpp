@@ -224,14 +224,17 @@ uint32_t sample_row(const Impl* impl, const float* x, int64_t V, float temperatu
 void Sample::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& enc = prepare(inputs, outputs);
   auto out = mx::array::unsafe_weak_copy(outputs[0]);
-  enc.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]), u = mx::array::unsafe_weak_copy(inputs[1]), out,
-                t = temperature_, p = top_p_, mp = min_p_, k = top_k_]() mutable {
+  enc.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]), u = mx::array::unsafe_weak_copy(inputs[1]),
+                settings = mx::array::unsafe_weak_copy(inputs[2]), out]() mutable {
     const int64_t V = x.shape().back(), rows = V ? x.size() / V : 0;
     const float* xp = row_major(x, tl_a);
     const float* up = row_major(u, tl_b);
+    const float* sp = row_major(settings, tl_c);
     const Impl* impl = active_impl();
     row_chunks(rows, 1, [&](int64_t r, int64_t) {
-      out.data<uint32_t>()[r] = sample_row(impl, xp + r * V, V, t, p, mp, k, up[r]);
+      const float* set = sp + 4 * r;  // temperature, top_p, min_p, top_k
+      out.data<uint32_t>()[r] = sample_row(impl, xp + r * V, V, set[0], set[1], std::clamp(set[2], 0.f, 1.f),
+                                           (int)std::clamp(set[3], 0.f, (float)INT32_MAX), up[r]);
     });
   });
 }
@@ -474,17 +477,27 @@ mx::array argmax(const mx::array& x_in, mx::StreamOrDevice s) {
   return mx::array(shape, mx::uint32, std::make_shared<Argmax>(stream), {f32(x_in, stream)});
 }
 
-mx::array sample(const mx::array& x_in, const mx::array& u, float temperature, float top_p, float min_p, int top_k,
-                 mx::StreamOrDevice s) {
+mx::array sample_rows(const mx::array& x_in, const mx::array& u, const mx::array& settings, mx::StreamOrDevice s) {
   auto stream = cpu_stream(s, "sample");
   check(x_in.ndim() >= 1 && x_in.shape().back() > 0, "sample: x must have a non-empty last axis");
   auto rows = x_in.shape();
   rows.pop_back();
   check(u.shape() == rows, "sample: u must have one value per row of x");
+  auto per_row = rows;
+  per_row.push_back(4);
+  check(settings.shape() == per_row, "sample: settings must be 4 values per row of x");
   check(x_in.shape().back() <= INT32_MAX, "sample: the last axis is too long");
+  return mx::array(rows, mx::uint32, std::make_shared<Sample>(stream),
+                   {f32(x_in, stream), f32(u, stream), f32(settings, stream)});
+}
+
+mx::array sample(const mx::array& x_in, const mx::array& u, float temperature, float top_p, float min_p, int top_k,
+                 mx::StreamOrDevice s) {
   check(top_k >= 0 && min_p >= 0.f && min_p <= 1.f, "sample: top_k must be >= 0 and min_p in [0, 1]");
-  return mx::array(rows, mx::uint32, std::make_shared<Sample>(stream, temperature, top_p, min_p, top_k),
-                   {f32(x_in, stream), f32(u, stream)});
+  auto per_row = u.shape();
+  per_row.push_back(4);
+  const mx::array one({temperature, top_p, min_p, (float)top_k});
+  return sample_rows(x_in, u, mx::broadcast_to(one, per_row, cpu_stream(s, "sample")), s);
 }
 
 namespace {

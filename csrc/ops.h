@@ -65,6 +65,9 @@ mx::array argmax(const mx::array& x, mx::StreamOrDevice s = {});
 // (ties at its edge kept), min_p, top_k. temperature <= 0 or top_k == 1: the argmax.
 mx::array sample(const mx::array& x, const mx::array& u, float temperature, float top_p, float min_p, int top_k,
                  mx::StreamOrDevice s = {});
+// The same with each row's own settings: settings (..., 4) float32, a row's temperature, top_p,
+// min_p and top_k (a whole number); a batch of requests drawn in one node, its rows in parallel.
+mx::array sample_rows(const mx::array& x, const mx::array& u, const mx::array& settings, mx::StreamOrDevice s = {});
 // mx.fast.rope's contract: x (B, ..., L, D), positions offset + l (offset an int, or an int array
 // of one value or one per B), angular frequencies base^(-2i/dims) or 1 / freqs.
 mx::array rope(const mx::array& x, int dims, bool traditional, std::optional<float> base, float scale,
@@ -218,22 +221,15 @@ class Argmax : public CPUPrimitive {
   }
 };
 
-// Inputs x (R, V) and u (R): a token per row, drawn with u from the filtered distribution.
+// Inputs x (R, V), u (R) and settings (R, 4): a token per row, drawn with u from the distribution
+// its settings filter.
 class Sample : public CPUPrimitive {
  public:
-  Sample(mx::Stream s, float temperature, float top_p, float min_p, int top_k)
-      : CPUPrimitive(s), temperature_(temperature), top_p_(top_p), min_p_(min_p), top_k_(top_k) {}
+  explicit Sample(mx::Stream s) : CPUPrimitive(s) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   const char* name() const override { return "GmlxSample"; }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    auto& o = static_cast<const Sample&>(other);
-    return temperature_ == o.temperature_ && top_p_ == o.top_p_ && min_p_ == o.min_p_ && top_k_ == o.top_k_;
-  }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[1].shape()}; }
-
- private:
-  float temperature_, top_p_, min_p_;
-  int top_k_;
 };
 
 // A RoPE's settings, as RoPE and Heads take them: dims 0 rotates nothing. Inputs after x (and a

@@ -20,7 +20,7 @@ import pytest
 from conftest import LiveServer, ServeProcess
 from tiny_models import write_model
 
-import gmlx.engine.engine as engine_module
+from gmlx.engine import sampling
 
 CHAT = "/v1/chat/completions"
 MEMORY_SLACK = 4 * 1024 * 1024  # tiny model: one leaked batch of KV caches or a kept generator is over this
@@ -195,18 +195,15 @@ def test_slow_reader_stalls_nobody(server: LiveServer) -> None:
 
 
 def test_sampling_failure_fails_only_its_request(server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> None:
-    real = engine_module.make_sampler
+    real = sampling.Draw.uniform
 
-    def rigged(p):  # the request seeded 666 gets a sampler that raises
-        if p.seed != 666:
-            return real(p)
-
-        def boom(logprobs: mx.array) -> mx.array:
+    def rigged(self: sampling.Draw, rows: int) -> mx.array:  # the request seeded 666 fails to draw
+        if self.params.seed == 666:
             raise RuntimeError("injected sampler fault")
+        return real(self, rows)
 
-        return boom
-
-    monkeypatch.setattr(engine_module, "make_sampler", rigged)
+    # batched with the others (one node for the whole batch), then alone: it fails there alone
+    monkeypatch.setattr(sampling.Draw, "uniform", rigged)
 
     async def batch() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:

@@ -9,7 +9,7 @@ from conftest import needs_kernels
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from gmlx import kernels
-from gmlx.engine.sampling import SamplingParams, greedy, make_sampler
+from gmlx.engine.sampling import SamplingParams, greedy, make_sampler, sample_rows
 
 
 def reference_probs(logprobs: np.ndarray, temperature: float, top_p: float, min_p: float, top_k: int) -> np.ndarray:
@@ -99,3 +99,43 @@ def test_bad_sampling_arguments_raise():
         ext.sample(x, mx.zeros((2,)), temperature=1.0, top_k=-1)
     with pytest.raises(ValueError):
         ext.argmax(mx.zeros((2, 0)))
+
+
+@needs_kernels
+def test_each_row_draws_with_its_own_settings(isa):
+    rng = np.random.default_rng(6)
+    settings = [(0.0, 1.0, 0.0, 0), (0.7, 0.9, 0.0, 0), (1.0, 1.0, 0.05, 0), (1.2, 0.95, 0.0, 5), (0.9, 1.0, 0.0, 1)]
+    x = mx.array(rng.standard_normal((len(settings), 5000)).astype(np.float32) * 2)
+    ext = kernels.extension()
+    for step in range(20):
+        u = mx.array(rng.random(len(settings)).astype(np.float32))
+        got = np.array(ext.sample_rows(x, u, mx.array(settings)))
+        alone = [
+            int(ext.sample(x[r : r + 1], u[r : r + 1], temperature=t, top_p=p, min_p=m, top_k=k)[0])
+            for r, (t, p, m, k) in enumerate(settings)
+        ]
+        assert got.tolist() == alone, step
+    with pytest.raises(ValueError):
+        ext.sample_rows(x, mx.zeros((len(settings),)), mx.zeros((len(settings), 3)))
+
+
+@pytest.mark.parametrize("fused", [True, False] if kernels.available() else [False])
+def test_a_batch_draws_each_row_as_its_own_sampler_would_alone(fused, monkeypatch):
+    # The engine draws a step's rows together (one node); each seeded row must get the tokens it
+    # gets drawn alone, step after step, whatever its neighbours ask for.
+    if not fused:
+        monkeypatch.setattr(kernels, "available", lambda: False)
+    rng = np.random.default_rng(7)
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9, seed=1),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, top_k=20, seed=2),
+        SamplingParams(temperature=0.6, min_p=0.1, seed=3),
+    ]
+    batched = [make_sampler(p) for p in params]
+    alone = [make_sampler(p) for p in params]
+    for _ in range(10):
+        lp = mx.array(logprobs_of(rng.standard_normal((len(params), 3000)).astype(np.float32) * 2))
+        got = sample_rows(lp, batched).tolist()
+        assert got == [int(s(lp[e : e + 1])[0]) for e, s in enumerate(alone)]
+        assert got[1] == int(np.argmax(np.array(lp[1])))

@@ -15,6 +15,7 @@ from mlx_lm.models.cache import BatchKVCache
 from transformers import PreTrainedTokenizerFast
 
 from gmlx import upstream
+from gmlx.engine.sampling import sample_rows
 
 
 def test_the_checked_versions_are_the_ones_installed_or_within_the_pins() -> None:
@@ -84,8 +85,8 @@ def test_the_batch_generator_takes_gmlxs_steps_and_keeps_only_the_rows_asked(
     def run(own_step: bool) -> tuple[dict[int, list[int]], dict[int, list[bool]]]:
         gen = BatchGenerator(model, stop_tokens=[], completion_batch_size=2, prefill_batch_size=2)
         if own_step:
-            upstream.decode_on_logits(gen, lambda uid: uid == 0)
-            upstream.first_token_from_prefill(gen, lambda uid: uid == 0, lambda uid: False)
+            upstream.decode_on_logits(gen, lambda uid: uid == 0, sample_rows)
+            upstream.first_token_from_prefill(gen, lambda uid: uid == 0, lambda uid: False, sample_rows)
         uids = gen.insert([[1, 7, 9], [1, 4]], [6, 6], samplers=[greedy, greedy])
         tokens: dict[int, list[int]] = {u: [] for u in uids}
         kept: dict[int, list[bool]] = {u: [] for u in uids}
@@ -119,8 +120,8 @@ def test_prompts_past_the_sliding_window_join_a_decoding_batch_with_mlx_lms_logi
     def run(own_steps: bool) -> list[list[tuple[int, np.ndarray]]]:
         gen = BatchGenerator(model, stop_tokens=[], completion_batch_size=4, prefill_batch_size=4, prefill_step_size=48)
         if own_steps:
-            upstream.decode_on_logits(gen, lambda uid: True)
-            upstream.first_token_from_prefill(gen, lambda uid: True, lambda uid: False)
+            upstream.decode_on_logits(gen, lambda uid: True, sample_rows)
+            upstream.first_token_from_prefill(gen, lambda uid: True, lambda uid: False, sample_rows)
         out: dict[int, list[tuple[int, np.ndarray]]] = {u: [] for u in gen.insert(prompts[:1], [30], samplers=[greedy])}
         for step in range(60):
             if step == 3:  # two join while the first decodes, ending their prompts in different chunks
@@ -164,8 +165,8 @@ def test_a_prompt_whose_first_token_is_its_last_never_joins_the_decode_batch(
     def run(own_steps: bool) -> list[list[tuple[int, str | None, np.ndarray, list[int] | None]]]:
         gen = BatchGenerator(model, stop_tokens=[], completion_batch_size=4, prefill_batch_size=4)
         if own_steps:
-            upstream.decode_on_logits(gen, lambda uid: True)
-            upstream.first_token_from_prefill(gen, lambda uid: True, lambda uid: False)
+            upstream.decode_on_logits(gen, lambda uid: True, sample_rows)
+            upstream.first_token_from_prefill(gen, lambda uid: True, lambda uid: False, sample_rows)
         uids = gen.insert(prompts[:1], limits[:1], samplers=[greedy])
         out: dict[int, list] = {uids[0]: []}
         for step in range(12):

@@ -59,7 +59,11 @@ def set_filled(cache: BatchKVCache, slots: int) -> None:
     cache._idx = slots
 
 
-def decode_on_logits(gen: BatchGenerator, keeps_logits: Callable[[int], bool]) -> None:
+# Row e of a (B, V) array drawn by samplers[e] (gmlx.engine.sampling.sample_rows).
+SampleRows = Callable[["mx.array", list[Callable]], "mx.array"]
+
+
+def decode_on_logits(gen: BatchGenerator, keeps_logits: Callable[[int], bool], sample_rows: SampleRows) -> None:
     """Make `gen`'s decode steps sample from the logits as they come, not normalised first.
 
     mlx_lm's step turns each row into log-probabilities (`logits - logsumexp(logits)`) before
@@ -71,13 +75,16 @@ def decode_on_logits(gen: BatchGenerator, keeps_logits: Callable[[int], bool]) -
 
     The step replaced is the batch generator's one generation batch's (it is created once and
     extended, never replaced); a prompt's first token is sampled as it ends its prefill
-    (`first_token_from_prefill`), through the same processors and samplers (`_sample`).
+    (`first_token_from_prefill`), through the same processors and samplers (`_sample`), the
+    batch's rows drawn by `sample_rows`.
     """
     batch = gen._generation_batch
-    batch._step = MethodType(lambda b: _step_on_logits(b, keeps_logits), batch)
+    batch._step = MethodType(lambda b: _step_on_logits(b, keeps_logits, sample_rows), batch)
 
 
-def _step_on_logits(batch: GenerationBatch, keeps_logits: Callable[[int], bool]) -> tuple[list[int], list]:
+def _step_on_logits(
+    batch: GenerationBatch, keeps_logits: Callable[[int], bool], sample_rows: SampleRows
+) -> tuple[list[int], list]:
     """GenerationBatch._step, as of mlx-lm 0.32, without the normalisation: run the model on the
     tokens sampled last step, apply each row's logits processors, sample, and start evaluating
     that while the caller reads the last step's tokens."""
@@ -92,7 +99,9 @@ def _step_on_logits(batch: GenerationBatch, keeps_logits: Callable[[int], bool])
         contexts.append(batch._token_context[e].update_and_fetch(inputs[e : e + 1]))
         return contexts[-1]
 
-    logits, sampled = _sample(logits, batch.logits_processors, context, batch.samplers, batch.fallback_sampler)
+    logits, sampled = _sample(
+        logits, batch.logits_processors, context, batch.samplers, batch.fallback_sampler, sample_rows
+    )
     batch._next_tokens = sampled
     batch._next_logprobs = [logits[e] if keeps_logits(uid) else None for e, uid in enumerate(batch.uids)]
     mx.async_eval(sampled, [r for r in batch._next_logprobs if r is not None], contexts)
@@ -109,9 +118,10 @@ def _sample(
     context: Callable[[int], mx.array],
     samplers: list[Callable | None],
     fallback: Callable,
+    sample_rows: SampleRows,
 ) -> tuple[mx.array, mx.array]:
     """Each row's logits through its processors (given `context(row)`, the tokens before), then
-    its sampler; one call where the rows share a sampler. Returns the processed logits and tokens."""
+    its sampler (`sample_rows`). Returns the processed logits and tokens."""
     import mlx.core as mx
 
     if any(processors):
@@ -124,14 +134,14 @@ def _sample(
                     row = processor(tokens, row)
             rows.append(row)
         logits = mx.concatenate(rows, axis=0)
-    chosen = [s or fallback for s in samplers] or [fallback]
-    if all(s is chosen[0] for s in chosen):
-        return logits, chosen[0](logits)
-    return logits, mx.concatenate([s(logits[e : e + 1]) for e, s in enumerate(chosen)], axis=0)
+    return logits, sample_rows(logits, [s or fallback for s in samplers] or [fallback])
 
 
 def first_token_from_prefill(
-    gen: BatchGenerator, keeps_logits: Callable[[int], bool], keep_last_apart: Callable[[int], bool]
+    gen: BatchGenerator,
+    keeps_logits: Callable[[int], bool],
+    keep_last_apart: Callable[[int], bool],
+    sample_rows: SampleRows,
 ) -> None:
     """Make `gen` sample each prompt's first token from the prefill chunk that ends the prompt.
 
@@ -148,11 +158,14 @@ def first_token_from_prefill(
     `BatchGenerator._next`, as of mlx-lm 0.32, with that change; the decode step stays
     the generation batch's (`decode_on_logits`).
     """
-    gen._next = MethodType(lambda g: _next_first_token_in_prefill(g, keeps_logits, keep_last_apart), gen)
+    gen._next = MethodType(lambda g: _next_first_token_in_prefill(g, keeps_logits, keep_last_apart, sample_rows), gen)
 
 
 def _next_first_token_in_prefill(
-    gen: BatchGenerator, keeps_logits: Callable[[int], bool], keep_last_apart: Callable[[int], bool]
+    gen: BatchGenerator,
+    keeps_logits: Callable[[int], bool],
+    keep_last_apart: Callable[[int], bool],
+    sample_rows: SampleRows,
 ) -> tuple[list, list]:
     import time
 
@@ -207,6 +220,7 @@ def _next_first_token_in_prefill(
             lambda e: mx.array(rows[e], dtype=mx.int32),
             [batch.samplers[i] for i in ending],
             batch.fallback_sampler,
+            sample_rows,
         )
         kept = [logits[e] if keeps_logits(batch.uids[i]) else None for e, i in enumerate(ending)]
         mx.async_eval(sampled, [r for r in kept if r is not None])

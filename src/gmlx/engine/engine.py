@@ -33,7 +33,7 @@ from gmlx.engine.heap import map_large_buffers, trim_heap
 from gmlx.engine.logprobs import TokenLogprob, score_logprobs
 from gmlx.engine.processors import Decoding, LogitsProcessor
 from gmlx.engine.prompt_cache import MISS, Hit, PromptCache
-from gmlx.engine.sampling import Sampler, SamplingParams, greedy, make_sampler
+from gmlx.engine.sampling import Sampler, SamplingParams, make_sampler, sample_rows
 from gmlx.engine.speculative import SpeculativeCounters, SpeculativeStream, can_speculate
 from gmlx.engine.stops import StopMatcher
 from gmlx.gguf.detokenizer import continuation_detokenizer
@@ -454,8 +454,8 @@ class Engine:
             prefill_batch_size=self.decode_batch,
             prefill_step_size=self.prefill_step,
         )
-        upstream.decode_on_logits(gen, self._keeps_logits)
-        upstream.first_token_from_prefill(gen, self._keeps_logits, self._keeps_last_apart)
+        upstream.decode_on_logits(gen, self._keeps_logits, sample_rows)
+        upstream.first_token_from_prefill(gen, self._keeps_logits, self._keeps_last_apart, sample_rows)
         return gen
 
     def _keeps_logits(self, uid: int) -> bool:
@@ -665,22 +665,13 @@ class Engine:
             self.prompt_cache.store(list(tokens), cache, "final")
 
     def _guarded_sampler(self, req: Request) -> Sampler:
-        """The request's sampler, made to fail that request alone: a raise inside the batch's
-        step would fail every request in it. Greedy requests keep the shared function object,
-        so a batch of them still samples in one call."""
-        sampler = make_sampler(req.sampling)
-        if sampler is greedy:
-            return sampler
+        """The request's sampler, made to fail that request alone (sampling.Draw's on_error)."""
 
-        def sample(logprobs: mx.array) -> mx.array:
-            try:
-                return sampler(logprobs)
-            except Exception as e:
-                log.exception("request %s: sampling failed", req.id)
-                self._sampling_failed.append((req, str(e)))
-                return greedy(logprobs)  # a placeholder token, never emitted
+        def failed(e: Exception) -> None:
+            log.error("request %s: sampling failed", req.id, exc_info=e)
+            self._sampling_failed.append((req, str(e)))
 
-        return sample
+        return make_sampler(req.sampling, on_error=failed)
 
     def _processors(self, req: Request) -> list[LogitsProcessor]:
         """The request's logits processors, fresh for its row, each made to fail that request
