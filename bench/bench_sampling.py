@@ -3,8 +3,9 @@
     python -m bench.bench_sampling [--model M.gguf] [--rows 8] [--reps 10]
 
 The logits are the default model's own, after 8 text prompts (the vocabulary's real shape: a
-flat distribution makes top_p keep most of it). Each sampler runs once per row, as the engine
-calls a request's sampler on its row of the batch; greedy runs once for the whole batch. Figures
+flat distribution makes top_p keep most of it). Each row has a sampler of its own: MLX's run
+once per row; gmlx's rows are drawn together in one node (sampling.sample_rows), as the engine
+draws a step's rows; greedy runs once for the whole batch. Figures
 are ms a step for all rows, best of the repetitions, the two ways interleaved.
 Writes bench/results/sampling-<model>.json.
 """
@@ -74,6 +75,8 @@ def main() -> None:
     def step(ss: list, fused: bool):
         if ss[0] is sampling.greedy:
             return kernels.extension().argmax(logprobs) if fused else mx.argmax(logprobs, axis=-1)
+        if fused:  # the engine's step: the rows in one node
+            return sampling.sample_rows(logprobs, ss)
         return mx.concatenate([s(r) for s, r in zip(ss, rows)])
 
     out = {}

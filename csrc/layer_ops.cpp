@@ -201,7 +201,11 @@ uint32_t sample_row(const Impl* impl, const float* x, int64_t V, float temperatu
   // the mass top_p measures, w[i] = e^(x[i] - m) at temperature 1 (overwritten only below)
   const double z = by_p ? impl->exp_sum(x, V, m, 1.f, w) : 0.0;
   int64_t n = 0;
-  for (float drop = by_p || by_k ? 2.f : INFINITY;; drop *= 2.f) {  // min_p alone: its bound at once
+  // Doubled up to 8 nats below the maximum, then 2 at a time to 16: past 8, a flat row's count
+  // nearly triples every 2 nats (one row: 1,371 tokens at 8, 5,106 at 10, 93,383 at 16), and
+  // ordering its nucleus among 93,000 candidates took 1 ms where the extra passes take 0.1.
+  // min_p alone: its bound at once.
+  for (float drop = by_p || by_k ? 2.f : INFINITY;; drop = drop < 8.f || drop >= 16.f ? 2.f * drop : drop + 2.f) {
     const float t = std::max(drop > 256.f ? -FLT_MAX : m - drop, floor);
     n = impl->gather_ge(x, V, t, idx);
     if (t == floor || t == -FLT_MAX || (by_k && n >= top_k)) break;

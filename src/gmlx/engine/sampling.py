@@ -51,6 +51,7 @@ class Draw:
     def __init__(self, params: SamplingParams, on_error: Callable[[Exception], None] | None = None):
         self.params = params
         self.on_error = on_error
+        self.fused = kernels.available()  # drawn by gmlx.kernels' node, else by MLX's ops
         self._key = mx.random.key(params.seed if params.seed is not None else secrets.randbits(63))
 
     def settings(self) -> list[float]:
@@ -77,7 +78,7 @@ class Draw:
 
     def _draw(self, logprobs: mx.array) -> mx.array:
         p = self.params
-        if kernels.available():
+        if self.fused:
             u = self.uniform(logprobs.size // logprobs.shape[-1]).reshape(logprobs.shape[:-1])
             return kernels.extension().sample(
                 logprobs, u, temperature=p.temperature, top_p=p.top_p, min_p=p.min_p, top_k=p.top_k, stream=mx.cpu
@@ -105,7 +106,7 @@ def sample_rows(logprobs: mx.array, samplers: Sequence[Sampler]) -> mx.array:
     vocabulary). Other samplers, and Draws whose node fails to build, take a call per row."""
     if all(s is samplers[0] for s in samplers):
         return samplers[0](logprobs)
-    if kernels.available() and all(s is greedy or isinstance(s, Draw) for s in samplers):
+    if kernels.available() and all(s is greedy or (isinstance(s, Draw) and s.fused) for s in samplers):
         try:
             u = mx.concatenate([s.uniform(1) if isinstance(s, Draw) else mx.zeros((1,)) for s in samplers])
             settings = mx.array([s.settings() if isinstance(s, Draw) else [0.0, 1.0, 0.0, 0.0] for s in samplers])
