@@ -129,6 +129,27 @@ void Argmax::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
   });
 }
 
+void MaskTokens::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& enc = prepare(inputs, outputs, {0});  // in x's buffer where nothing else holds it
+  auto out = mx::array::unsafe_weak_copy(outputs[0]);
+  enc.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]), bits = mx::array::unsafe_weak_copy(inputs[1]),
+                out]() mutable {
+    const int64_t V = x.shape().back(), rows = V ? x.size() / V : 0, W = bits.shape().back();
+    const float* xp = row_major(x, tl_a);
+    const uint32_t* bp = bits.data<uint32_t>();  // int32 or uint32, contiguous (mask_tokens)
+    float* yp = out.data<float>();
+    row_chunks(rows, 1, [&](int64_t r, int64_t) {
+      const float* xr = xp + r * V;
+      float* yr = yp + r * V;
+      for (int64_t w = 0; w * 32 < V; w++) {
+        const uint32_t b = bp[r * W + w];
+        const int64_t v0 = w * 32, n = std::min<int64_t>(32, V - v0);
+        for (int64_t j = 0; j < n; j++) yr[v0 + j] = (b >> j) & 1u ? xr[v0 + j] : -INFINITY;
+      }
+    });
+  });
+}
+
 namespace {
 
 thread_local std::vector<float> tl_weights;
@@ -479,6 +500,19 @@ mx::array argmax(const mx::array& x_in, mx::StreamOrDevice s) {
   auto shape = x_in.shape();
   shape.pop_back();
   return mx::array(shape, mx::uint32, std::make_shared<Argmax>(stream), {f32(x_in, stream)});
+}
+
+mx::array mask_tokens(const mx::array& x_in, const mx::array& bits, mx::StreamOrDevice s) {
+  auto stream = cpu_stream(s, "mask_tokens");
+  check(x_in.ndim() >= 1 && x_in.shape().back() > 0, "mask_tokens: x must have a non-empty last axis");
+  check(bits.dtype() == mx::int32 || bits.dtype() == mx::uint32, "mask_tokens: bits must be int32 or uint32");
+  auto words = x_in.shape();
+  words.back() = (int)((x_in.shape().back() + 31) / 32);
+  check(bits.ndim() == x_in.ndim() && bits.shape().back() >= words.back(), "mask_tokens: bits must cover x's last axis");
+  words.back() = bits.shape().back();
+  check(bits.shape() == words, "mask_tokens: bits must have x's leading shape");
+  return mx::array(x_in.shape(), mx::float32, std::make_shared<MaskTokens>(stream),
+                   {f32(x_in, stream), mx::contiguous(bits, false, stream)});
 }
 
 mx::array sample_rows(const mx::array& x_in, const mx::array& u, const mx::array& settings, mx::StreamOrDevice s) {

@@ -60,6 +60,9 @@ mx::array rms_norm(const mx::array& x, const std::optional<mx::array>& w, float 
 mx::array logsumexp(const mx::array& x, bool keepdims, mx::StreamOrDevice s = {});
 // Index of each row's maximum over the last axis (the first where tied), uint32.
 mx::array argmax(const mx::array& x, mx::StreamOrDevice s = {});
+// x (..., V) where a row's bitmask allows the token (bit v % 32 of word v / 32 of bits (..., W),
+// int32 or uint32 as llguidance fills them, W * 32 >= V), -inf elsewhere: a grammar's mask.
+mx::array mask_tokens(const mx::array& x, const mx::array& bits, mx::StreamOrDevice s = {});
 // One token per row of x (..., V), drawn with u (...) uniform in [0, 1) from softmax(x / temperature)
 // restricted as mlx_lm's filters restrict it, in its order: top_p of the temperature-1 distribution
 // (ties at its edge kept), min_p, top_k. temperature <= 0 or top_k == 1: the argmax.
@@ -219,6 +222,14 @@ class Argmax : public CPUPrimitive {
     shape.pop_back();
     return {shape};
   }
+};
+
+class MaskTokens : public CPUPrimitive {
+ public:
+  using CPUPrimitive::CPUPrimitive;
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "GmlxMaskTokens"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
 };
 
 // Inputs x (R, V), u (R) and settings (R, 4): a token per row, drawn with u from the distribution

@@ -12,10 +12,11 @@ import llguidance
 import numpy as np
 import openai
 import pytest
-from conftest import LiveServer
+from conftest import LiveServer, needs_kernels
 from tiny_models import VOCAB_KIND
 from tiny_vocab import BYTE, CONTROL, USER_DEFINED, byte_alphabet
 
+from gmlx import kernels
 from gmlx.engine.grammar import (
     Constraint,
     GrammarError,
@@ -137,9 +138,32 @@ def test_schema_errors_name_the_problem(models: dict[str, LoadedModel]) -> None:
     assert json_schema_constraint(dict(SCHEMA), models["llama"]) is first  # cached
 
 
-def test_a_row_masks_what_its_grammar_forbids(models: dict[str, LoadedModel]) -> None:
+@needs_kernels
+def test_the_kernels_mask_is_the_additive_mask() -> None:
+    import mlx.core as mx
+
+    rng = np.random.default_rng(8)
+    for rows, width in ((1, 64), (3, 1000), (2, 262_144)):
+        x = rng.standard_normal((rows, width)).astype(np.float32)
+        bits = rng.integers(-(2**31), 2**31, size=(rows, (width + 31) // 32 + 1), dtype=np.int64).astype(np.int32)
+        bits[0, 1] = -1  # a whole word allowed
+        bits[-1, 0] = 0  # a whole word forbidden
+        got = np.array(kernels.extension().mask_tokens(mx.array(x), mx.array(bits)))
+        want = np.stack([x[r] + additive_mask(bits[r : r + 1], width) for r in range(rows)])
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError):
+        kernels.extension().mask_tokens(mx.zeros((1, 65)), mx.zeros((1, 2), dtype=mx.int32))
+
+
+@pytest.mark.parametrize("fused", [True, False] if kernels.available() else [False])
+def test_a_row_masks_what_its_grammar_forbids(
+    models: dict[str, LoadedModel], fused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The processor consumes only what follows the prompt, and allows EOS once the grammar is done."""
     import mlx.core as mx
+
+    if not fused:
+        monkeypatch.setattr(kernels, "available", lambda: False)
 
     m = models["qwen2"]
     tokenizer, width = m.tokenizer, m.geometry.vocab_size

@@ -26,7 +26,7 @@ import llguidance.numpy
 import mlx.core as mx
 import numpy as np
 
-from gmlx import upstream
+from gmlx import kernels, upstream
 from gmlx.gguf.vocab import token_bytes
 
 if TYPE_CHECKING:
@@ -178,4 +178,6 @@ class GrammarProcessor:
                 log.warning("a grammar rejected a generated token: %s", self._matcher.get_error())
         mx.async_eval(logits)  # the step's forward pass runs while the mask is computed
         llguidance.numpy.fill_next_token_bitmask(self._matcher, self._bitmask)
+        if kernels.available():  # one node reads the bits: no 1 MB mask to build and add per row
+            return kernels.extension().mask_tokens(logits, mx.array(self._bitmask), stream=mx.cpu)
         return logits + mx.array(additive_mask(self._bitmask, logits.shape[-1])).astype(logits.dtype)
