@@ -51,6 +51,9 @@ NB_MODULE(_ext, m) {
         "softmax(scale q k^T + mask) v as one CPU node (float32), q (B, Hq, L, D), k and v (B, Hkv, T, D).");
   m.def("argmax", &gk::argmax, "x"_a, nb::kw_only(), "stream"_a = nb::none(),
         "Index of each row's maximum over the last axis (the first where tied), uint32, as one CPU node.");
+  m.def("logprob_top", &gk::logprob_top, "x"_a, "tokens"_a, "k"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "[log-softmax of x (R, V) at tokens (R,), the ids (R, k) and log-softmax (R, k) of each row's k largest, "
+        "best first], as one CPU node.");
   m.def("mask_tokens", &gk::mask_tokens, "x"_a, "bits"_a, nb::kw_only(), "stream"_a = nb::none(),
         "x where each row's bitmask (bit v % 32 of word v / 32, llguidance's layout) allows token v, -inf "
         "elsewhere, as one CPU node.");

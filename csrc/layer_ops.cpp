@@ -246,6 +246,42 @@ uint32_t sample_row(const Impl* impl, const float* x, int64_t V, float temperatu
 
 }  // namespace
 
+void LogprobTop::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& enc = prepare(inputs, outputs);
+  enc.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]), tokens = mx::array::unsafe_weak_copy(inputs[1]),
+                chosen = mx::array::unsafe_weak_copy(outputs[0]), ids = mx::array::unsafe_weak_copy(outputs[1]),
+                values = mx::array::unsafe_weak_copy(outputs[2]), k = k_]() mutable {
+    const int64_t R = x.shape(0), V = x.shape(1);
+    const float* xp = row_major(x, tl_a);
+    const uint32_t* tp = tokens.data<uint32_t>();  // contiguous (logprob_top)
+    const Impl* impl = active_impl();
+    row_chunks(R, 1, [&](int64_t r, int64_t) {
+      const float* xr = xp + r * V;
+      const float m = xr[impl->argmax_row(xr, V)];
+      const float lse = std::isfinite(m) ? m + std::log(impl->exp_sum(xr, V, m, 1.f, nullptr)) : m;
+      chosen.data<float>()[r] = tp[r] < V ? xr[tp[r]] - lse : NAN;
+      if (k == 0) return;
+      // the k largest: the tokens at or above a threshold lowered until they number k (as
+      // sample_row gathers), then only those ordered; -inf ones only where fewer are finite
+      if (tl_index.size() < (size_t)V) tl_index.resize(V);
+      int32_t* idx = tl_index.data();
+      int64_t n = 0;
+      for (float drop = 2.f;; drop *= 2.f) {
+        const float t = drop > 256.f ? (drop > 512.f ? -INFINITY : -FLT_MAX) : m - drop;
+        n = impl->gather_ge(xr, V, t, idx);
+        if (n >= k || t == -INFINITY) break;
+      }
+      const int64_t kept = std::min<int64_t>(k, n);
+      std::partial_sort(idx, idx + kept, idx + n,
+                        [xr](int32_t a, int32_t b) { return xr[a] > xr[b] || (xr[a] == xr[b] && a < b); });
+      for (int64_t j = 0; j < k; j++) {  // past the row's width (k > V is refused): none
+        ids.data<uint32_t>()[r * k + j] = j < kept ? (uint32_t)idx[j] : 0;
+        values.data<float>()[r * k + j] = j < kept ? xr[idx[j]] - lse : -INFINITY;
+      }
+    });
+  });
+}
+
 void Sample::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& enc = prepare(inputs, outputs);
   auto out = mx::array::unsafe_weak_copy(outputs[0]);
@@ -500,6 +536,16 @@ mx::array argmax(const mx::array& x_in, mx::StreamOrDevice s) {
   auto shape = x_in.shape();
   shape.pop_back();
   return mx::array(shape, mx::uint32, std::make_shared<Argmax>(stream), {f32(x_in, stream)});
+}
+
+std::vector<mx::array> logprob_top(const mx::array& x, const mx::array& tokens, int k, mx::StreamOrDevice s) {
+  auto stream = cpu_stream(s, "logprob_top");
+  check(x.ndim() == 2 && x.shape(1) > 0, "logprob_top: x must be (R, V)");
+  check(tokens.ndim() == 1 && tokens.shape(0) == x.shape(0), "logprob_top: tokens must be (R,)");
+  check(k >= 0 && k <= x.shape(1), "logprob_top: k must be in [0, V]");
+  return mx::array::make_arrays({{x.shape(0)}, {x.shape(0), k}, {x.shape(0), k}},
+                                {mx::float32, mx::uint32, mx::float32}, std::make_shared<LogprobTop>(stream, k),
+                                {f32(x, stream), mx::contiguous(mx::astype(tokens, mx::uint32, stream), false, stream)});
 }
 
 mx::array mask_tokens(const mx::array& x_in, const mx::array& bits, mx::StreamOrDevice s) {

@@ -60,6 +60,9 @@ mx::array rms_norm(const mx::array& x, const std::optional<mx::array>& w, float 
 mx::array logsumexp(const mx::array& x, bool keepdims, mx::StreamOrDevice s = {});
 // Index of each row's maximum over the last axis (the first where tied), uint32.
 mx::array argmax(const mx::array& x, mx::StreamOrDevice s = {});
+// Each row of x (R, V)'s log-softmax at tokens (R,), and its k largest entries: [chosen (R,),
+// ids (R, k) uint32, values (R, k)], best first (ties: the lower id first), as one node.
+std::vector<mx::array> logprob_top(const mx::array& x, const mx::array& tokens, int k, mx::StreamOrDevice s = {});
 // x (..., V) where a row's bitmask allows the token (bit v % 32 of word v / 32 of bits (..., W),
 // int32 or uint32 as llguidance fills them, W * 32 >= V), -inf elsewhere: a grammar's mask.
 mx::array mask_tokens(const mx::array& x, const mx::array& bits, mx::StreamOrDevice s = {});
@@ -222,6 +225,21 @@ class Argmax : public CPUPrimitive {
     shape.pop_back();
     return {shape};
   }
+};
+
+class LogprobTop : public CPUPrimitive {
+ public:
+  LogprobTop(mx::Stream s, int k) : CPUPrimitive(s), k_(k) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "GmlxLogprobTop"; }
+  bool is_equivalent(const mx::Primitive& other) const override { return k_ == static_cast<const LogprobTop&>(other).k_; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    const int R = inputs[0].shape(0);
+    return {{R}, {R, k_}, {R, k_}};
+  }
+
+ private:
+  int k_;
 };
 
 class MaskTokens : public CPUPrimitive {

@@ -30,8 +30,10 @@ TOKENS = {"native": 4, "float": 16, "gguf": 16}  # native is MLX's quantized mat
 def generate(loaded: LoadedModel, prompts: list[list[int]], own_step: bool, tokens: int) -> list[list[int]]:
     gen = BatchGenerator(loaded.model, stop_tokens=[], completion_batch_size=8, prefill_batch_size=8)
     if own_step:
-        upstream.decode_on_logits(gen, lambda uid: False, sample_rows)
-        upstream.first_token_from_prefill(gen, lambda uid: False, lambda uid: False, sample_rows)
+        upstream.decode_on_logits(gen, lambda logits, tokens, uids: [None] * len(uids), sample_rows)
+        upstream.first_token_from_prefill(
+            gen, lambda logits, tokens, uids: [None] * len(uids), lambda uid: False, sample_rows
+        )
     uids = gen.insert(prompts, [tokens] * len(prompts), samplers=[greedy] * len(prompts))
     out: dict[int, list[int]] = {uid: [] for uid in uids}
     while any(len(t) < tokens for t in out.values()):

@@ -11,9 +11,10 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import LiveServer
+from conftest import LiveServer, needs_kernels
 from openai import OpenAI
 
+from gmlx import kernels
 from gmlx.engine.logprobs import top_k
 from gmlx.gguf.header import read_header
 from gmlx.gguf.tokenizer import load_tokenizer
@@ -180,3 +181,23 @@ def test_top_k_finds_each_rows_largest(width: int, k: int) -> None:
     assert np.array_equal(np.take_along_axis(x, ids, -1), values)
     assert all(len(set(row)) == k for row in ids.tolist())
     assert np.allclose(np.sort(values, -1), np.sort(x, -1)[:, -k:])
+
+
+@needs_kernels
+@pytest.mark.parametrize(("width", "k"), [(262_144, 5), (262_144, 20), (5_000, 0), (50, 50)])
+def test_the_kernels_scores_are_the_log_softmax_and_its_best(width: int, k: int, isa: str) -> None:
+    """score_rows' node: each row's token's log-probability, and its k best, best first (ties:
+    the lower id), whether the row is peaked, flat, tied or masked."""
+    rng = np.random.default_rng(width + k)
+    x = rng.standard_normal((4, width)).astype(np.float32) * 3
+    x[1, :] = 0.0  # every entry tied
+    x[2, 3:] = -np.inf  # a grammar's mask: fewer finite entries than k
+    tokens = np.array([7, 1, 2, width - 1])
+    chosen, ids, values = kernels.extension().logprob_top(mx.array(x), mx.array(tokens), k)
+    x64 = x.astype(np.float64)
+    lse = np.log(np.exp(x64 - x64.max(-1, keepdims=True)).sum(-1)) + x64.max(-1)
+    np.testing.assert_allclose(np.array(chosen), x64[np.arange(4), tokens] - lse, rtol=1e-5, atol=1e-5)
+    order = [np.lexsort((np.arange(width), -x[r]))[:k].tolist() for r in range(4)]
+    assert np.array(ids).tolist() == order
+    want = np.take_along_axis(x64, np.array(order, dtype=np.int64).reshape(4, k), -1) - lse[:, None]
+    np.testing.assert_allclose(np.array(values), want, rtol=1e-5, atol=1e-5)

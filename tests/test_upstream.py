@@ -66,6 +66,15 @@ def test_uvicorn_forgets_the_signals_it_would_raise_again(monkeypatch: pytest.Mo
     assert raised == [signal.SIGHUP]  # uvicorn re-raises what it captured, less what gmlx forgot
 
 
+def keep_all(logits: mx.array, tokens: mx.array, uids: list[int]) -> list[mx.array]:
+    """Every row's processed logits as its response's `logprobs`."""
+    return [logits[e] for e in range(len(uids))]
+
+
+def keep_row_0(logits: mx.array, tokens: mx.array, uids: list[int]) -> list[mx.array | None]:
+    return [logits[e] if uid == 0 else None for e, uid in enumerate(uids)]
+
+
 def test_typer_writes_each_shells_completion_script() -> None:
     for shell, marker in (("bash", "complete -o"), ("zsh", "compdef"), ("fish", "complete --command")):
         script = upstream.completion_script("gmlx", "_GMLX_COMPLETE", shell)
@@ -85,8 +94,8 @@ def test_the_batch_generator_takes_gmlxs_steps_and_keeps_only_the_rows_asked(
     def run(own_step: bool) -> tuple[dict[int, list[int]], dict[int, list[bool]]]:
         gen = BatchGenerator(model, stop_tokens=[], completion_batch_size=2, prefill_batch_size=2)
         if own_step:
-            upstream.decode_on_logits(gen, lambda uid: uid == 0, sample_rows)
-            upstream.first_token_from_prefill(gen, lambda uid: uid == 0, lambda uid: False, sample_rows)
+            upstream.decode_on_logits(gen, keep_row_0, sample_rows)
+            upstream.first_token_from_prefill(gen, keep_row_0, lambda uid: False, sample_rows)
         uids = gen.insert([[1, 7, 9], [1, 4]], [6, 6], samplers=[greedy, greedy])
         tokens: dict[int, list[int]] = {u: [] for u in uids}
         kept: dict[int, list[bool]] = {u: [] for u in uids}
@@ -120,8 +129,8 @@ def test_prompts_past_the_sliding_window_join_a_decoding_batch_with_mlx_lms_logi
     def run(own_steps: bool) -> list[list[tuple[int, np.ndarray]]]:
         gen = BatchGenerator(model, stop_tokens=[], completion_batch_size=4, prefill_batch_size=4, prefill_step_size=48)
         if own_steps:
-            upstream.decode_on_logits(gen, lambda uid: True, sample_rows)
-            upstream.first_token_from_prefill(gen, lambda uid: True, lambda uid: False, sample_rows)
+            upstream.decode_on_logits(gen, keep_all, sample_rows)
+            upstream.first_token_from_prefill(gen, keep_all, lambda uid: False, sample_rows)
         out: dict[int, list[tuple[int, np.ndarray]]] = {u: [] for u in gen.insert(prompts[:1], [30], samplers=[greedy])}
         for step in range(60):
             if step == 3:  # two join while the first decodes, ending their prompts in different chunks
@@ -165,8 +174,8 @@ def test_a_prompt_whose_first_token_is_its_last_never_joins_the_decode_batch(
     def run(own_steps: bool) -> list[list[tuple[int, str | None, np.ndarray, list[int] | None]]]:
         gen = BatchGenerator(model, stop_tokens=[], completion_batch_size=4, prefill_batch_size=4)
         if own_steps:
-            upstream.decode_on_logits(gen, lambda uid: True, sample_rows)
-            upstream.first_token_from_prefill(gen, lambda uid: True, lambda uid: False, sample_rows)
+            upstream.decode_on_logits(gen, keep_all, sample_rows)
+            upstream.first_token_from_prefill(gen, keep_all, lambda uid: False, sample_rows)
         uids = gen.insert(prompts[:1], limits[:1], samplers=[greedy])
         out: dict[int, list] = {uids[0]: []}
         for step in range(12):

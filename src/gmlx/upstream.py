@@ -61,17 +61,21 @@ def set_filled(cache: BatchKVCache, slots: int) -> None:
 
 # Row e of a (B, V) array drawn by samplers[e] (gmlx.engine.sampling.sample_rows).
 SampleRows = Callable[["mx.array", list[Callable]], "mx.array"]
+# What each row's response carries as its `logprobs`, from the step's logits (B, V) after the
+# processors, its sampled tokens (B,) and the rows' uids: MLX arrays (or tuples of them), built
+# lazily and evaluated with the step, or None (gmlx.engine.logprobs.score_rows).
+KeepRows = Callable[["mx.array", "mx.array", list[int]], list[Any]]
 
 
-def decode_on_logits(gen: BatchGenerator, keeps_logits: Callable[[int], bool], sample_rows: SampleRows) -> None:
+def decode_on_logits(gen: BatchGenerator, keep: KeepRows, sample_rows: SampleRows) -> None:
     """Make `gen`'s decode steps sample from the logits as they come, not normalised first.
 
     mlx_lm's step turns each row into log-probabilities (`logits - logsumexp(logits)`) before
     sampling; over a 262,144-token vocabulary that is a single-threaded pass of about 3 ms a
     row, a tenth of a step at width 8. gmlx's samplers do not need it (each is invariant to a
     shift of its row, engine/sampling.py), and a request that asks for logprobs has its own row
-    normalised (engine/logprobs.py). So rows are kept for the responses only where
-    `keeps_logits(uid)`; elsewhere a response's `logprobs` is None.
+    normalised (engine/logprobs.py). So a response's `logprobs` is what `keep` makes of its row,
+    computed in the step's own graph (read a step later, it never waits for the step after).
 
     The step replaced is the batch generator's one generation batch's (it is created once and
     extended, never replaced); a prompt's first token is sampled as it ends its prefill
@@ -79,12 +83,10 @@ def decode_on_logits(gen: BatchGenerator, keeps_logits: Callable[[int], bool], s
     batch's rows drawn by `sample_rows`.
     """
     batch = gen._generation_batch
-    batch._step = MethodType(lambda b: _step_on_logits(b, keeps_logits, sample_rows), batch)
+    batch._step = MethodType(lambda b: _step_on_logits(b, keep, sample_rows), batch)
 
 
-def _step_on_logits(
-    batch: GenerationBatch, keeps_logits: Callable[[int], bool], sample_rows: SampleRows
-) -> tuple[list[int], list]:
+def _step_on_logits(batch: GenerationBatch, keep: KeepRows, sample_rows: SampleRows) -> tuple[list[int], list]:
     """GenerationBatch._step, as of mlx-lm 0.32, without the normalisation: run the model on the
     tokens sampled last step, apply each row's logits processors, sample, and start evaluating
     that while the caller reads the last step's tokens."""
@@ -103,7 +105,7 @@ def _step_on_logits(
         logits, batch.logits_processors, context, batch.samplers, batch.fallback_sampler, sample_rows
     )
     batch._next_tokens = sampled
-    batch._next_logprobs = [logits[e] if keeps_logits(uid) else None for e, uid in enumerate(batch.uids)]
+    batch._next_logprobs = keep(logits, sampled, batch.uids)
     mx.async_eval(sampled, [r for r in batch._next_logprobs if r is not None], contexts)
     mx.eval(inputs, [r for r in batch._current_logprobs if r is not None])
     tokens = inputs.tolist()
@@ -139,7 +141,7 @@ def _sample(
 
 def first_token_from_prefill(
     gen: BatchGenerator,
-    keeps_logits: Callable[[int], bool],
+    keep: KeepRows,
     keep_last_apart: Callable[[int], bool],
     sample_rows: SampleRows,
 ) -> None:
@@ -158,12 +160,12 @@ def first_token_from_prefill(
     `BatchGenerator._next`, as of mlx-lm 0.32, with that change; the decode step stays
     the generation batch's (`decode_on_logits`).
     """
-    gen._next = MethodType(lambda g: _next_first_token_in_prefill(g, keeps_logits, keep_last_apart, sample_rows), gen)
+    gen._next = MethodType(lambda g: _next_first_token_in_prefill(g, keep, keep_last_apart, sample_rows), gen)
 
 
 def _next_first_token_in_prefill(
     gen: BatchGenerator,
-    keeps_logits: Callable[[int], bool],
+    keep: KeepRows,
     keep_last_apart: Callable[[int], bool],
     sample_rows: SampleRows,
 ) -> tuple[list, list]:
@@ -222,7 +224,7 @@ def _next_first_token_in_prefill(
             batch.fallback_sampler,
             sample_rows,
         )
-        kept = [logits[e] if keeps_logits(batch.uids[i]) else None for e, i in enumerate(ending)]
+        kept = keep(logits, sampled, [batch.uids[i] for i in ending])
         mx.async_eval(sampled, [r for r in kept if r is not None])
         gen._currently_processing = [s for i, s in enumerate(gen._currently_processing) if i not in ending]
         done, left = _split(batch, ending)

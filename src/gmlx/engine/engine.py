@@ -30,7 +30,7 @@ from gmlx import kernels, upstream
 from gmlx.engine.budget import PrefillBudget
 from gmlx.engine.embeddings import EmbedJob, embed
 from gmlx.engine.heap import map_large_buffers, trim_heap
-from gmlx.engine.logprobs import TokenLogprob, score_logprobs
+from gmlx.engine.logprobs import Scored, TokenLogprob, score_rows, token_logprob
 from gmlx.engine.processors import Decoding, LogitsProcessor
 from gmlx.engine.prompt_cache import MISS, Hit, PromptCache
 from gmlx.engine.sampling import Sampler, SamplingParams, make_sampler, sample_rows
@@ -454,13 +454,14 @@ class Engine:
             prefill_batch_size=self.decode_batch,
             prefill_step_size=self.prefill_step,
         )
-        upstream.decode_on_logits(gen, self._keeps_logits, sample_rows)
-        upstream.first_token_from_prefill(gen, self._keeps_logits, self._keeps_last_apart, sample_rows)
+        upstream.decode_on_logits(gen, self._score, sample_rows)
+        upstream.first_token_from_prefill(gen, self._score, self._keeps_last_apart, sample_rows)
         return gen
 
-    def _keeps_logits(self, uid: int) -> bool:
-        stream = self._active.get(uid)
-        return stream is not None and stream.req.logprobs is not None
+    def _score(self, logits: mx.array, tokens: mx.array, uids: list[int]) -> list[Scored | None]:
+        """The rows' scores, for the requests that ask for logprobs (a response's `logprobs`)."""
+        streams = [self._active.get(uid) for uid in uids]
+        return score_rows(logits, tokens, [s.req.logprobs if s is not None else None for s in streams])
 
     def _keeps_last_apart(self, uid: int) -> bool:
         """Whether the cache just before the prompt's last token is kept (a checkpoint there)."""
@@ -824,24 +825,13 @@ class Engine:
                     self._take_checkpoint(gen, stream, req.prefilled)
                 if p.end_of_prompt:
                     req.state = Phase.DECODE
-        scoring = [
-            (r, stream.req)
-            for r in generation_responses
-            if (stream := self._active.get(r.uid)) is not None and stream.req.logprobs is not None
-        ]
-        scored = dict(
-            zip(
-                (r.uid for r, _ in scoring),
-                score_logprobs(
-                    [r.logprobs for r, _ in scoring], [r.token for r, _ in scoring], [q.logprobs for _, q in scoring]
-                ),
-            )
-        )
         for r in generation_responses:
             if (stream := self._active.get(r.uid)) is not None:
                 if r.finish_reason is not None:
                     self._keep_final(r.prompt_cache, r.all_tokens)
-                self._on_token(gen, stream, r.token, r.finish_reason, now, scored.get(r.uid))
+                want = stream.req.logprobs
+                scored = token_logprob(r.logprobs, r.token, want) if want is not None and r.logprobs else None
+                self._on_token(gen, stream, r.token, r.finish_reason, now, scored)
 
     def _on_token(
         self,

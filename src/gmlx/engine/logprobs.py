@@ -4,7 +4,9 @@ They are the log-softmax of the row the sampler drew from: the logits after the 
 processors (penalties, logit bias, a grammar's mask), before temperature and top-k/p/min-p.
 The engine's decode step samples from the logits unnormalised (gmlx.upstream.decode_on_logits),
 so only the rows that ask are normalised, here. Every row that asks is scored in one batched
-pass, so a step costs one top-k over the vocabulary per row, not a Python loop.
+pass, so a step costs one top-k over the vocabulary per row, not a Python loop, and the pass is
+part of the step's own graph: scored after the step, a row waited for the step after it (MLX
+runs one ahead), and the engine built no graph meanwhile.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
+
+from gmlx import kernels
 
 MAX_TOP = 20  # OpenAI's bound on top_logprobs
 _BLOCK = 1024  # entries per block of top_k's first pass
@@ -26,24 +30,42 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
-def score_logprobs(rows: list[mx.array], tokens: list[int], tops: list[int]) -> list[TokenLogprob]:
-    """`rows[i]` is the logits (or log-probability) vector `tokens[i]` was drawn from; `tops[i]`
-    how many alternatives that request wants (0 to MAX_TOP)."""
+# A row's scores, lazily: its token's log-probability (a scalar), then, where alternatives were
+# asked for, the ids and log-probabilities of the row's k most likely tokens, unordered.
+Scored = tuple[mx.array, ...]
+
+
+def score_rows(logits: mx.array, tokens: mx.array, tops: list[int | None]) -> list[Scored | None]:
+    """Row e's Scored where tops[e] (alternatives wanted, 0 to MAX_TOP) is not None, else None:
+    `logits` (B, V) is what `tokens` (B,) were drawn from. Every row that asks is scored in one
+    batched graph, built lazily, so that it runs with the step that drew the tokens."""
+    rows = [e for e, want in enumerate(tops) if want is not None]
     if not rows:
-        return []
-    lp = mx.stack(rows)
-    lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
-    chosen = mx.take_along_axis(lp, mx.array(tokens)[:, None], axis=-1)[:, 0]
-    k = min(max(tops), lp.shape[-1])
-    if k == 0:
-        return [TokenLogprob(t, v) for t, v in zip(tokens, chosen.tolist())]
-    ids, values = top_k(lp, k)
-    mx.eval(chosen, ids, values)
-    out = []
-    for t, v, row_ids, row_values, want in zip(tokens, chosen.tolist(), ids.tolist(), values.tolist(), tops):
-        best = sorted(zip(row_ids, row_values), key=lambda p: (-p[1], p[0]))[:want]  # ties: as argmax, lowest id
-        out.append(TokenLogprob(t, v, tuple(best)))
+        return [None] * len(tops)
+    if len(rows) < len(tops):
+        at = mx.array(rows)
+        logits, tokens = logits[at], tokens[at]
+    k = min(max(tops[e] or 0 for e in rows), logits.shape[-1])
+    if kernels.available():  # one node, the rows in parallel: no (B, V) log-softmax written out
+        chosen, ids, values = kernels.extension().logprob_top(logits, tokens, k, stream=mx.cpu)
+        ids, values = (ids, values) if k else (None, None)
+    else:
+        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        chosen = mx.take_along_axis(lp, tokens[:, None].astype(mx.int32), axis=-1)[:, 0]
+        ids, values = top_k(lp, k) if k else (None, None)
+    out: list[Scored | None] = [None] * len(tops)
+    for j, e in enumerate(rows):
+        out[e] = (chosen[j], ids[j], values[j]) if ids is not None and values is not None else (chosen[j],)
     return out
+
+
+def token_logprob(scored: Scored, token: int, want: int) -> TokenLogprob:
+    """A scored row, evaluated, as the TokenLogprob of `token` with its `want` best alternatives."""
+    if want == 0 or len(scored) == 1:
+        return TokenLogprob(token, scored[0].item())
+    pairs = zip(scored[1].tolist(), scored[2].tolist())
+    best = sorted(pairs, key=lambda p: (-p[1], p[0]))[:want]  # ties: as argmax, lowest id
+    return TokenLogprob(token, scored[0].item(), tuple(best))
 
 
 def top_k(x: mx.array, k: int) -> tuple[mx.array, mx.array]:
