@@ -151,7 +151,8 @@ struct Impl {
   // rows); work holds attend_rows_work(l1 - l0, D) floats
   void (*attend_rows)(const AttentionArgs& a, int64_t b, int64_t h, int64_t l0, int64_t l1, float* work);
   // Sampling over a row of n logits: the index of the first maximum; w[i] = e^((x[i] - m) k) for
-  // every i (w may be null) and their sum; the indices i with x[i] >= t, ascending, and their count.
+  // every i (w may be null) and their sum; the indices i with x[i] >= t, ascending, and their count
+  // (idx must hold n: entries past the count may be written).
   int64_t (*argmax_row)(const float* x, int64_t n);
   float (*exp_sum)(const float* x, int64_t n, float m, float k, float* w);
   int64_t (*gather_ge)(const float* x, int64_t n, float t, int32_t* idx);

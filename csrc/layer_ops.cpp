@@ -295,7 +295,7 @@ void Sample::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
     row_chunks(rows, 1, [&](int64_t r, int64_t) {
       const float* set = sp + 4 * r;  // temperature, top_p, min_p, top_k
       out.data<uint32_t>()[r] = sample_row(impl, xp + r * V, V, set[0], set[1], std::clamp(set[2], 0.f, 1.f),
-                                           (int)std::clamp(set[3], 0.f, (float)INT32_MAX), up[r]);
+                                           (int)std::clamp(set[3], 0.f, 1e9f), up[r]);
     });
   });
 }
