@@ -203,6 +203,21 @@ int64_t nucleus(const float* x, const float* e, int32_t* idx, int64_t n, double 
   return j - idx;
 }
 
+// The tokens at or above a threshold, into idx (ascending), lowered from m - 2 until enough(n) holds
+// for the n gathered, or it reaches floor. A pass over the vocabulary each, cheap next to a sort.
+// The threshold doubles to 8 nats below m, steps 2 at a time to 16, then doubles again: past 8 a
+// flat row's count nearly triples every 2 nats (one row: 1,371 tokens at 8, 5,106 at 10, 93,383
+// at 16), and ordering top_p's nucleus among 93,000 candidates took 1 ms where the extra passes
+// take 0.1. Past 256 nats the threshold is floor.
+template <class Enough>
+int64_t gather_top(const Impl* impl, const float* x, int64_t V, float m, float floor, int32_t* idx, Enough enough) {
+  for (float drop = 2.f;; drop = drop < 8.f || drop >= 16.f ? 2.f * drop : drop + 2.f) {
+    const float t = std::max(drop > 256.f ? floor : m - drop, floor);
+    const int64_t n = impl->gather_ge(x, V, t, idx);
+    if (t == floor || enough(n)) return n;
+  }
+}
+
 uint32_t sample_row(const Impl* impl, const float* x, int64_t V, float temperature, float top_p, float min_p,
                     int top_k, float u) {
   const int64_t top = impl->argmax_row(x, V);
@@ -213,25 +228,18 @@ uint32_t sample_row(const Impl* impl, const float* x, int64_t V, float temperatu
   if (tl_weights.size() < (size_t)V) tl_weights.resize(V);
   float* w = tl_weights.data();
   if (!by_p && !by_min && !by_k) return (uint32_t)pick(w, V, u * (double)impl->exp_sum(x, V, m, k, w));
-  // What the filters keep is a prefix of x in descending order: gather the tokens at or above a
-  // threshold, lowered until they hold that prefix (a pass over the vocabulary each, cheap next
-  // to a sort), and order only as many of them as top_k and top_p look at.
+  // What the filters keep is a prefix of x in descending order: gather the tokens that may be in
+  // it, and order only as many of them as top_k and top_p look at.
   if (tl_index.size() < (size_t)V) tl_index.resize(V);
   int32_t* idx = tl_index.data();
   const float floor = by_min ? m + std::log(min_p) : -FLT_MAX;  // min_p's bound
   // the mass top_p measures, w[i] = e^(x[i] - m) at temperature 1 (overwritten only below)
   const double z = by_p ? impl->exp_sum(x, V, m, 1.f, w) : 0.0;
-  int64_t n = 0;
-  // Doubled up to 8 nats below the maximum, then 2 at a time to 16: past 8, a flat row's count
-  // nearly triples every 2 nats (one row: 1,371 tokens at 8, 5,106 at 10, 93,383 at 16), and
-  // ordering its nucleus among 93,000 candidates took 1 ms where the extra passes take 0.1.
-  // min_p alone: its bound at once.
-  for (float drop = by_p || by_k ? 2.f : INFINITY;; drop = drop < 8.f || drop >= 16.f ? 2.f * drop : drop + 2.f) {
-    const float t = std::max(drop > 256.f ? -FLT_MAX : m - drop, floor);
-    n = impl->gather_ge(x, V, t, idx);
-    if (t == floor || t == -FLT_MAX || (by_k && n >= top_k)) break;
-    if (by_p && mass(w, idx, idx + n) >= top_p * z) break;
-  }
+  const auto enough = [&](int64_t got) {
+    return (by_k && got >= top_k) || (by_p && mass(w, idx, idx + got) >= top_p * z);
+  };
+  // min_p alone: its bound at once
+  int64_t n = by_p || by_k ? gather_top(impl, x, V, m, floor, idx, enough) : impl->gather_ge(x, V, floor, idx);
   if (by_p) n = nucleus(x, w, idx, n, top_p * z);
   int64_t keep = n;
   if (by_k && n > top_k) {
@@ -261,16 +269,11 @@ void LogprobTop::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::
       const float lse = std::isfinite(m) ? m + std::log(impl->exp_sum(xr, V, m, 1.f, nullptr)) : m;
       chosen.data<float>()[r] = tp[r] < V ? xr[tp[r]] - lse : NAN;
       if (k == 0) return;
-      // the k largest: the tokens at or above a threshold lowered until they number k (as
-      // sample_row gathers), then only those ordered; -inf ones only where fewer are finite
+      // the k largest among the tokens gathered from the top until they number k (-inf ones only
+      // where fewer are finite)
       if (tl_index.size() < (size_t)V) tl_index.resize(V);
       int32_t* idx = tl_index.data();
-      int64_t n = 0;
-      for (float drop = 2.f;; drop *= 2.f) {
-        const float t = drop > 256.f ? (drop > 512.f ? -INFINITY : -FLT_MAX) : m - drop;
-        n = impl->gather_ge(xr, V, t, idx);
-        if (n >= k || t == -INFINITY) break;
-      }
+      const int64_t n = gather_top(impl, xr, V, m, -INFINITY, idx, [k](int64_t got) { return got >= k; });
       const int64_t kept = std::min<int64_t>(k, n);
       std::partial_sort(idx, idx + kept, idx + n,
                         [xr](int32_t a, int32_t b) { return xr[a] > xr[b] || (xr[a] == xr[b] && a < b); });

@@ -48,14 +48,13 @@ def score_rows(logits: mx.array, tokens: mx.array, tops: list[int | None]) -> li
     k = min(max(tops[e] or 0 for e in rows), logits.shape[-1])
     if kernels.available():  # one node, the rows in parallel: no (B, V) log-softmax written out
         chosen, ids, values = kernels.extension().logprob_top(logits, tokens, k, stream=mx.cpu)
-        ids, values = (ids, values) if k else (None, None)
     else:
         lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         chosen = mx.take_along_axis(lp, tokens[:, None].astype(mx.int32), axis=-1)[:, 0]
         ids, values = top_k(lp, k) if k else (None, None)
     out: list[Scored | None] = [None] * len(tops)
     for j, e in enumerate(rows):
-        out[e] = (chosen[j], ids[j], values[j]) if ids is not None and values is not None else (chosen[j],)
+        out[e] = (chosen[j], ids[j], values[j]) if k else (chosen[j],)
     return out
 
 
