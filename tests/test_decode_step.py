@@ -1,5 +1,5 @@
-"""The engine's steps (gmlx.upstream.decode_on_logits, and first_token_from_prefill, which samples the
-first token from the last prefill chunk) give the same greedy tokens as mlx_lm's own BatchGenerator on
+"""The engine's steps (gmlx.upstream.own_steps: the first token sampled from the last prefill chunk,
+the decode step on the logits) give the same greedy tokens as mlx_lm's own BatchGenerator on
 the default model, in every weight mode, alone and batched with 7 others."""
 
 from __future__ import annotations
@@ -30,10 +30,7 @@ TOKENS = {"native": 4, "float": 16, "gguf": 16}  # native is MLX's quantized mat
 def generate(loaded: LoadedModel, prompts: list[list[int]], own_step: bool, tokens: int) -> list[list[int]]:
     gen = BatchGenerator(loaded.model, stop_tokens=[], completion_batch_size=8, prefill_batch_size=8)
     if own_step:
-        upstream.decode_on_logits(gen, lambda logits, tokens, uids: [None] * len(uids), sample_rows)
-        upstream.first_token_from_prefill(
-            gen, lambda logits, tokens, uids: [None] * len(uids), lambda uid: False, sample_rows
-        )
+        upstream.own_steps(gen, lambda logits, tokens, uids: [None] * len(uids), lambda uid: False, sample_rows)
     uids = gen.insert(prompts, [tokens] * len(prompts), samplers=[greedy] * len(prompts))
     out: dict[int, list[int]] = {uid: [] for uid in uids}
     while any(len(t) < tokens for t in out.values()):

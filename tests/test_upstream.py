@@ -94,8 +94,7 @@ def test_the_batch_generator_takes_gmlxs_steps_and_keeps_only_the_rows_asked(
     def run(own_step: bool) -> tuple[dict[int, list[int]], dict[int, list[bool]]]:
         gen = BatchGenerator(model, stop_tokens=[], completion_batch_size=2, prefill_batch_size=2)
         if own_step:
-            upstream.decode_on_logits(gen, keep_row_0, sample_rows)
-            upstream.first_token_from_prefill(gen, keep_row_0, lambda uid: False, sample_rows)
+            upstream.own_steps(gen, keep_row_0, lambda uid: False, sample_rows)
         uids = gen.insert([[1, 7, 9], [1, 4]], [6, 6], samplers=[greedy, greedy])
         tokens: dict[int, list[int]] = {u: [] for u in uids}
         kept: dict[int, list[bool]] = {u: [] for u in uids}
@@ -129,8 +128,7 @@ def test_prompts_past_the_sliding_window_join_a_decoding_batch_with_mlx_lms_logi
     def run(own_steps: bool) -> list[list[tuple[int, np.ndarray]]]:
         gen = BatchGenerator(model, stop_tokens=[], completion_batch_size=4, prefill_batch_size=4, prefill_step_size=48)
         if own_steps:
-            upstream.decode_on_logits(gen, keep_all, sample_rows)
-            upstream.first_token_from_prefill(gen, keep_all, lambda uid: False, sample_rows)
+            upstream.own_steps(gen, keep_all, lambda uid: False, sample_rows)
         out: dict[int, list[tuple[int, np.ndarray]]] = {u: [] for u in gen.insert(prompts[:1], [30], samplers=[greedy])}
         for step in range(60):
             if step == 3:  # two join while the first decodes, ending their prompts in different chunks
@@ -174,8 +172,7 @@ def test_a_prompt_whose_first_token_is_its_last_never_joins_the_decode_batch(
     def run(own_steps: bool) -> list[list[tuple[int, str | None, np.ndarray, list[int] | None]]]:
         gen = BatchGenerator(model, stop_tokens=[], completion_batch_size=4, prefill_batch_size=4)
         if own_steps:
-            upstream.decode_on_logits(gen, keep_all, sample_rows)
-            upstream.first_token_from_prefill(gen, keep_all, lambda uid: False, sample_rows)
+            upstream.own_steps(gen, keep_all, lambda uid: False, sample_rows)
         uids = gen.insert(prompts[:1], limits[:1], samplers=[greedy])
         out: dict[int, list] = {uids[0]: []}
         for step in range(12):
@@ -240,3 +237,62 @@ def test_a_batch_cache_extends_in_one_copy_to_mlx_lms_state(
     assert ours._idx == theirs._idx
     if window is not None:
         assert (ours.rotated, ours._offset) == (theirs.rotated, theirs._offset)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_rows_joining_free_slots_see_what_they_see_in_mlx_lms_generator(
+    tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch, arch: str
+) -> None:
+    """A relay of requests, each sent as another ends (as clients send their next), into a decode
+    batch that keeps its rows' slots: rows take the slots rows left, shorter and longer than the
+    batch has filled, before and after the sliding window (tiny gemma3's: 64 tokens) is full, a
+    long-lived row's leave cuts the full caches' unused front, and every token and logit is
+    mlx_lm's own generator's (which moves every row on each join and leave)."""
+    import numpy as np
+    from mlx_lm.generate import BatchGenerator
+
+    from gmlx.engine.sampling import greedy
+    from gmlx.models.loader import load
+
+    model = load(tiny_models[arch], "float").model
+    relay = [(4 + (i * 37) % 90, 5 + (i * 23) % 40) for i in range(30)]  # (prompt length, max_tokens)
+    first = [(30, 300), (12, 8), (50, 20)]
+    prompts = [[1] + [7 + (i * 13 + n) % 90 for i in range(n)] for n, _ in first + relay]
+    limits = [m for _, m in first + relay]
+    placed, trimmed = [], []
+    write, trim = upstream._write_row, upstream._trim_front
+    monkeypatch.setattr(upstream, "_write_row", lambda mine, slot, *a: (placed.append(slot), write(mine, slot, *a)))
+    monkeypatch.setattr(
+        upstream,
+        "_trim_front",
+        lambda caches, rows: (trimmed.append(caches[0]._idx), trim(caches, rows), trimmed.append(caches[0]._idx)),
+    )
+
+    def run(own_steps: bool) -> dict[int, list[tuple[int, np.ndarray]]]:
+        gen = BatchGenerator(model, stop_tokens=[], completion_batch_size=3, prefill_batch_size=3, prefill_step_size=64)
+        if own_steps:
+            upstream.own_steps(gen, keep_all, lambda uid: False, sample_rows)
+        sent = 3
+        rows = gen.insert(prompts[:3], limits[:3], samplers=[greedy] * 3)
+        out: dict[int, list[tuple[int, np.ndarray]]] = {i: [] for i in range(3)}
+        which = dict(zip(rows, range(3)))
+        while any(len(out.get(i, [])) < limits[i] for i in range(len(prompts))):
+            for r in gen.next()[1]:
+                out[which[r.uid]].append((r.token, np.array(r.logprobs - mx.logsumexp(r.logprobs))))
+                if r.finish_reason is not None and sent < len(prompts):
+                    [uid] = gen.insert([prompts[sent]], [limits[sent]], samplers=[greedy])
+                    which[uid], out[sent] = sent, []
+                    sent += 1
+        gen.close()
+        return out
+
+    ours = run(own_steps=True)
+    assert len(placed) >= 8 * len(model.layers)  # most of the relay took free slots
+    if arch == "llama":
+        assert any(after < before for before, after in zip(trimmed[::2], trimmed[1::2]))
+    theirs = run(own_steps=False)
+    assert [len(ours[i]) for i in range(len(prompts))] == limits
+    for i in range(len(prompts)):
+        assert [t for t, _ in ours[i]] == [t for t, _ in theirs[i]], i
+        for (_, a), (_, b) in zip(ours[i], theirs[i]):
+            np.testing.assert_allclose(a, b, atol=1e-4)

@@ -4,9 +4,10 @@ Requests come in through a thread-safe command queue; their tokens go out throug
 request's `emit` callback, called on this thread (the server hands them to its event loop).
 Scheduling is mlx_lm's BatchGenerator: up to `decode_batch` streams decode together, and each
 step prefills a chunk of every new prompt after the decode rows' token, the chunk sized each
-step by engine/budget.py so that decoding never waits long behind a prefill. Its decode step
-samples from the logits unnormalised (gmlx.upstream.decode_on_logits), and a prompt's first
-token is sampled from the chunk that ends its prefill (gmlx.upstream.first_token_from_prefill).
+step by engine/budget.py so that decoding never waits long behind a prefill. Its steps are
+gmlx's (gmlx.upstream.own_steps): the decode step samples from the logits unnormalised, a
+prompt's first token is sampled from the chunk that ends its prefill, and a row joining or
+leaving the decode batch takes or frees a slot, moving no other row's cache.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from gmlx.engine.heap import map_large_buffers, trim_heap
 from gmlx.engine.logprobs import Scored, TokenLogprob, score_rows, token_logprob
 from gmlx.engine.processors import Decoding, LogitsProcessor
 from gmlx.engine.prompt_cache import MISS, Hit, PromptCache
-from gmlx.engine.sampling import Sampler, SamplingParams, make_sampler, sample_rows
+from gmlx.engine.sampling import Sampler, SamplingParams, greedy, make_sampler, sample_rows
 from gmlx.engine.speculative import SpeculativeCounters, SpeculativeStream, can_speculate
 from gmlx.engine.stops import StopMatcher
 from gmlx.gguf.detokenizer import continuation_detokenizer
@@ -453,9 +454,9 @@ class Engine:
             completion_batch_size=self.decode_batch,
             prefill_batch_size=self.decode_batch,
             prefill_step_size=self.prefill_step,
+            sampler=greedy,  # a free slot's: the same object as greedy rows', so a batch of them samples in one call
         )
-        upstream.decode_on_logits(gen, self._score, sample_rows)
-        upstream.first_token_from_prefill(gen, self._score, self._keeps_last_apart, sample_rows)
+        upstream.own_steps(gen, self._score, self._keeps_last_apart, sample_rows)
         return gen
 
     def _score(self, logits: mx.array, tokens: mx.array, uids: list[int]) -> list[Scored | None]:

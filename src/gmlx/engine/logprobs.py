@@ -2,7 +2,7 @@
 
 They are the log-softmax of the row the sampler drew from: the logits after the row's logits
 processors (penalties, logit bias, a grammar's mask), before temperature and top-k/p/min-p.
-The engine's decode step samples from the logits unnormalised (gmlx.upstream.decode_on_logits),
+The engine's decode step samples from the logits unnormalised (gmlx.upstream.own_steps),
 so only the rows that ask are normalised, here. Every row that asks is scored in one batched
 pass, so a step costs one top-k over the vocabulary per row, not a Python loop, and the pass is
 part of the step's own graph: scored after the step, a row waited for the step after it (MLX
