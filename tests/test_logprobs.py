@@ -201,3 +201,23 @@ def test_the_kernels_scores_are_the_log_softmax_and_its_best(width: int, k: int,
     assert np.array(ids).tolist() == order
     want = np.take_along_axis(x64, np.array(order, dtype=np.int64).reshape(4, k), -1) - lse[:, None]
     np.testing.assert_allclose(np.array(values), want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_vocabulary_is_read_only_for_a_request_that_asks_for_logprobs(
+    tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reading every token's bytes from the header takes a third of a second on gemma3's
+    vocabulary, on the event loop, where every stream waits: requests without logprobs never do."""
+    import gmlx.server.state
+
+    reads: list[int] = []
+    monkeypatch.setattr(gmlx.server.state, "token_bytes", lambda h: (reads.append(1), token_bytes(h))[1])
+    with LiveServer(tiny_models["llama"]) as s:
+        chat(s)
+        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True}
+        with s.client() as c, c.stream("POST", CHAT, json=body) as r:
+            assert r.status_code == 200 and "[DONE]" in r.read().decode()
+        assert reads == []
+        assert chat(s, logprobs=True)["choices"][0]["logprobs"]["content"]
+        chat(s, logprobs=True)
+        assert reads == [1]  # once per load

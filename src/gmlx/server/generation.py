@@ -388,7 +388,10 @@ class Generation:
 
     def completion(self) -> dict:
         """The non-streamed answer, once every choice has finished."""
-        p, vocab, choices = self.p, self.state.token_bytes(), []
+        p, choices = self.p, []
+        # The vocabulary's bytes are read from the header on first use (a third of a second on the
+        # event loop for gemma3's 262,144 tokens): only when a choice has logprobs to shape.
+        vocab = self.state.token_bytes() if any(c.scored is not None for c in self.choices) else []
         for c in self.choices:
             assert isinstance(c.end, Finished)
             content, calls = c.parser.parse(c.text) if c.parser is not None else (c.text, [])
@@ -436,7 +439,8 @@ class Generation:
             while self.running and failure is None:
                 c, e = await self.next()
                 if isinstance(e, Chunk):
-                    shaped = logprobs.shape(p.chat, e.logprobs, self.state.token_bytes(), c.offset)
+                    vocab = self.state.token_bytes() if e.logprobs is not None else []
+                    shaped = logprobs.shape(p.chat, e.logprobs, vocab, c.offset)
                     c.offset += len(e.text)
                     for data in self._piece_chunks(c, c.parser.feed(e.text) if c.parser else [e.text], shaped):
                         yield data
