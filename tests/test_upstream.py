@@ -268,31 +268,36 @@ def test_rows_joining_free_slots_see_what_they_see_in_mlx_lms_generator(
         lambda caches, rows: (trimmed.append(caches[0]._idx), trim(caches, rows), trimmed.append(caches[0]._idx)),
     )
 
-    def run(own_steps: bool) -> dict[int, list[tuple[int, np.ndarray]]]:
+    def run(own_steps: bool) -> tuple[dict[int, list[tuple[int, np.ndarray]]], dict[int, list[np.ndarray]]]:
         gen = BatchGenerator(model, stop_tokens=[], completion_batch_size=3, prefill_batch_size=3, prefill_step_size=64)
         if own_steps:
             upstream.own_steps(gen, keep_all, lambda uid: False, sample_rows)
         sent = 3
         rows = gen.insert(prompts[:3], limits[:3], samplers=[greedy] * 3)
         out: dict[int, list[tuple[int, np.ndarray]]] = {i: [] for i in range(3)}
+        left: dict[int, list[np.ndarray]] = {}  # each row's cache as it leaves (the prompt cache keeps it)
         which = dict(zip(rows, range(3)))
         while any(len(out.get(i, [])) < limits[i] for i in range(len(prompts))):
             for r in gen.next()[1]:
                 out[which[r.uid]].append((r.token, np.array(r.logprobs - mx.logsumexp(r.logprobs))))
+                if r.finish_reason is not None:
+                    left[which[r.uid]] = [np.array(a) for c in r.prompt_cache for a in (c.keys, c.values)]
                 if r.finish_reason is not None and sent < len(prompts):
                     [uid] = gen.insert([prompts[sent]], [limits[sent]], samplers=[greedy])
                     which[uid], out[sent] = sent, []
                     sent += 1
         gen.close()
-        return out
+        return out, left
 
-    ours = run(own_steps=True)
+    ours, ours_left = run(own_steps=True)
     assert len(placed) >= 8 * len(model.layers)  # most of the relay took free slots
     if arch == "llama":
         assert any(after < before for before, after in zip(trimmed[::2], trimmed[1::2]))
-    theirs = run(own_steps=False)
+    theirs, theirs_left = run(own_steps=False)
     assert [len(ours[i]) for i in range(len(prompts))] == limits
     for i in range(len(prompts)):
         assert [t for t, _ in ours[i]] == [t for t, _ in theirs[i]], i
         for (_, a), (_, b) in zip(ours[i], theirs[i]):
             np.testing.assert_allclose(a, b, atol=1e-4)
+        for a, b in zip(ours_left[i], theirs_left[i], strict=True):
+            np.testing.assert_allclose(a, b, atol=1e-5)
