@@ -29,7 +29,9 @@ def test_cpu_use_is_measured_between_readings() -> None:
     assert time.perf_counter() - start < 0.05  # no blocking interval
     cores = reading["cpu_pct_per_core"]
     assert len(cores) == psutil.cpu_count() and all(0 <= c <= 100 for c in cores)
-    assert max(cores) > 50 and reading["process_cpu_pct"] > 50  # this process kept a core busy
+    # This process kept a core's worth busy; the scheduler may have moved it from core to core
+    # (on 2 cores a CI run read 50 % on each), so the cores' sum shows it, not any one core.
+    assert sum(cores) > 50 and reading["process_cpu_pct"] > 50
     assert reading["process_rss_bytes"] > 10e6
     assert host.telemetry()["cpu_pct_per_core"] is cores  # a second poller a moment later shares the reading
 
