@@ -86,6 +86,15 @@ def run_record(model: Path) -> dict[str, Any]:
     }
 
 
+def save_result(name: str, out: dict[str, Any], shown: dict[str, Any]) -> None:
+    """Write `out` as results/<name>, with the load at the end, and print `shown`."""
+    out["load_average_1m_end"] = os.getloadavg()[0]
+    path = RESULTS / name
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print(json.dumps(shown, indent=2))
+    log(f"wrote {path}")
+
+
 def ratios(peers: dict[str, Any]) -> dict[str, Any]:
     """gmlx over each peer, as speed ratios (above 1: gmlx is faster); TTFT as peer TTFT / gmlx TTFT."""
     ours = peers.get("gmlx", {})

@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 import statistics
 from typing import Any
 
 import httpx
 
-from bench.__main__ import RESULTS, run_record
+from bench.__main__ import run_record, save_result
 from bench.harness import Server, log, prompt_of, stream_once
 from bench.peers import peer
 from gmlx.default_model import resolve_model
@@ -71,7 +69,6 @@ def main() -> None:
     finally:
         for s in servers.values():
             s.stop()
-    out["load_average_1m_end"] = os.getloadavg()[0]
 
     def median(xs: list[float | None]) -> float | None:
         got = [x for x in xs if x]
@@ -83,10 +80,7 @@ def main() -> None:
         d: round(g / lc, 2) if (g := out["tok_s"]["gmlx"][d]) and (lc := out["tok_s"]["llama-cpp"][d]) else None
         for d in args.depths
     }
-    path = RESULTS / f"depth-{model.stem}.json"
-    path.write_text(json.dumps(out, indent=2) + "\n")
-    print(json.dumps({k: out[k] for k in ("tok_s", "gmlx_over_llama_cpp")}, indent=2))
-    log(f"wrote {path}")
+    save_result(f"depth-{model.stem}.json", out, {k: out[k] for k in ("tok_s", "gmlx_over_llama_cpp")})
 
 
 if __name__ == "__main__":

@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import time
 from typing import Any
 
 import httpx
 
-from bench.__main__ import RESULTS, run_record
+from bench.__main__ import run_record, save_result
 from bench.harness import Server, log, prompt_of, story_prompt
 from bench.peers import Peer, peer
 from gmlx.default_model import resolve_model
@@ -117,11 +116,7 @@ def main() -> None:
             log(f"{name}: {result}")
         finally:
             server.stop()
-    out["load_average_1m_end"] = os.getloadavg()[0]
-    path = RESULTS / f"gaps-{model.stem}.json"
-    path.write_text(json.dumps(out, indent=2) + "\n")
-    print(json.dumps(out["peers"], indent=2))
-    log(f"wrote {path}")
+    save_result(f"gaps-{model.stem}.json", out, out["peers"])
 
 
 if __name__ == "__main__":

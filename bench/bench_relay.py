@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 import statistics
 import time
 from typing import Any
 
 import httpx
 
-from bench.__main__ import RESULTS, run_record
+from bench.__main__ import run_record, save_result
 from bench.harness import Server, log, story_prompt, stream_once
 from bench.peers import Peer, peer
 from gmlx.default_model import resolve_model
@@ -81,14 +79,10 @@ def main() -> None:
     finally:
         for s in servers.values():
             s.stop()
-    out["load_average_1m_end"] = os.getloadavg()[0]
     out["tok_s"] = {name: round(statistics.median(xs), 1) for name, xs in runs.items()}
     out["runs"] = runs
     out["gmlx_over_llama_cpp"] = round(out["tok_s"]["gmlx"] / out["tok_s"]["llama-cpp"], 2)
-    path = RESULTS / f"relay-{model.stem}.json"
-    path.write_text(json.dumps(out, indent=2) + "\n")
-    print(json.dumps({k: out[k] for k in ("tok_s", "gmlx_over_llama_cpp")}, indent=2))
-    log(f"wrote {path}")
+    save_result(f"relay-{model.stem}.json", out, {k: out[k] for k in ("tok_s", "gmlx_over_llama_cpp")})
 
 
 if __name__ == "__main__":
