@@ -111,29 +111,3 @@ def test_a_script_that_stops_its_engine_exits_cleanly(tiny_models: dict[str, Pat
             timeout=120,
         )
         assert r.returncode == 0 and "terminate called" not in r.stderr, r.stderr[-2000:]
-
-
-def test_an_engine_lets_mlx_keep_the_buffers_its_table_sets_aside_for_a_step(tiny_models: dict[str, Path]) -> None:
-    """MLX keeps freed buffers for reuse up to a limit (32 MiB on the CPU); a step that frees more
-    takes fresh pages every time. An engine raises the limit to the transient buffers its capacity
-    table sets aside, and never lowers what the process already allows."""
-    import mlx.core as mx
-
-    from gmlx.deployment import Deployment
-    from gmlx.engine.heap import keep_freed_buffers
-    from gmlx.server.build import build_engine
-    from gmlx.settings import resolve_settings
-
-    d = Deployment("tiny", tiny_models["llama"], resolve_settings({"decode_batch": 4}, env={}))
-    table, _ = d.planned_table()
-    engine = build_engine(d)
-    assert engine.transient_bytes == table.budget.prefill_bytes + table.budget.batch_bytes > 0
-    before = mx.set_cache_limit(engine.transient_bytes // 2)
-    try:
-        engine.start()
-        assert engine.ready.wait(60) and engine.load_error is None
-        assert keep_freed_buffers(0) == engine.transient_bytes  # raised at start; a lower ask keeps it
-        assert keep_freed_buffers(2 * engine.transient_bytes) == 2 * engine.transient_bytes
-    finally:
-        engine.stop()
-        mx.set_cache_limit(before)

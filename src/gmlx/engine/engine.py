@@ -30,7 +30,7 @@ from mlx_lm.tokenizer_utils import StreamingDetokenizer
 from gmlx import kernels, upstream
 from gmlx.engine.budget import PrefillBudget
 from gmlx.engine.embeddings import EmbedJob, embed
-from gmlx.engine.heap import keep_freed_buffers, map_large_buffers, trim_heap
+from gmlx.engine.heap import map_large_buffers, trim_heap
 from gmlx.engine.logprobs import Scored, TokenLogprob, score_rows, token_logprob
 from gmlx.engine.processors import Decoding, LogitsProcessor
 from gmlx.engine.prompt_cache import MISS, Hit, PromptCache
@@ -351,10 +351,8 @@ class Engine:
         checkpoint_every: int = 1024,
         load_draft: Callable[[LoadedModel], LoadedModel] | None = None,
         num_draft: int = 3,
-        transient_bytes: int = 0,
     ):
         self._load = load
-        self.transient_bytes = transient_bytes  # a step's freed buffers MLX may keep for reuse (start)
         self._make_cache = make_cache  # fresh caches for a request (quantized KV plugs in here)
         self.prompt_cache = prompt_cache if prompt_cache is not None and prompt_cache.enabled else None
         self.checkpoint_every = checkpoint_every
@@ -387,11 +385,9 @@ class Engine:
     # --- called from any thread -------------------------------------------------------
 
     def start(self) -> None:
-        """Start the engine thread, first setting what it needs process-wide: a step's freed
-        buffers kept for the next, larger ones freed straight back to the system (engine/heap.py),
-        and MLX's fast ops as gmlx's CPU kernels (gmlx.kernels.fast; nothing off the CPU or
-        without the extension)."""
-        keep_freed_buffers(self.transient_bytes)
+        """Start the engine thread, first setting what it needs process-wide: large buffers freed
+        straight back to the system (engine/heap.py), and MLX's fast ops as gmlx's CPU kernels
+        (gmlx.kernels.fast; nothing off the CPU or without the extension)."""
         map_large_buffers()
         kernels_fast.install()
         self._thread.start()

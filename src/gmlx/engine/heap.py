@@ -1,5 +1,4 @@
-"""How MLX's freed buffers are kept for reuse, and how the C heap under its CPU buffers (glibc on
-Linux) gives them back to the process.
+"""The C heap under MLX's CPU buffers (glibc on Linux): how freed buffers leave the process.
 
 On the CPU, MLX's buffers come from malloc. glibc serves a large request with its own mapping
 and unmaps it on free, but after the first such free it raises its mapping threshold to that
@@ -15,8 +14,6 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable
-
-import mlx.core as mx
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 # glibc's own default: buffers from 128 KiB get their own mapping. Setting it turns the dynamic
@@ -45,20 +42,3 @@ def trim_heap() -> None:
     """Give the heap's free pages back to the system (what smaller buffers freed)."""
     if _malloc_trim is not None:
         _malloc_trim(0)
-
-
-def keep_freed_buffers(nbytes: int) -> int:
-    """Let MLX keep at least `nbytes` of freed buffers for reuse (never less than it already
-    may: the limit is the process's, shared by every engine); returns the limit now.
-
-    On the CPU, MLX 0.32 keeps 32 MiB. A decode step of 8 rows on the default model frees and
-    allocates more than that (its logits alone are 8 MiB), so each step took fresh buffers: their
-    pages faulted in as they were written, 350,000 page faults a 1,024 tokens and a tenth of the
-    server's decode rate. The engine asks for what the capacity table sets aside for a step's
-    transient buffers (a prefill chunk's working set and the batch's sliding-window transient),
-    so what the cache keeps stays inside the table's arithmetic. Metal's and CUDA's limits
-    start at their memory limit, above it."""
-    before = mx.set_cache_limit(nbytes)
-    if before > nbytes:
-        mx.set_cache_limit(before)
-    return max(before, nbytes)

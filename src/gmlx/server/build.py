@@ -16,11 +16,10 @@ from gmlx.settings import Settings
 
 def build_engine(d: Deployment, others_bytes: int = 0) -> Engine:
     """Its engine, not started, beside `others_bytes` of other models' weights (for the KV
-    quantization plan, made from the header alone: gmlx.capacity.kv_quant; None when off, and
-    the transient buffers its capacity table sets aside)."""
+    quantization plan, made from the header alone: gmlx.capacity.kv_quant; None when off)."""
     s = d.settings
     prompt_cache = PromptCache(s.prompt_cache_limit(d.memory), s.prompt_cache_block)
-    table, kv_plan = d.planned_table(others_bytes)
+    kv_plan = d.planned_table(others_bytes)[1] if s.kv_quant().enabled else None
     engine = Engine(
         lambda: load(d.path, s.weights, max_kv_size=s.max_kv_size),
         d.model_id,
@@ -31,7 +30,6 @@ def build_engine(d: Deployment, others_bytes: int = 0) -> Engine:
         checkpoint_every=s.prompt_cache_checkpoint,
         load_draft=_drafter(Path(s.draft), s) if s.draft else None,
         num_draft=s.num_draft,
-        transient_bytes=table.budget.prefill_bytes + table.budget.batch_bytes,
     )
     engine.kv_quant = kv_plan  # read by GET /v1/models and the capacity table (server.state)
     return engine
