@@ -791,8 +791,9 @@ class Engine:
             prompt_responses, generation_responses = gen.next()
         seconds = time.perf_counter() - start
         # A step in which rows joined the decode batch, or the first after rows joined or left it,
-        # also copies every row's KV cache (mlx_lm pads and concatenates them): 3-10 decode steps'
-        # time. Learning from it, the budget once let 100-token chunks through for seconds after.
+        # may also move every row's KV cache (a join with no free slot to take, free slots gathered
+        # out: upstream._slotted_batch): 3-10 decode steps' time. Learning from such a step, the
+        # budget once let 100-token chunks through for seconds after.
         rows = frozenset(r.uid for r in generation_responses)
         joined = any(p.end_of_prompt for p in prompt_responses)
         if rows == self._decoded_last and not joined:
