@@ -30,7 +30,7 @@ from mlx_lm.tokenizer_utils import StreamingDetokenizer
 from gmlx import kernels, upstream
 from gmlx.engine.budget import PrefillBudget
 from gmlx.engine.embeddings import EmbedJob, embed
-from gmlx.engine.heap import map_large_buffers, trim_heap
+from gmlx.engine.heap import map_large_buffers, shed_stale_buffers, trim_heap
 from gmlx.engine.logprobs import Scored, TokenLogprob, score_rows, token_logprob
 from gmlx.engine.processors import Decoding, LogitsProcessor
 from gmlx.engine.prompt_cache import MISS, Hit, PromptCache
@@ -503,6 +503,7 @@ class Engine:
                     break
                 if self._lane is None and self._may_speculate():
                     self._enter_lane(gen)
+                shed_stale_buffers()  # so that the next step finds its buffers in MLX's cache
                 if self._lane is not None:
                     self._lane_round(gen)
                 elif self._active:
