@@ -8,7 +8,8 @@ until the heap is trimmed. A prefill chunk's activations are such buffers: four 
 2,000 tokens prefilled together left the process 1.1-1.3x what MLX itself held
 (docs/ARCHITECTURE.md, "Memory model"). Fixing the threshold keeps every large buffer mapped on its
 own, so the resident size follows MLX's allocations and the capacity table's arithmetic.
-Elsewhere (macOS, musl; CUDA and Metal buffers are not malloc's) both calls do nothing.
+Elsewhere (macOS, musl; CUDA and Metal buffers are not malloc's) the heap's two calls do nothing.
+What MLX keeps of its freed buffers for reuse, it keeps in its own cache: `shed_stale_buffers`.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def cache_limit() -> int:
 
 
 def shed_stale_buffers() -> bool:
-    """Free the buffers MLX kept longest ago once they fill 3/4 of its cache limit; True if it did.
+    """Free the buffers MLX kept longest ago once they fill 3/4 of its cache limit; True if it did
+    (docs/ARCHITECTURE.md, decision 31).
 
     MLX keeps a freed buffer only while it is under its limit, and hands one out again only for
     a request of about its size; it never drops one to make room. Buffers of sizes no later step
