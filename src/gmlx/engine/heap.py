@@ -15,6 +15,7 @@ What MLX keeps of its freed buffers for reuse, it keeps in its own cache: `shed_
 from __future__ import annotations
 
 import ctypes
+import threading
 from collections.abc import Callable
 from functools import cache
 
@@ -49,12 +50,18 @@ def trim_heap() -> None:
         _malloc_trim(0)
 
 
+# Held while the limit is not MLX's own: a shed lowers it for a moment, and another model's
+# engine reading it then would take half of it for the limit.
+_limit_lock = threading.Lock()
+
+
 @cache
 def cache_limit() -> int:
     """What MLX keeps of its freed buffers at most: 32 MiB on the CPU (MLX 0.32); Metal's and
     CUDA's start at their memory limit. Read once, by raising it, which frees nothing."""
-    limit = mx.set_cache_limit(2**62)
-    mx.set_cache_limit(limit)
+    with _limit_lock:
+        limit = mx.set_cache_limit(2**62)
+        mx.set_cache_limit(limit)
     return limit
 
 
@@ -74,6 +81,7 @@ def shed_stale_buffers() -> bool:
     limit = cache_limit()
     if mx.get_cache_memory() <= limit * 3 // 4:
         return False
-    mx.set_cache_limit(limit // 2)
-    mx.set_cache_limit(limit)
+    with _limit_lock:
+        mx.set_cache_limit(limit // 2)
+        mx.set_cache_limit(limit)
     return True
