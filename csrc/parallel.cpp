@@ -72,13 +72,16 @@ inline void relax() {
 #endif
 }
 
-// How long an idle worker waits for the next region before it sleeps: long enough to span the gap
-// between a decode step's regions (a few microseconds to tens), short enough to leave the core to
-// OpenBLAS's threads and to the thread building the next step when none comes.
+// How long an idle worker waits for the next region before it sleeps. Most gaps between a batch-1
+// decode step's regions are 2-16 microseconds; about a quarter are 32-128, the stream thread's own
+// serial nodes. The kernels have a thread for every CPU, so a worker spinning through those takes
+// the core from the Python threads building the next step (the engine's graph, ~4 ms of CPU a
+// batch-1 step), which then preempt the kernels' threads mid-region. 20 covers the short gaps and
+// sleeps through the rest: batch-1 decode ~9 % faster than with 200 (docs/ARCHITECTURE.md, 28).
 std::chrono::microseconds spin_budget() {
   static const auto us = [] {
     const char* s = std::getenv("GMLX_KERNELS_SPIN_US");
-    return std::chrono::microseconds(s ? std::atoi(s) : 200);
+    return std::chrono::microseconds(s ? std::atoi(s) : 20);
   }();
   return us;
 }
@@ -116,7 +119,8 @@ struct Pool {
       const auto start = std::chrono::steady_clock::now();
       for (int spins = 0; generation.load(std::memory_order_acquire) == seen; spins++) {
         relax();
-        if ((spins & 255) == 255 && std::chrono::steady_clock::now() - start > spin_budget()) {
+        // the clock every 32 pauses: a pause is 40-140 cycles, so ~0.5-1.5 microseconds apart
+        if ((spins & 31) == 31 && std::chrono::steady_clock::now() - start > spin_budget()) {
           std::unique_lock lock(sleep_mutex);
           sleepers.fetch_add(1);
           wake.wait(lock, [&] { return generation.load() != seen; });

@@ -29,7 +29,7 @@ GMLX_KERNELS_ISA (generic, avx2, avx512, avx512vnni, amx),
 GMLX_KERNELS_ACT_BITS (16; 8 = llama.cpp's Q8_0 activations; 0 = float path only),
 GMLX_KERNELS_PIN (0 leaves the threads unpinned; by default, on Linux, where they use every CPU the
 process may run on, each keeps one of its own),
-GMLX_KERNELS_SPIN_US (how long an idle thread waits for the next parallel region before it sleeps; 200),
+GMLX_KERNELS_SPIN_US (how long an idle thread waits for the next parallel region before it sleeps; 20),
 GMLX_KERNELS_PACK (0 keeps a Q8_0 embedding table in the file's layout; by default, where the kernels
 have an int16 path (AVX2, AVX-512), it is packed for them: see GGUFEmbedding),
 GMLX_KERNELS_EXT (load the extension from another build).
