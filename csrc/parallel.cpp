@@ -73,11 +73,12 @@ inline void relax() {
 }
 
 // How long an idle worker waits for the next region before it sleeps. Most gaps between a batch-1
-// decode step's regions are 2-16 microseconds; about a quarter are 32-128, the stream thread's own
+// decode step's regions are 2-16 microseconds; about a third are 32-128, the stream thread's own
 // serial nodes. The kernels have a thread for every CPU, so a worker spinning through those takes
 // the core from the Python threads building the next step (the engine's graph, ~4 ms of CPU a
 // batch-1 step), which then preempt the kernels' threads mid-region. 20 covers the short gaps and
-// sleeps through the rest: batch-1 decode ~9 % faster than with 200 (docs/ARCHITECTURE.md, 28).
+// sleeps through the rest: batch-1 decode 5-9 % faster than with 200 (docs/ARCHITECTURE.md,
+// decision 28).
 std::chrono::microseconds spin_budget() {
   static const auto us = [] {
     const char* s = std::getenv("GMLX_KERNELS_SPIN_US");
