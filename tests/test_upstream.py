@@ -110,6 +110,44 @@ def test_the_batch_generator_takes_gmlxs_steps_and_keeps_only_the_rows_asked(
     assert kept == {0: [True] * 6, 1: [False] * 6}
 
 
+def test_a_decode_steps_tokens_are_handed_out_before_the_next_step_is_queued_whole(
+    tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`deliver` gets each decode step's responses once, as next() returns them. Where they hold
+    a row's first token, or every row's last, the step after is queued only up to its first
+    layer meanwhile (queued whole, MLX's async_eval returns when that step is nearly done, and
+    the tokens would reach their clients a step late); a step no row is left to read is never
+    queued."""
+    from mlx_lm.generate import BatchGenerator
+
+    from gmlx.engine.sampling import greedy
+    from gmlx.models.loader import load
+
+    model = load(tiny_models["llama"], "float").model
+    gen = BatchGenerator(model, stop_tokens=[], completion_batch_size=2, prefill_batch_size=2)
+    handed: list[list[tuple[int, int]]] = []
+    rest_queued: list[bool] = []
+
+    def deliver(responses: list) -> None:
+        handed.append([(r.uid, r.token) for r in responses])
+        rest_queued.append(gen._generation_batch._queued is None)
+
+    finish, finished_live = upstream.finish_step, []
+    monkeypatch.setattr(
+        upstream, "finish_step", lambda b: (b._queued is not None and finished_live.append(b.live), finish(b))
+    )
+    upstream.own_steps(gen, keep_row_0, lambda uid: False, sample_rows, deliver)
+    gen.insert([[1, 7, 9], [1, 4]], [6, 3], samplers=[greedy, greedy])
+    returned = []
+    for _ in range(12):
+        if responses := [(r.uid, r.token) for r in gen.next()[1]]:
+            returned.append(responses)
+    assert handed == returned and sum(len(step) for step in handed) == 9
+    # both first tokens, then the second row's last (the first goes on), then the first row's last
+    assert rest_queued == [False, True, True, True, True, False]
+    assert finished_live == [2, 2, 2, 1, 1]  # the step after the last row's end was never queued
+
+
 def test_prompts_past_the_sliding_window_join_a_decoding_batch_with_mlx_lms_logits(
     tiny_models: dict[str, Path],
 ) -> None:

@@ -6,8 +6,9 @@ Scheduling is mlx_lm's BatchGenerator: up to `decode_batch` streams decode toget
 step prefills a chunk of every new prompt after the decode rows' token, the chunk sized each
 step by engine/budget.py so that decoding never waits long behind a prefill. Its steps are
 gmlx's (gmlx.upstream.own_steps): the decode step samples from the logits unnormalised, a
-prompt's first token is sampled from the chunk that ends its prefill, and a row joining or
-leaving the decode batch takes or frees a slot, moving no other row's cache.
+prompt's first token is sampled from the chunk that ends its prefill, a row joining or
+leaving the decode batch takes or frees a slot, moving no other row's cache, and a decode
+step's tokens go out before the step after is queued whole (`_deliver_early`).
 """
 
 from __future__ import annotations
@@ -370,6 +371,7 @@ class Engine:
         self.prefill_step = prefill_step
         self._budget = PrefillBudget(prefill_step)
         self._decoded_last: frozenset[int] = frozenset()  # rows the last step decoded
+        self._early: list = []  # this step's responses handed out already (_deliver_early)
         self.stats = EngineStats()
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._active: dict[int, _Stream] = {}  # batch uid -> stream, owned by the engine thread
@@ -456,7 +458,9 @@ class Engine:
             prefill_step_size=self.prefill_step,
             sampler=greedy,  # a free slot's: the same object as greedy rows', so a batch of them samples in one call
         )
-        upstream.own_steps(gen, self._score, self._keeps_last_apart, sample_rows)
+        upstream.own_steps(
+            gen, self._score, self._keeps_last_apart, sample_rows, lambda rs: self._deliver_early(gen, rs)
+        )
         return gen
 
     def _score(self, logits: mx.array, tokens: mx.array, uids: list[int]) -> list[Scored | None]:
@@ -828,7 +832,20 @@ class Engine:
                     self._take_checkpoint(gen, stream, req.prefilled)
                 if p.end_of_prompt:
                     req.state = Phase.DECODE
-        for r in generation_responses:
+        early, self._early = self._early, []
+        handed = {id(r) for r in early}  # `early` holds them, so no id is reused meanwhile
+        self._deliver(gen, [r for r in generation_responses if id(r) not in handed])
+
+    def _deliver_early(self, gen: BatchGenerator, responses: list) -> None:
+        """The decode batch's responses, handed out as soon as their tokens are read, before the
+        next step is queued whole (upstream.own_steps); the step's own loop skips them."""
+        self._early += responses
+        self._deliver(gen, responses)
+
+    def _deliver(self, gen: BatchGenerator, responses: list) -> None:
+        """Hand each response's token to its request."""
+        now = time.monotonic()
+        for r in responses:
             if (stream := self._active.get(r.uid)) is not None:
                 if r.finish_reason is not None:
                     self._keep_final(r.prompt_cache, r.all_tokens)
