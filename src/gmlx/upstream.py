@@ -83,8 +83,9 @@ def own_steps(
 
     - a decode step that samples from the logits as they come, each row drawn by `sample_rows`,
       and keeps what `keep` makes of each row as its response's `logprobs` (`_step_on_logits`);
-    - its responses handed to `deliver` as soon as their tokens are read, before the next step
-      is queued whole (`_slotted_batch`); next() still returns them;
+    - its responses handed to `deliver` once their tokens are read: where they hold a row's
+      first token or every row's last, before the step after is queued whole
+      (`_step_on_logits`, `_slotted_batch`); next() still returns them;
     - a prompt's first token sampled from its last prefill chunk (`_next_first_token_in_prefill`);
     - a decode batch whose rows keep their slots, so a row joining or leaving moves only its own
       KV cache (`_slotted_batch`).

@@ -7,8 +7,8 @@ step prefills a chunk of every new prompt after the decode rows' token, the chun
 step by engine/budget.py so that decoding never waits long behind a prefill. Its steps are
 gmlx's (gmlx.upstream.own_steps): the decode step samples from the logits unnormalised, a
 prompt's first token is sampled from the chunk that ends its prefill, a row joining or
-leaving the decode batch takes or frees a slot, moving no other row's cache, and a decode
-step's tokens go out before the step after is queued whole (`_deliver_early`).
+leaving the decode batch takes or frees a slot, moving no other row's cache, and a row's first
+token, and every row's last, go out before the step after is queued whole (`_deliver_early`).
 """
 
 from __future__ import annotations
@@ -837,8 +837,8 @@ class Engine:
         self._deliver(gen, [r for r in generation_responses if id(r) not in handed])
 
     def _deliver_early(self, gen: BatchGenerator, responses: list) -> None:
-        """The decode batch's responses, handed out as soon as their tokens are read, before the
-        next step is queued whole (upstream.own_steps); the step's own loop skips them."""
+        """The decode batch's responses, handed out as soon as their tokens are read
+        (upstream.own_steps); the step's own loop skips them."""
         self._early += responses
         self._deliver(gen, responses)
 
