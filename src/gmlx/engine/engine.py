@@ -8,7 +8,7 @@ step by engine/budget.py so that decoding never waits long behind a prefill. Its
 gmlx's (gmlx.upstream.own_steps): the decode step samples from the logits unnormalised, a
 prompt's first token is sampled from the chunk that ends its prefill, a row joining or
 leaving the decode batch takes or frees a slot, moving no other row's cache, and a row's first
-token, and every row's last, go out before the step after is queued whole (`_deliver_early`).
+token, and every row's last, go out before the step after is queued whole (`_hand_out_early`).
 """
 
 from __future__ import annotations
@@ -371,7 +371,7 @@ class Engine:
         self.prefill_step = prefill_step
         self._budget = PrefillBudget(prefill_step)
         self._decoded_last: frozenset[int] = frozenset()  # rows the last step decoded
-        self._early: list = []  # this step's responses handed out already (_deliver_early)
+        self._early: list = []  # this step's responses handed out already (_hand_out_early)
         self.stats = EngineStats()
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._active: dict[int, _Stream] = {}  # batch uid -> stream, owned by the engine thread
@@ -459,7 +459,7 @@ class Engine:
             sampler=greedy,  # a free slot's: the same object as greedy rows', so a batch of them samples in one call
         )
         upstream.own_steps(
-            gen, self._score, self._keeps_last_apart, sample_rows, lambda rs: self._deliver_early(gen, rs)
+            gen, self._score, self._keeps_last_apart, sample_rows, lambda rs: self._hand_out_early(gen, rs)
         )
         return gen
 
@@ -834,15 +834,15 @@ class Engine:
                     req.state = Phase.DECODE
         early, self._early = self._early, []
         handed = {id(r) for r in early}  # `early` holds them, so no id is reused meanwhile
-        self._deliver(gen, [r for r in generation_responses if id(r) not in handed])
+        self._hand_out(gen, [r for r in generation_responses if id(r) not in handed])
 
-    def _deliver_early(self, gen: BatchGenerator, responses: list) -> None:
+    def _hand_out_early(self, gen: BatchGenerator, responses: list) -> None:
         """The decode batch's responses, handed out as soon as their tokens are read
         (upstream.own_steps); the step's own loop skips them."""
         self._early += responses
-        self._deliver(gen, responses)
+        self._hand_out(gen, responses)
 
-    def _deliver(self, gen: BatchGenerator, responses: list) -> None:
+    def _hand_out(self, gen: BatchGenerator, responses: list) -> None:
         """Hand each response's token to its request."""
         now = time.monotonic()
         for r in responses:
