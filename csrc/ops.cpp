@@ -14,6 +14,9 @@
 #if defined(__unix__) || defined(__APPLE__)
 #include <dlfcn.h>
 #endif
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 #if defined(GMLX_HAVE_AMX) && defined(__linux__)
 #include <cpuid.h>
 #include <sys/syscall.h>
@@ -586,6 +589,46 @@ mx::array pack_q8_0(const mx::array& w_in) {
     }
   }
   return packed;
+}
+
+std::vector<mx::array> in_huge_pages(const std::vector<mx::array>& arrays) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  // One uint64 buffer (MLX shapes are int32: up to 16 GiB), each array at a 64-byte boundary.
+  constexpr size_t HUGE_PAGE = size_t(2) << 20, ALIGN = 64, WORD = 8;
+  std::vector<mx::array> src;
+  for (const mx::array& a : arrays) src.push_back(mx::contiguous(a));
+  mx::eval(src);
+  std::vector<size_t> at;
+  size_t bytes = 0;
+  for (const mx::array& a : src) {
+    at.push_back(bytes);
+    bytes += (a.nbytes() + ALIGN - 1) / ALIGN * ALIGN;
+  }
+  const size_t words = (bytes + HUGE_PAGE) / WORD;  // room to start at a huge page
+  if (words > size_t(INT32_MAX)) throw std::invalid_argument("in_huge_pages: more than 16 GiB at once");
+  // MLX's own allocation, so its memory counts stay whole. glibc maps a block this size fresh, so
+  // advising it before the copy lets each 2 MiB fault in as one page (where the kernel has none
+  // free, khugepaged merges the small pages it gave later).
+  mx::array buffer(mx::allocator::malloc(words * WORD), {(int)words}, mx::uint64);
+  const uintptr_t start = reinterpret_cast<uintptr_t>(buffer.data<uint8_t>());
+  const uintptr_t base = (start + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE;
+  const size_t span = bytes / HUGE_PAGE * HUGE_PAGE;
+  if (span) madvise(reinterpret_cast<void*>(base), span, MADV_HUGEPAGE);
+  for (size_t i = 0; i < src.size(); i++)
+    std::memcpy(reinterpret_cast<uint8_t*>(base) + at[i], src[i].data<uint8_t>(), src[i].nbytes());
+  std::vector<mx::array> out;
+  const size_t skip = (base - start) / WORD;
+  for (size_t i = 0; i < src.size(); i++) {
+    const mx::array& a = src[i];
+    const int w0 = (int)(skip + at[i] / WORD), w1 = w0 + (int)((a.nbytes() + WORD - 1) / WORD);
+    mx::array flat = mx::view(mx::slice(buffer, {w0}, {w1}), a.dtype());
+    out.push_back(mx::reshape(mx::slice(flat, {0}, {(int)a.size()}), a.shape()));
+  }
+  mx::eval(out);  // views of the buffer: slicing, viewing and reshaping a contiguous array copy nothing
+  return out;
+#else
+  return arrays;
+#endif
 }
 
 }  // namespace gmlx_kernels

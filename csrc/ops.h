@@ -49,6 +49,8 @@ mx::array gguf_dequant_rows(const mx::array& rows, int type, int64_t K, mx::Stre
 mx::array gguf_embed(const mx::array& w, const mx::array& ids, int type, int64_t K, mx::StreamOrDevice s = {});
 // Q8_0 bytes (rows, K / 32 * 34), rows a multiple of PACK_ROWS, in the Q8_0_R16 layout.
 mx::array pack_q8_0(const mx::array& w);
+// The arrays copied into buffers advised for transparent huge pages (Linux; elsewhere, as given).
+std::vector<mx::array> in_huge_pages(const std::vector<mx::array>& arrays);
 
 // a's elements in row-major order: its own buffer when already so, else a copy into buf.
 const float* row_major(const mx::array& a, std::vector<float>& buf);

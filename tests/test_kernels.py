@@ -19,11 +19,13 @@ from __future__ import annotations
 import os
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as T
 from gguf.quants import dequantize, quantize
+from mlx.utils import tree_flatten
 
 import gmlx.kernels as gk
 
@@ -292,6 +294,53 @@ def test_an_embedding_packs_a_q8_0_table_only_where_the_kernels_take_it(monkeypa
     assert plain.kernel_type == T.Q8_0 and np.array_equal(np.array(plain.weight), w)
     np.testing.assert_array_equal(np.array(emb(mx.array([[1, 63]]))), wd[[[1, 63]]])
     np.testing.assert_array_equal(np.array(emb.as_linear(x)), np.array(plain.as_linear(x)))
+
+
+def _vma_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds `address` (Linux's smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(v, 16) for v in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise LookupError(hex(address))
+
+
+class _Weights(nn.Module):
+    def __init__(self, rng: np.random.Generator):
+        super().__init__()
+        self.layers = [{"w": mx.array(rng.integers(0, 256, (n, 1024), dtype=np.uint8))} for n in (6144, 6144, 6000, 96)]
+        self.norm = mx.array(rng.standard_normal(333).astype(np.float32))
+
+
+@pytest.mark.skipif(
+    not os.path.exists("/sys/kernel/mm/transparent_hugepage"), reason="transparent huge pages are Linux's"
+)
+def test_weights_move_unchanged_into_memory_advised_for_huge_pages_a_group_at_a_time(monkeypatch):
+    """The loader moves every parameter into buffers advised for transparent huge pages (a
+    decode step streams them all); the values stay, each old buffer is freed a group at a time,
+    so the move never holds the weights twice, and GMLX_KERNELS_HUGE_PAGES=0 leaves them."""
+    m = _Weights(np.random.default_rng(3))
+    before = {name: np.array(a) for name, a in tree_flatten(m.parameters())}
+    monkeypatch.setenv("GMLX_KERNELS_HUGE_PAGES", "0")
+    assert gk.in_huge_pages(m) == 0
+    monkeypatch.delenv("GMLX_KERNELS_HUGE_PAGES")
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    start = mx.get_active_memory()
+    total = sum(v.nbytes for v in before.values())
+    assert gk.in_huge_pages(m, group_bytes=8 << 20) == total
+    # Over what was held: the largest group (6 MiB: the three large arrays go one at a time), and
+    # each of three buffers' room to start at a huge page; holding them twice would be 23.6 MiB.
+    assert mx.get_peak_memory() - start <= (6 << 20) + 3 * (2 << 20) + (64 << 10) < total
+    after = dict(tree_flatten(m.parameters()))
+    assert all(np.array_equal(np.array(after[name]), v) for name, v in before.items())
+    for name in ("layers.0.w", "layers.1.w", "layers.2.w"):  # each spans a 2 MiB page of its buffer
+        assert "hg" in _vma_flags(np.asarray(memoryview(after[name])).ctypes.data), name
 
 
 @pytest.mark.parametrize("rows", [1, 3, 80], ids=["decode", "decode3", "prefill"])

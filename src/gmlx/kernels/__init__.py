@@ -32,6 +32,8 @@ process may run on, each keeps one of its own),
 GMLX_KERNELS_SPIN_US (how long an idle thread waits for the next parallel region before it sleeps; 20),
 GMLX_KERNELS_PACK (0 keeps a Q8_0 embedding table in the file's layout; by default, where the kernels
 have an int16 path (AVX2, AVX-512), it is packed for them: see GGUFEmbedding),
+GMLX_KERNELS_HUGE_PAGES (0 leaves the weights where they were loaded; by default, on Linux, they are
+moved into memory advised for transparent huge pages: see in_huge_pages),
 GMLX_KERNELS_EXT (load the extension from another build).
 """
 
@@ -47,7 +49,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as T
-from mlx.utils import tree_unflatten
+from mlx.utils import tree_flatten, tree_unflatten
 
 # GGML types the kernels read directly.
 TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
@@ -104,6 +106,29 @@ def reason() -> str | None:
     if mx.default_device() != mx.cpu:
         return "MLX's default device is a GPU; its own quantized kernels apply there"
     return None
+
+
+def in_huge_pages(model: nn.Module, group_bytes: int = 256 << 20) -> int:
+    """Move the model's parameters, where the kernels run, into buffers whose 2 MiB pages are
+    advised for transparent huge pages (Linux; docs/ARCHITECTURE.md, decision 33); returns the
+    bytes moved. Each decode step reads every weight: in 4 KiB pages that is a TLB miss every
+    4 KiB of a stream the kernel threads read at memory bandwidth. Moved `group_bytes` at a time,
+    each group's old buffers freed before the next, so loading never holds the weights twice:
+    the caller must hold no other reference to them."""
+    if not available() or not sys.platform.startswith("linux") or os.environ.get("GMLX_KERNELS_HUGE_PAGES") == "0":
+        return 0
+    params = tree_flatten(model.parameters())[::-1]  # popped in the model's order
+    moved = 0
+    while params:
+        group = [params.pop()]
+        while params and sum(a.nbytes for _, a in group) + params[-1][1].nbytes <= group_bytes:
+            group.append(params.pop())
+        names = [n for n, _ in group]
+        model.update(tree_unflatten(list(zip(names, _load().in_huge_pages([a for _, a in group])))))
+        moved += sum(a.nbytes for _, a in group)
+        del group
+        mx.clear_cache()  # the group's old buffers, freed into MLX's cache
+    return moved
 
 
 def isa() -> str | None:

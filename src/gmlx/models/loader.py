@@ -16,6 +16,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from gmlx.gguf.header import GGUFError, GGUFHeader, ModelGeometry, read_header
 from gmlx.gguf.tensors import GGUF_BLOCKS, LoadReport, load_tensors
 from gmlx.gguf.tokenizer import load_tokenizer
+from gmlx.kernels import in_huge_pages
 from gmlx.models import check_supported
 from gmlx.models.architecture import Architecture
 from gmlx.models.deepseek2 import DeepSeek2
@@ -101,7 +102,9 @@ def load(
     arrays, quant, report = load_tensors(h, mode)  # type: ignore[arg-type]
     step("model")
     model = _build(arch, h, arrays, quant)
+    del arrays  # the model holds the weights alone, so in_huge_pages frees each old buffer it copies
     mx.eval(model.parameters())
+    in_huge_pages(model)
     # Not beside the weights in a thread: tokenizers parses its JSON holding the GIL (measured: no gain).
     step("tokenizer")
     tokenizer = load_tokenizer(h)
