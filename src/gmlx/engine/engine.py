@@ -838,7 +838,9 @@ class Engine:
 
     def _hand_out_early(self, gen: BatchGenerator, responses: list) -> None:
         """The decode batch's responses, handed out as soon as their tokens are read
-        (upstream.own_steps); the step's own loop skips them."""
+        (upstream.own_steps); the step's own loop skips them. A row answered in its prefill
+        (max_tokens 1) is not among them: its token was sampled in this step, so it waits for
+        the check of `_sampling_failed`, lest a failed sampler's placeholder go out."""
         self._early += responses
         self._hand_out(gen, responses)
 
