@@ -317,18 +317,22 @@ class _Weights(nn.Module):
         self.norm = mx.array(rng.standard_normal(333).astype(np.float32))
 
 
-@pytest.mark.skipif(
-    not os.path.exists("/sys/kernel/mm/transparent_hugepage"), reason="transparent huge pages are Linux's"
-)
-def test_weights_move_unchanged_into_memory_advised_for_huge_pages_a_group_at_a_time(monkeypatch):
+@pytest.mark.skipif(not gk._huge_pages_allowed(), reason="no transparent huge pages here (not Linux, or `never`)")
+def test_weights_move_unchanged_into_memory_advised_for_huge_pages_a_group_at_a_time(monkeypatch, tmp_path):
     """The loader moves every parameter into buffers advised for transparent huge pages (a
     decode step streams them all); the values stay, each old buffer is freed a group at a time,
-    so the move never holds the weights twice, and GMLX_KERNELS_HUGE_PAGES=0 leaves them."""
+    so the move never holds the weights twice; GMLX_KERNELS_HUGE_PAGES=0 leaves them, as does a
+    kernel whose setting is `never`."""
     m = _Weights(np.random.default_rng(3))
     before = {name: np.array(a) for name, a in tree_flatten(m.parameters())}
     monkeypatch.setenv("GMLX_KERNELS_HUGE_PAGES", "0")
     assert gk.in_huge_pages(m) == 0
     monkeypatch.delenv("GMLX_KERNELS_HUGE_PAGES")
+    never = tmp_path / "enabled"
+    never.write_text("always madvise [never]\n")  # the kernel gives none: copying would gain nothing
+    with monkeypatch.context() as patch:
+        patch.setattr(gk, "THP_ENABLED", str(never))
+        assert gk.in_huge_pages(m) == 0
     mx.clear_cache()
     mx.reset_peak_memory()
     start = mx.get_active_memory()

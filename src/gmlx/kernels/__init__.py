@@ -108,24 +108,39 @@ def reason() -> str | None:
     return None
 
 
+# Linux's transparent huge pages setting, "always [madvise] never" with the one in force bracketed.
+THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def _huge_pages_allowed() -> bool:
+    """Whether the kernel gives transparent huge pages to memory advised for them."""
+    try:
+        with open(THP_ENABLED) as f:
+            return "[never]" not in f.read()
+    except OSError:  # not Linux, or a kernel without them
+        return False
+
+
 def in_huge_pages(model: nn.Module, group_bytes: int = 256 << 20) -> int:
     """Move the model's parameters, where the kernels run, into buffers whose 2 MiB pages are
-    advised for transparent huge pages (Linux; docs/ARCHITECTURE.md, decision 33); returns the
-    bytes moved. Each decode step reads every weight: in 4 KiB pages that is a TLB miss every
-    4 KiB of a stream the kernel threads read at memory bandwidth. Moved `group_bytes` at a time,
-    each group's old buffers freed before the next, so loading never holds the weights twice:
-    the caller must hold no other reference to them."""
-    if not available() or not sys.platform.startswith("linux") or os.environ.get("GMLX_KERNELS_HUGE_PAGES") == "0":
+    advised for transparent huge pages (docs/ARCHITECTURE.md, decision 33); returns the bytes
+    moved. Each decode step reads every weight: in 4 KiB pages that is a TLB miss every 4 KiB
+    of a stream the kernel threads read at memory bandwidth. Moved `group_bytes` at a time, each
+    group's old buffers freed before the next, so loading never holds the weights twice: the
+    caller must hold no other reference to them."""
+    if not available() or not _huge_pages_allowed() or os.environ.get("GMLX_KERNELS_HUGE_PAGES") == "0":
         return 0
     params = tree_flatten(model.parameters())[::-1]  # popped in the model's order
     moved = 0
     while params:
         group = [params.pop()]
-        while params and sum(a.nbytes for _, a in group) + params[-1][1].nbytes <= group_bytes:
+        size = group[0][1].nbytes
+        while params and size + params[-1][1].nbytes <= group_bytes:
             group.append(params.pop())
+            size += group[-1][1].nbytes
         names = [n for n, _ in group]
         model.update(tree_unflatten(list(zip(names, _load().in_huge_pages([a for _, a in group])))))
-        moved += sum(a.nbytes for _, a in group)
+        moved += size
         del group
         mx.clear_cache()  # the group's old buffers, freed into MLX's cache
     return moved
