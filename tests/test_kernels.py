@@ -339,7 +339,7 @@ def test_weights_move_unchanged_into_memory_advised_for_huge_pages_a_group_at_a_
     total = sum(v.nbytes for v in before.values())
     assert gk.in_huge_pages(m, group_bytes=8 << 20) == total
     # Over what was held: the largest group (6 MiB: the three large arrays go one at a time), and
-    # each of three buffers' room to start at a huge page; holding them twice would be 23.6 MiB.
+    # each of three buffers' room to start at a huge page; holding them twice would add all 18 MiB.
     assert mx.get_peak_memory() - start <= (6 << 20) + 3 * (2 << 20) + (64 << 10) < total
     after = dict(tree_flatten(m.parameters()))
     assert all(np.array_equal(np.array(after[name]), v) for name, v in before.items())

@@ -32,8 +32,8 @@ process may run on, each keeps one of its own),
 GMLX_KERNELS_SPIN_US (how long an idle thread waits for the next parallel region before it sleeps; 20),
 GMLX_KERNELS_PACK (0 keeps a Q8_0 embedding table in the file's layout; by default, where the kernels
 have an int16 path (AVX2, AVX-512), it is packed for them: see GGUFEmbedding),
-GMLX_KERNELS_HUGE_PAGES (0 leaves the weights where they were loaded; by default, on Linux, they are
-moved into memory advised for transparent huge pages: see in_huge_pages),
+GMLX_KERNELS_HUGE_PAGES (0 leaves the weights where they were loaded; by default, on Linux unless its
+transparent huge pages are `never`, they are moved into memory advised for them: see in_huge_pages),
 GMLX_KERNELS_EXT (load the extension from another build).
 """
 
