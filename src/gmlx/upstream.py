@@ -151,7 +151,7 @@ def finish_step(batch: GenerationBatch) -> None:
     """Queue the rest of the step `_step_on_logits` built (once)."""
     import mlx.core as mx
 
-    if (queued := getattr(batch, "_queued", None)) is not None:
+    if (queued := batch._queued) is not None:
         batch._queued = None
         mx.async_eval(*queued)
 
@@ -482,6 +482,7 @@ def _slotted_batch() -> type:
         sample_rows: SampleRows
         deliver: Deliver
         idle = 0  # steps the free slots have outnumbered the rows coming
+        _queued: tuple | None = None  # what _step_on_logits built and finish_step has not yet queued
 
         def _step(self) -> tuple[list[int], list]:
             return _step_on_logits(self, self.keep, self.sample_rows)
