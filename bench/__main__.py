@@ -4,12 +4,14 @@
     python -m bench build-llama [--version V] [--force]
 
 `serve` first readies every peer (building llama-server, exporting the model for mlx-lm, when
-not cached; see bench/peers.py), then starts each server in turn, measures it
-(bench/harness.py), and writes bench/results/serve-<model>.json and .png; prints a markdown
-table of gmlx's ratios to each peer. Needs matplotlib (the `bench` extra). The quick mode (64
-tokens, 2 requests per client, 2 TTFT samples) takes under 10 minutes on the default model
-with 2 cores. A 1-minute load average above BUSY_LOAD at the start is warned about and recorded:
-other work on the cores lowers every figure.
+not cached; see bench/peers.py), then starts each server in turn and keeps them up, measures
+them in rounds, one peer after another (bench/harness.py, `bench_peers`), and writes
+bench/results/serve-<model>.json and .png; prints a markdown table of gmlx's ratios to each
+peer: the median of the rounds' ratios, and the rounds gmlx led. Needs matplotlib (the `bench`
+extra). The quick mode (4 rounds of 64 tokens, 2 requests per client, 1 TTFT sample each)
+takes about 3 minutes for two peers on the default model with 2 cores. A 1-minute load average
+above BUSY_LOAD at the start is warned about and recorded: other work on the cores lowers every
+figure, and alternating rounds put it on every peer alike.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from dataclasses import replace
@@ -25,12 +28,11 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-import httpx
 import psutil
 
 import gmlx
 from bench import llama_build
-from bench.harness import Plan, bench_peer, command_line, log
+from bench.harness import Plan, bench_peers, log
 from bench.peers import PEERS, Missing, Peer, cores, peer
 from gmlx.default_model import resolve_model
 from gmlx.gguf.header import read_header
@@ -38,8 +40,9 @@ from gmlx.gguf.tokenizer import load_tokenizer
 
 RESULTS = Path(__file__).parent / "results"
 BUSY_LOAD = 0.5  # 1-minute load average above which the machine counts as busy
-QUICK = Plan(widths=(1, 2, 4, 8), requests_per_client=2, max_tokens=64, prompt_lengths=(128, 512, 2048), ttft_repeats=2)
-FULL = Plan(widths=(1, 2, 4, 8), requests_per_client=4, max_tokens=128, prompt_lengths=(128, 512, 2048), ttft_repeats=3)
+LENGTHS = (128, 512, 2048)
+QUICK = Plan((1, 2, 4, 8), requests_per_client=2, max_tokens=64, prompt_lengths=LENGTHS, ttft_repeats=1, rounds=4)
+FULL = Plan((1, 2, 4, 8), requests_per_client=4, max_tokens=128, prompt_lengths=LENGTHS, ttft_repeats=1, rounds=6)
 
 
 def load_average() -> list[float]:
@@ -96,26 +99,46 @@ def save_result(name: str, out: dict[str, Any], shown: dict[str, Any]) -> None:
 
 
 def ratios(peers: dict[str, Any]) -> dict[str, Any]:
-    """gmlx over each peer, as speed ratios (above 1: gmlx is faster); TTFT as peer TTFT / gmlx TTFT."""
+    """gmlx over each peer, as speed ratios (above 1: gmlx is faster; TTFT as peer TTFT / gmlx TTFT):
+    the median of the rounds' ratios, each round's pair measured one after the other, with every
+    round's ratio and the rounds gmlx led."""
     ours = peers.get("gmlx", {})
     out: dict[str, Any] = {}
+
+    def paired(a: dict, b: dict, key: str, inverse: bool = False) -> dict[str, Any]:
+        rs = [
+            (y[key] / x[key] if inverse else x[key] / y[key])
+            for x, y in zip(a["rounds"], b["rounds"])
+            if x[key] and y[key]
+        ]
+        return {
+            "median": round(statistics.median(rs), 2) if rs else None,
+            "rounds": [round(r, 2) for r in rs],
+            "led": sum(r > 1 for r in rs),
+        }
+
     for name, other in peers.items():
         if name == "gmlx" or "decode" not in other or "decode" not in ours:
             continue
-        out[name] = {
-            "aggregate": {
-                a["width"]: round(a["aggregate_tok_s"] / b["aggregate_tok_s"], 2)
-                for a, b in zip(ours["decode"], other["decode"])
-            },
+        each = {
+            "aggregate": {a["width"]: paired(a, b, "aggregate_tok_s") for a, b in zip(ours["decode"], other["decode"])},
             "per_stream": {
-                a["width"]: round(a["per_stream_decode_tok_s"] / b["per_stream_decode_tok_s"], 2)
-                for a, b in zip(ours["decode"], other["decode"])
+                a["width"]: paired(a, b, "per_stream_decode_tok_s") for a, b in zip(ours["decode"], other["decode"])
             },
             "ttft": {
-                a["target_tokens"]: round(b["ttft_s"] / a["ttft_s"], 2) for a, b in zip(ours["ttft"], other["ttft"])
+                a["target_tokens"]: paired(a, b, "ttft_s", inverse=True) for a, b in zip(ours["ttft"], other["ttft"])
             },
         }
+        out[name] = {kind: {k: v["median"] for k, v in cells.items()} for kind, cells in each.items()}
+        out[name]["rounds"] = each
     return out
+
+
+def _ratio_cell(ratio: dict[str, Any], kind: str, key: int) -> str:
+    """The median ratio and the rounds gmlx led of those paired (int keys are strings once read back)."""
+    cells = ratio["rounds"][kind]
+    each = cells[key] if key in cells else cells[str(key)]
+    return f"{each['median']}x ({each['led']}/{len(each['rounds'])})"
 
 
 def table(results: dict[str, Any]) -> str:
@@ -143,9 +166,8 @@ def table(results: dict[str, Any]) -> str:
         ]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     for name, r in results["ratios"].items():
-        at = lambda d, k: d[k] if k in d else d[str(k)]  # noqa: E731 (int keys are strings once read back from JSON)
-        cells = [f"{at(r['aggregate'], w)}x" for w in widths] + [f"{at(r['per_stream'], w)}x" for w in widths]
-        cells += [f"{at(r['ttft'], n)}x" for n in lengths] + ["", ""]
+        cells = [_ratio_cell(r, "aggregate", w) for w in widths] + [_ratio_cell(r, "per_stream", w) for w in widths]
+        cells += [_ratio_cell(r, "ttft", n) for n in lengths] + ["", ""]
         lines.append(f"| gmlx / {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -190,15 +212,8 @@ def serve(args: argparse.Namespace) -> None:
             peers[name] = {"missing": str(e)}
             log(f"{name}: missing: {e}")
     prepare_s = time.monotonic() - started
-    for i, name in enumerate(names):
-        if name not in ready:
-            continue
-        log(f"{name} ...")
-        try:
-            peers[name] = bench_peer(ready[name], args.port + i, tokenizer, plan, str(args.out / f"{name}.log"))
-        except (RuntimeError, httpx.HTTPError) as e:  # a peer that dies mid-run is reported, not fatal
-            peers[name] = {"failed": f"{type(e).__name__}: {e}", "command": command_line(ready[name])}
-            log(f"{name}: failed: {e}")
+    ports = {name: args.port + i for i, name in enumerate(names)}
+    peers.update(bench_peers(ready, ports, tokenizer, plan, str(args.out)))
     peers = {name: peers[name] for name in names}
     results = {
         "model": model.name,

@@ -36,7 +36,8 @@ class Plan:
     requests_per_client: int
     max_tokens: int
     prompt_lengths: tuple[int, ...]
-    ttft_repeats: int
+    ttft_repeats: int  # a round's samples of each prompt length
+    rounds: int  # every width and length measured on every peer once a round, the peers alternating
     sampling: tuple[tuple[str, float], ...] = (("temperature", 0.0),)  # the decode requests' sampling fields
 
 
@@ -230,30 +231,82 @@ def measure_ttft(server: Server, tokenizer: TokenizerWrapper, n_tokens: int, rep
     }
 
 
-def bench_peer(peer: Peer, port: int, tokenizer: TokenizerWrapper, plan: Plan, log_path: str) -> dict[str, Any]:
-    server = Server(peer, port, log_path)
+def _median_row(rows: list[dict[str, Any]], keys: tuple[str, ...]) -> dict[str, Any]:
+    """The first row with each of `keys` the median over the rows (None where a row has none)."""
+    out = dict(rows[0])
+    for k in keys:
+        vals = [r[k] for r in rows if r[k] is not None]
+        out[k] = round(statistics.median(vals), 3) if vals else None
+    return out
+
+
+def bench_peers(
+    peers: dict[str, Peer], ports: dict[str, int], tokenizer: TokenizerWrapper, plan: Plan, out: str
+) -> dict[str, dict[str, Any]]:
+    """Every peer started in turn (each alone while it loads) and kept up; then `plan.rounds` rounds,
+    each measuring every width and prompt length on one peer after another, in an order reversed
+    each round. A shared machine drifts over minutes; measured alternately, the drift falls on every
+    peer alike, and the ratio of a round's pair is what `ratios` takes the median of. Returns each
+    peer's record (its figures the medians of its rounds, each round kept), or why it failed."""
+    servers: dict[str, Server] = {}
+    records: dict[str, dict[str, Any]] = {}
+    rounds: dict[str, dict[str, list]] = {}
     try:
-        ready_s = server.wait_ready()
-        idle = tree_rss(server.ps)
-        compute_type = server.compute_type()
-        decode, ttft = [], []
-        for w in plan.widths:
-            decode.append(asyncio.run(run_width(server, tokenizer, w, plan)))
-            log(f"{peer.name} width {w}: {decode[-1]['aggregate_tok_s']} tok/s")
-        for n in plan.prompt_lengths:
-            ttft.append(measure_ttft(server, tokenizer, n, plan.ttft_repeats))
-            log(f"{peer.name} {n}-token prompt: TTFT {ttft[-1]['ttft_s']} s")
+        for name, p in peers.items():
+            log(f"{name}: starting")
+            try:
+                server = servers[name] = Server(p, ports[name], f"{out}/{name}.log")
+                ready_s = server.wait_ready()
+                records[name] = {
+                    "version": p.version,
+                    "command": command_line(p),
+                    "compute_type": server.compute_type(),
+                    "ignores_eos": p.ignores_eos,
+                    "notes": p.notes,
+                    "ready_s": round(ready_s, 2),
+                    "rss_idle_bytes": tree_rss(server.ps),
+                }
+                rounds[name] = {"decode": [], "ttft": []}
+            except (RuntimeError, httpx.HTTPError) as e:
+                records[name] = {"failed": f"{type(e).__name__}: {e}", "command": command_line(p)}
+                log(f"{name}: failed: {e}")
+        for r in range(plan.rounds):
+            order = [n for n in rounds if "failed" not in records[n]]
+            order = order if r % 2 == 0 else order[::-1]
+            for name in order:
+                try:
+                    decode = [asyncio.run(run_width(servers[name], tokenizer, w, plan)) for w in plan.widths]
+                    ttft = [measure_ttft(servers[name], tokenizer, n, plan.ttft_repeats) for n in plan.prompt_lengths]
+                except (RuntimeError, httpx.HTTPError) as e:  # a peer that dies mid-run is reported, not fatal
+                    records[name] = {"failed": f"{type(e).__name__}: {e}", "command": records[name]["command"]}
+                    log(f"{name}: failed: {e}")
+                    continue
+                rounds[name]["decode"].append(decode)
+                rounds[name]["ttft"].append(ttft)
+                log(
+                    f"round {r + 1}/{plan.rounds} {name}: "
+                    + " ".join(f"w{d['width']} {d['aggregate_tok_s']}" for d in decode)
+                    + " tok/s; TTFT "
+                    + " ".join(f"{t['target_tokens']} {t['ttft_s']} s" for t in ttft)
+                )
     finally:
-        server.stop()
-    return {
-        "version": peer.version,
-        "command": command_line(peer),
-        "compute_type": compute_type,
-        "ignores_eos": peer.ignores_eos,
-        "notes": peer.notes,
-        "ready_s": round(ready_s, 2),
-        "rss_idle_bytes": idle,
-        "rss_width_max_bytes": decode[-1]["rss_peak_bytes"],
-        "decode": decode,
-        "ttft": ttft,
-    }
+        for server in servers.values():
+            server.stop()
+    for name, got in rounds.items():
+        if "failed" in records[name]:
+            continue
+        by_width = [list(rows) for rows in zip(*got["decode"])]
+        by_length = [list(rows) for rows in zip(*got["ttft"])]
+        records[name].update(
+            rss_width_max_bytes=max(row["rss_peak_bytes"] for rows in by_width for row in rows),
+            decode=[
+                {
+                    **_median_row(rows, ("aggregate_tok_s", "per_stream_decode_tok_s", "ttft_mean_s")),
+                    "rss_peak_bytes": max(row["rss_peak_bytes"] for row in rows),
+                    "rounds": rows,
+                }
+                for rows in by_width
+            ],
+            ttft=[{**_median_row(rows, ("ttft_s", "prefill_tok_s")), "rounds": rows} for rows in by_length],
+        )
+    return records
