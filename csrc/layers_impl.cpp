@@ -334,6 +334,12 @@ void pv(const float* P, int64_t ldp, int64_t rows, const float* V, int64_t vs, i
   });
 }
 
+// Key and value rows ahead of the one being read that a decode step's attention prefetches: a
+// KV cache streams from memory once a step, row after row, and the hardware prefetcher alone
+// read it at two thirds of the bandwidth (8 batch rows of 2,048 keys, a KV head of 256: 16.7 against
+// 25.8 GB/s; docs/ARCHITECTURE.md decision 34). Past a range's end a prefetch is dropped, never a fault.
+constexpr int64_t ATTN_AHEAD = 8;
+
 // O (R x D) += P (R x n, stride ldp) V, V's rows read in order, four at a time against every
 // row's outputs (which stay in L1): a decode step's values then stream from memory once, where
 // pv walks all n rows again for each slice of D. Each output sums its products in key order, as pv.
@@ -347,6 +353,7 @@ void pv_stream_rows(const float* P, int64_t ldp, const float* V, int64_t vs, int
     for (int r = 0; r < R; r++)
       for (int k = 0; k < 4; k++) p[r][k] = vset(P[r * ldp + t + k]);
     for (int64_t d = 0; d < Dv; d += FW) {
+      for (int k = 0; k < 4; k++) __builtin_prefetch(v[k] + ATTN_AHEAD * vs + d);
       const fvec a = vld(v[0] + d), b = vld(v[1] + d), c = vld(v[2] + d), e = vld(v[3] + d);
       for (int r = 0; r < R; r++) {
         fvec o = vld(O + r * D + d);
@@ -385,6 +392,8 @@ void qk_rows(const float* Q, int64_t R, int64_t D, const float* K, int64_t ks, i
       const float* q1 = r + 1 < R ? q0 + D : q0;
       fvec acc[2][NK] = {};
       for (int64_t d = 0; d < Dv; d += FW) {
+        if (r == 0)
+          for (int j = 0; j < NK; j++) __builtin_prefetch(K + (t + j + ATTN_AHEAD) * ks + d);
         const fvec a0 = vld(q0 + d), a1 = vld(q1 + d);
         for (int j = 0; j < NK; j++) {
           const fvec kv = vld(K + (t + j) * ks + d);
