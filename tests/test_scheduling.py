@@ -63,6 +63,30 @@ def test_a_short_prompt_gets_its_first_token_before_a_long_prompts_prefill_ends(
     wait(lambda: engine.in_flight == 0)
 
 
+def test_with_nothing_decoding_a_short_prompt_is_not_padded_to_a_long_ones_chunk(engine: Engine) -> None:
+    # A step's chunks are padded to the longest: joining a long prompt's prefill, a short one
+    # would cost a whole 512-token chunk of both rows before its first token.
+    long, long_events = request("long3", [2 + i % 50 for i in range(LONG)], 2)
+    engine.submit(long)
+    wait(lambda: long.prefilled >= 512)
+    held, holding = threading.Event(), threading.Event()
+    engine.release_memory(0, lambda *_: (holding.set(), held.wait(10)))  # between two steps
+    assert holding.wait(10)
+    before = long.prefilled
+    short, _ = request("short3", [2, 3, 4], 2)
+    at_first_token: list[int] = []
+    short.emit = lambda event: at_first_token.append(long.prefilled)
+    engine.submit(short)
+    held.set()
+    wait(lambda: long_events and isinstance(long_events[-1], Finished))
+    # The steps that ended the short prompt took the least chunk (32) of the long one's tokens each,
+    # not 512: one step, or two where the short one's last token is a chunk of its own (the prompt
+    # cache keeps the cache before it).
+    assert at_first_token and at_first_token[0] - before in (32, 64), (before, at_first_token)
+    assert short.first_token_at < long.first_token_at
+    wait(lambda: engine.in_flight == 0)
+
+
 def test_a_stream_decodes_on_while_a_long_prompt_prefills(engine: Engine) -> None:
     stream, _ = request("stream", [2, 3], 100_000)
     engine.submit(stream)

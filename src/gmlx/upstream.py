@@ -78,6 +78,7 @@ def own_steps(
     keep_last_apart: Callable[[int], bool],
     sample_rows: SampleRows,
     deliver: Deliver = lambda responses: None,
+    least_chunk: int = 32,  # the engine passes its prefill budget's floor
 ) -> None:
     """Make `gen` take gmlx's steps (mlx-lm 0.32's, changed where said):
 
@@ -86,13 +87,16 @@ def own_steps(
     - its responses handed to `deliver` once their tokens are read: where they hold a row's
       first token or every row's last, before the step after is queued whole
       (`_step_on_logits`, `_slotted_batch`); next() still returns them;
-    - a prompt's first token sampled from its last prefill chunk (`_next_first_token_in_prefill`);
+    - a prompt's first token sampled from its last prefill chunk, and no prompt's chunk longer
+      than what the prompt ending soonest has left, or `least_chunk` (`_next_first_token_in_prefill`);
     - a decode batch whose rows keep their slots, so a row joining or leaving moves only its own
       KV cache (`_slotted_batch`).
     """
     batch = gen._generation_batch = _slotted_batch().empty(gen.model, gen.sampler)
     batch.keep, batch.sample_rows, batch.deliver = keep, sample_rows, deliver
-    gen._next = MethodType(lambda g: _next_first_token_in_prefill(g, keep, keep_last_apart, sample_rows), gen)
+    gen._next = MethodType(
+        lambda g: _next_first_token_in_prefill(g, keep, keep_last_apart, sample_rows, least_chunk), gen
+    )
 
 
 def _step_on_logits(batch: GenerationBatch, keep: KeepRows, sample_rows: SampleRows) -> tuple[list[int], list]:
@@ -186,6 +190,7 @@ def _next_first_token_in_prefill(
     keep: KeepRows,
     keep_last_apart: Callable[[int], bool],
     sample_rows: SampleRows,
+    least_chunk: int,
 ) -> tuple[list, list]:
     """BatchGenerator._next, as of mlx-lm 0.32, each prompt's first token sampled from the
     prefill chunk that ends the prompt, and the decode batch's free slots kept for the rows
@@ -230,9 +235,15 @@ def _next_first_token_in_prefill(
         return [], generated
 
     batch, chunks, progress, ending = gen._prompt_batch, [], [], []
+    # Each row's chunk is padded to the longest (_prefill): a prompt that ends this step would be
+    # padded to a long one's whole chunk (two rows of 512 tokens to end one of 16, with nothing
+    # decoding), so no row takes more than the row ending soonest has left, unless that is under
+    # `least_chunk` (a step's fixed cost).
+    left = min(len(seq[0][0]) for seq in gen._currently_processing)
+    size = min(gen.prefill_step_size, max(least_chunk, left))
     for i, (uid, seq) in enumerate(zip(batch.uids, gen._currently_processing)):
         segments = seq[0]  # what is left of the prompt, cut where the engine keeps the cache
-        chunk, segments[0] = segments[0][: gen.prefill_step_size], segments[0][gen.prefill_step_size :]
+        chunk, segments[0] = segments[0][:size], segments[0][size:]
         end_of_segment = not segments[0]
         if end_of_segment:
             segments.pop(0)

@@ -459,7 +459,12 @@ class Engine:
             sampler=greedy,  # a free slot's: the same object as greedy rows', so a batch of them samples in one call
         )
         upstream.own_steps(
-            gen, self._score, self._keeps_last_apart, sample_rows, lambda rs: self._hand_out_early(gen, rs)
+            gen,
+            self._score,
+            self._keeps_last_apart,
+            sample_rows,
+            lambda rs: self._hand_out_early(gen, rs),
+            least_chunk=self._budget.floor,
         )
         return gen
 
