@@ -251,6 +251,11 @@ def bench_peers(
     servers: dict[str, Server] = {}
     records: dict[str, dict[str, Any]] = {}
     rounds: dict[str, dict[str, list]] = {}
+
+    def failed(name: str, e: Exception) -> dict[str, Any]:
+        log(f"{name}: failed: {e}")
+        return {"failed": f"{type(e).__name__}: {e}", "command": command_line(peers[name])}
+
     try:
         for name, p in peers.items():
             log(f"{name}: starting")
@@ -268,8 +273,7 @@ def bench_peers(
                 }
                 rounds[name] = {"decode": [], "ttft": []}
             except (RuntimeError, httpx.HTTPError) as e:
-                records[name] = {"failed": f"{type(e).__name__}: {e}", "command": command_line(p)}
-                log(f"{name}: failed: {e}")
+                records[name] = failed(name, e)
         for r in range(plan.rounds):
             order = [n for n in rounds if "failed" not in records[n]]
             order = order if r % 2 == 0 else order[::-1]
@@ -278,8 +282,7 @@ def bench_peers(
                     decode = [asyncio.run(run_width(servers[name], tokenizer, w, plan)) for w in plan.widths]
                     ttft = [measure_ttft(servers[name], tokenizer, n, plan.ttft_repeats) for n in plan.prompt_lengths]
                 except (RuntimeError, httpx.HTTPError) as e:  # a peer that dies mid-run is reported, not fatal
-                    records[name] = {"failed": f"{type(e).__name__}: {e}", "command": records[name]["command"]}
-                    log(f"{name}: failed: {e}")
+                    records[name] = failed(name, e)
                     continue
                 rounds[name]["decode"].append(decode)
                 rounds[name]["ttft"].append(ttft)
