@@ -28,8 +28,9 @@ Writes bench/results/kernels-<model>.json.
 --matmuls instead times each distinct matmul of the model (GGML type, N x K, and the tied LM
 head) alone at batch 1, 4 and 8, one ISA against another in the same process (rounds
 interleave them; best of rounds): ms per matmul and Gweights/s per kernel thread
-(GMLX_KERNELS_THREADS, else every core), and the ratio of each ISA to the first. A Q8_0 head is
-timed in the file's layout and packed (`Q8_0_R16`, for the ISAs whose kernels take it).
+(GMLX_KERNELS_THREADS, else every core), and the ratio of each ISA to the first. A Q8_0 or Q5_0
+weight is timed in the file's layout and packed (`Q8_0_R16`, `Q5_0_R16`, for the ISAs whose kernels
+take it).
 """
 
 from __future__ import annotations
@@ -233,11 +234,15 @@ def _matmuls(model: str, isas: list[str], rounds: int) -> dict:
     shapes: dict = {}  # (kernel type, N, K) -> weight, the first module of each
     for _, mod in m.model.named_modules():
         if isinstance(mod, gk.GGUFLinear):
-            shapes.setdefault((mod.ggml_type, mod.out_features, mod.in_features), mod.weight)
+            t, n, k = mod.ggml_type, mod.out_features, mod.in_features
         elif isinstance(mod, gk.GGUFEmbedding):
-            shapes.setdefault((mod.ggml_type, mod.num_embeddings, mod.dims), mod.weight)
-            if mod.ggml_type == gk.T.Q8_0 and mod.num_embeddings % 16 == 0:
-                shapes[(gk.Q8_0_R16, mod.num_embeddings, mod.dims)] = ext.pack_q8_0(mod.weight)
+            t, n, k = mod.ggml_type, mod.num_embeddings, mod.dims
+        else:
+            continue
+        if (t, n, k) not in shapes:
+            shapes[(t, n, k)] = mod.weight
+            if t in (gk.T.Q8_0, gk.T.Q5_0) and n % 16 == 0:
+                shapes[(gk.PACKED + t, n, k)] = ext.pack(mod.weight, t)
     threads = kernel_threads()
     best: dict = {}
     for _ in range(rounds):
@@ -249,7 +254,7 @@ def _matmuls(model: str, isas: list[str], rounds: int) -> dict:
                 for isa in isas:
                     if ext.set_isa(isa) != isa:
                         raise SystemExit(f"ISA {isa} is not available here")
-                    if t == gk.Q8_0_R16 and not ext.packs_q8_0():
+                    if t > gk.PACKED and not ext.packs(t - gk.PACKED):
                         continue  # no kernel for the packed layout here (generic, amx)
                     mx.eval(gk.matmul(x, w, t, n, k))
                     t0 = time.perf_counter()
@@ -261,7 +266,8 @@ def _matmuls(model: str, isas: list[str], rounds: int) -> dict:
     rows = []
     for (t, n, k), _ in shapes.items():
         for b in BATCHES:
-            row: dict = {"type": "Q8_0_R16" if t == gk.Q8_0_R16 else gk.T(t).name, "n": n, "k": k, "batch": b}
+            name = f"{gk.T(t - gk.PACKED).name}_R16" if t > gk.PACKED else gk.T(t).name
+            row: dict = {"type": name, "n": n, "k": k, "batch": b}
             for isa in isas:
                 ms = best.get((t, n, k, b, isa))
                 row[isa] = ms and {"ms": round(ms, 4), "gw_s_per_thread": round(n * k / (ms / 1e3) / 1e9 / threads, 2)}

@@ -28,11 +28,11 @@ NB_MODULE(_ext, m) {
         "stream"_a = nb::none(), "Dequantize GGUF block rows (uint8 (..., row_bytes)) to float32 (..., k).");
   m.def("gguf_embed", &gk::gguf_embed, "w"_a, "ids"_a, "type"_a, "k"_a, nb::kw_only(), "stream"_a = nb::none(),
         "Rows ids of GGUF block weights w (uint8 (rows, row_bytes)) as float32 (*ids.shape, k).");
-  m.def("pack_q8_0", &gk::pack_q8_0, "w"_a, "Q8_0 bytes (rows, row_bytes) in gmlx's Q8_0_R16 layout.");
+  m.def("pack", &gk::pack, "w"_a, "type"_a,
+        "Q8_0 or Q5_0 bytes (rows, row_bytes) in gmlx's packed layout of that type (Q8_0_R16, Q5_0_R16).");
   m.def("in_huge_pages", &gk::in_huge_pages, "arrays"_a,
         "The arrays as views of buffers advised for transparent huge pages (Linux; elsewhere as given).");
-  m.def("packs_q8_0", []() { return gk::active_impl()->packed_rows_int != nullptr; },
-        "Whether the active ISA's kernels take Q8_0_R16 weights.");
+  m.def("packs", &gk::packs, "type"_a, "Whether the active ISA's kernels multiply the packed layout of a GGML type.");
   m.def("rms_norm", &gk::rms_norm, "x"_a, "weight"_a.none(), "eps"_a, nb::kw_only(), "stream"_a = nb::none(),
         "mx.fast.rms_norm as one CPU node (float32).");
   m.def("logsumexp", &gk::logsumexp, "x"_a, nb::kw_only(), "keepdims"_a = false, "stream"_a = nb::none(),

@@ -43,23 +43,34 @@ consteval BlockFormat format_of(int type) {
 }
 
 // The same at run time (ops.cpp): weights per block and bytes per block; 0 for a type not handled
-// (Q8_0_R16 has Q8_0's).
+// (a packed layout has its file type's).
 int block_size(int type);
 int type_size(int type);
 
-// gmlx's own layout of a Q8_0 tensor (no GGML type; ops take it as this id): each PACK_ROWS rows'
-// blocks interleaved, so that a kernel with a lane per weight row reads them in order with no
-// transposes. Per 32-block of the 16 rows: their 16 f16 scales, then 512 codes in pairs, byte
-// 32 p + 2 i + j holding code 2 p + j of row i. Group g holds the bytes of rows 16 g .. 16 g + 15,
-// so row counts and a group's offset are Q8_0's.
-inline constexpr int Q8_0_R16 = 1008;
+// gmlx's own layouts of Q8_0 and Q5_0 tensors (no GGML type; ops take each as PACKED + the file's
+// type): each PACK_ROWS rows' blocks interleaved, so that a kernel with a lane per weight row
+// reads them in order with no transposes. Group g holds the bytes of rows 16 g .. 16 g + 15, so
+// row counts and a group's offset are the file type's. Per 32-block of the 16 rows, their 16 f16
+// scales, then
+//   Q8_0_R16: 512 codes in pairs, byte 32 p + 2 i + j holding code 2 p + j of row i;
+//   Q5_0_R16: 16 bytes a pair, byte i holding the low 4 bits of row i's codes 2 p (low nibble)
+//             and 2 p + 1 (high), then 4 bytes a pair, bit 2 i + j set where row i's code 2 p + j
+//             has its fifth bit clear (its value is the nibble less 16).
+inline constexpr int PACKED = 1000;
+inline constexpr int Q8_0_R16 = PACKED + Q8_0, Q5_0_R16 = PACKED + Q5_0;
 inline constexpr int PACK_ROWS = 16;
-inline constexpr int PACKED_BLOCK = PACK_ROWS * 34;  // bytes per 32-block of a group
-// Within a group's 32-block: row i's scale, every row's code pair p (32 bytes, 2 a row), and row
-// i's code c (static: each ISA's object keeps its own copy, see above).
+constexpr bool is_packed(int type) { return type > PACKED; }
+constexpr int file_type(int type) { return is_packed(type) ? type - PACKED : type; }
+// Within a group's 32-block (static: each ISA's object keeps its own copy, see above): row i's
+// scale; Q8_0_R16's code pair p of every row (32 bytes, 2 a row) and row i's code c; Q5_0_R16's
+// low bits of pair p (16 bytes, 1 a row) and its cleared fifth bits (32, 2 a row).
 static constexpr int packed_scale_at(int i) { return 2 * i; }
 static constexpr int packed_pairs_at(int p) { return 32 + 32 * p; }
 static constexpr int packed_code_at(int i, int c) { return packed_pairs_at(c / 2) + 2 * i + c % 2; }
+static constexpr int q5_nibbles_at(int p) { return 32 + 16 * p; }
+static constexpr int q5_signs_at(int p) { return 32 + 16 * 16 + 4 * p; }
+// Bytes of a group's 32-block in the packed layout of file type TYPE: the file's 16 blocks.
+consteval int packed_block(int type) { return PACK_ROWS * format_of(type).bytes; }
 
 // Rows of W dequantized together: the unit of work handed to a thread.
 constexpr int ROW_TILE = 16;
@@ -129,8 +140,9 @@ struct Impl {
   void (*quantize_x)(const MatmulArgs& a, int bits, int16_t* xq, float* xd, float* xs);
   void (*matmul_rows_int)(const MatmulArgs& a, const int16_t* xq, const float* xd, const float* xs,
                           int64_t n0, int64_t n1, void* scratch, int bits);
-  // The same for a Q8_0_R16 weight (n0, n1 multiples of PACK_ROWS); null where the ISA has no
-  // kernel for that layout (generic, amx).
+  // The same for a packed weight (a.type Q8_0_R16, Q5_0_R16; n0, n1 multiples of PACK_ROWS),
+  // where packs(its file type); both null where the ISA has no packed kernels (generic, amx).
+  bool (*packs)(int type);
   void (*packed_rows_int)(const MatmulArgs& a, const int16_t* xq, const float* xd, int64_t n0, int64_t n1,
                           void* scratch, int bits);
   // y[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w (w may be null), rows of D floats

@@ -51,9 +51,11 @@ void matmul_rows_int(const MatmulArgs& a, const int16_t* xq, const float* xd, co
 }
 #endif
 #ifdef GMLX_PACKED_PATH
-constexpr auto packed_rows = packed_rows_int;
+constexpr auto packs_fn = packs;
+constexpr auto packed_rows_fn = packed_rows_int;
 #else
-constexpr decltype(Impl::packed_rows_int) packed_rows = nullptr;
+constexpr decltype(Impl::packs) packs_fn = nullptr;
+constexpr decltype(Impl::packed_rows_int) packed_rows_fn = nullptr;
 #endif
 
 }  // namespace
@@ -90,7 +92,8 @@ const Impl impl = {
     .quantize_x = nullptr,
     .matmul_rows_int = nullptr,
 #endif
-    .packed_rows_int = packed_rows,
+    .packs = packs_fn,
+    .packed_rows_int = packed_rows_fn,
     .rms_norm_rows = L::rms_norm_rows,
     .gated_act = L::gated_act,
     .logsumexp_rows = L::logsumexp_rows,

@@ -29,19 +29,17 @@
 
 namespace gmlx_kernels {
 
-int block_size(int type) {
-  if (type == Q8_0_R16) type = Q8_0;
+// The file's format of a type or packed layout; null for one not handled.
+static const BlockFormat* format(int type) {
+  if (is_packed(type) && type != Q8_0_R16 && type != Q5_0_R16) return nullptr;
   for (const BlockFormat& f : FORMATS)
-    if (f.type == type) return f.block;
-  return 0;
+    if (f.type == file_type(type)) return &f;
+  return nullptr;
 }
 
-int type_size(int type) {
-  if (type == Q8_0_R16) type = Q8_0;
-  for (const BlockFormat& f : FORMATS)
-    if (f.type == type) return f.bytes;
-  return 0;
-}
+int block_size(int type) { return format(type) ? format(type)->block : 0; }
+
+int type_size(int type) { return format(type) ? format(type)->bytes : 0; }
 
 namespace {
 
@@ -172,11 +170,15 @@ void run_float(const MatmulArgs& a) {
 void run_matmuls(const MatmulArgs* parts, int n_parts) {
   const Impl* impl = active_impl();
   const MatmulArgs& a = parts[0];
-  // A Q8_0_R16 weight has the integer path only (check_weight saw to it that this ISA has its
-  // kernel), at 16 bits where the float path was asked for.
-  bool packed = false;
-  for (int i = 0; i < n_parts; i++) packed = packed || parts[i].type == Q8_0_R16;
-  const int bits = packed && act_bits() == 0 ? 16 : act_bits();
+  // A packed weight has the integer path only (check_weight saw to it that this ISA has its
+  // kernel), at 16 bits where the float path was asked for, and where 8 were but the layout has
+  // no kernel for them (all but Q8_0_R16).
+  bool packed = false, wide = false;
+  for (int i = 0; i < n_parts; i++) {
+    packed = packed || is_packed(parts[i].type);
+    wide = wide || (is_packed(parts[i].type) && parts[i].type != Q8_0_R16);
+  }
+  const int bits = packed && (act_bits() == 0 || wide) ? 16 : act_bits();
   bool integer = packed || (bits > 0 && impl->int_supported);  // null: this ISA has no integer path
   for (int i = 0; i < n_parts && !packed; i++) integer = integer && impl->int_supported(parts[i].type, a.M);
   if (!integer) {
@@ -210,7 +212,7 @@ void run_matmuls(const MatmulArgs* parts, int n_parts) {
   parallel_chunks(nt, (int64_t)chunks.size(), [&](int64_t c) {
     void* aligned = (void*)(((uintptr_t)scratch(scratch_floats) + 63) & ~(uintptr_t)63);
     const Chunk& ch = chunks[c];
-    if (parts[ch.part].type == Q8_0_R16)
+    if (is_packed(parts[ch.part].type))
       impl->packed_rows_int(parts[ch.part], xq, xd, ch.n0, ch.n1, aligned, bits);
     else
       impl->matmul_rows_int(parts[ch.part], xq, xd, xs, ch.n0, ch.n1, aligned, bits);
@@ -408,16 +410,23 @@ std::vector<mx::Shape> GGUFDequantRows::output_shapes(const std::vector<mx::arra
   return {shape};
 }
 
-// Row `row` of a Q8_0_R16 tensor (gguf_kernels.h) as K floats: scale times code, as Q8_0's.
-static void packed_row(const uint8_t* w, int64_t row_bytes, int64_t row, int64_t K, float* y) {
+// Row `row` of a packed tensor (gguf_kernels.h) as K floats: scale times code, as the file type's.
+static void packed_row(int type, const uint8_t* w, int64_t row_bytes, int64_t row, int64_t K, float* y) {
+  const int64_t block = PACK_ROWS * type_size(type);
   const uint8_t* group = w + row / PACK_ROWS * PACK_ROWS * row_bytes;
   const int i = (int)(row % PACK_ROWS);
   for (int64_t b = 0; b < K / 32; b++) {
-    const uint8_t* blk = group + b * PACKED_BLOCK;
+    const uint8_t* blk = group + b * block;
     mx::float16_t h;
     memcpy(&h, blk + packed_scale_at(i), 2);
     const float d = static_cast<float>(h);
-    for (int c = 0; c < 32; c++) y[b * 32 + c] = d * (float)(int8_t)blk[packed_code_at(i, c)];
+    for (int c = 0; c < 32; c++) {
+      const int p = c / 2, j = c % 2;
+      const int code = type == Q8_0_R16 ? (int8_t)blk[packed_code_at(i, c)]
+                                        : (blk[q5_nibbles_at(p) + i] >> 4 * j & 15) -
+                                              16 * (blk[q5_signs_at(p) + (2 * i + j) / 8] >> (2 * i + j) % 8 & 1);
+      y[b * 32 + c] = d * (float)code;
+    }
   }
 }
 
@@ -431,8 +440,8 @@ void GGUFEmbed::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
     float* y = out.data<float>();
     for (int64_t n = 0; n < (int64_t)ids.size(); n++) {
       const int64_t row = std::clamp<int64_t>(ip[n], 0, rows - 1);  // ids are checked before; memory stays safe
-      if (type == Q8_0_R16)
-        packed_row(wp, rb, row, K, y + n * K);
+      if (is_packed(type))
+        packed_row(type, wp, rb, row, K, y + n * K);
       else
         active_impl()->dequant_rows(type, wp + row * rb, 1, K, rb, y + n * K);
     }
@@ -472,10 +481,12 @@ static void check_weight(const char* op, const mx::array& w, int type, int64_t r
     msg << op << ": weight must be uint8 of shape (" << rows << ", " << rb << ")";
     throw std::invalid_argument(msg.str());
   }
-  if (type == Q8_0_R16 && (rows % PACK_ROWS != 0 || (multiplied && !active_impl()->packed_rows_int))) {
+  const Impl* impl = active_impl();
+  if (is_packed(type) &&
+      (rows % PACK_ROWS != 0 || (multiplied && !(impl->packs && impl->packs(file_type(type)))))) {
     std::ostringstream msg;
-    msg << op << ": a packed Q8_0 weight needs a multiple of " << PACK_ROWS << " rows and kernels that take it "
-        << "(avx2, avx512, avx512vnni; the active ISA is " << active_impl()->name << ")";
+    msg << op << ": a packed weight needs a multiple of " << PACK_ROWS << " rows and kernels that take it "
+        << "(avx2, avx512, avx512vnni; the active ISA is " << impl->name << ")";
     throw std::invalid_argument(msg.str());
   }
 }
@@ -542,6 +553,8 @@ mx::array gguf_gated_mlp(const mx::array& x_in, const mx::array& gate, const mx:
 }
 
 mx::array gguf_dequant_rows(const mx::array& rows, int type, int64_t K, mx::StreamOrDevice s) {
+  if (is_packed(type))  // a packed row's bytes are spread over its group: gguf_embed reads those
+    throw std::invalid_argument("gguf_dequant_rows: rows in the file's layout only (a packed weight: gguf_embed)");
   const int64_t rb = row_bytes_for(type, K);
   if (rows.dtype() != mx::uint8 || rows.ndim() < 1 || rows.shape().back() != rb) {
     std::ostringstream msg;
@@ -568,27 +581,49 @@ mx::array gguf_embed(const mx::array& w, const mx::array& ids, int type, int64_t
                    {row_contiguous(w, stream), row_contiguous(ids32, stream)});
 }
 
-mx::array pack_q8_0(const mx::array& w_in) {
+// One 32-block of a group in the packed layout of its file type (gguf_kernels.h): rows are the
+// group's 16 file blocks, each `stride` bytes after the last.
+static void pack_block(int type, const uint8_t* rows, int64_t stride, uint8_t* out) {
+  for (int i = 0; i < PACK_ROWS; i++) memcpy(out + packed_scale_at(i), rows + i * stride, 2);
+  if (type == Q8_0) {
+    for (int c = 0; c < 32; c += 2)
+      for (int i = 0; i < PACK_ROWS; i++) memcpy(out + packed_code_at(i, c), rows + i * stride + 2 + c, 2);
+    return;
+  }
+  memset(out + q5_nibbles_at(0), 0, PACK_ROWS * 20);
+  for (int i = 0; i < PACK_ROWS; i++) {
+    const uint8_t* blk = rows + i * stride;  // f16 d, 32 fifth bits, 16 bytes of codes c and c + 16
+    uint32_t high;
+    memcpy(&high, blk + 2, 4);
+    for (int c = 0; c < 32; c++) {
+      const int p = c / 2, j = c % 2, low = c < 16 ? blk[6 + c] & 15 : blk[6 + c - 16] >> 4;
+      out[q5_nibbles_at(p) + i] |= low << 4 * j;
+      if (!(high >> c & 1)) out[q5_signs_at(p) + (2 * i + j) / 8] |= 1 << (2 * i + j) % 8;
+    }
+  }
+}
+
+mx::array pack(const mx::array& w_in, int type) {
   mx::array w = mx::contiguous(w_in);
   mx::eval(w);
-  if (w.dtype() != mx::uint8 || w.ndim() != 2 || w.shape(1) % 34 != 0 || w.shape(0) % PACK_ROWS != 0)
-    throw std::invalid_argument("pack_q8_0: Q8_0 bytes (rows, K / 32 * 34), rows a multiple of 16");
-  const int64_t rows = w.shape(0), rb = w.shape(1), nb = rb / 34;
+  const int size = type == Q8_0 || type == Q5_0 ? type_size(type) : 0;
+  if (size == 0 || w.dtype() != mx::uint8 || w.ndim() != 2 || w.shape(1) % size != 0 || w.shape(0) % PACK_ROWS != 0)
+    throw std::invalid_argument("pack: Q8_0 or Q5_0 bytes (rows, K / 32 * type size), rows a multiple of 16");
+  const int64_t rows = w.shape(0), rb = w.shape(1), nb = rb / size;
   mx::array packed(mx::allocator::malloc((size_t)(rows * rb)), w.shape(), mx::uint8);
   const uint8_t* src = w.data<uint8_t>();
   uint8_t* dst = packed.data<uint8_t>();
   // Written in order (a third of the time scattered writes took). One thread: a parallel region
   // would pin the loading thread to a CPU for good (pin_member), and this runs once.
-  for (int64_t g = 0; g < rows / PACK_ROWS; g++) {
-    const uint8_t* group = src + g * PACK_ROWS * rb;
-    uint8_t* out = dst + g * PACK_ROWS * rb;
-    for (int64_t b = 0; b < nb; b++, out += PACKED_BLOCK) {
-      for (int i = 0; i < PACK_ROWS; i++) memcpy(out + packed_scale_at(i), group + i * rb + b * 34, 2);
-      for (int c = 0; c < 32; c += 2)
-        for (int i = 0; i < PACK_ROWS; i++) memcpy(out + packed_code_at(i, c), group + i * rb + b * 34 + 2 + c, 2);
-    }
-  }
+  for (int64_t g = 0; g < rows / PACK_ROWS; g++)
+    for (int64_t b = 0; b < nb; b++)
+      pack_block(type, src + g * PACK_ROWS * rb + b * size, rb, dst + g * PACK_ROWS * rb + b * PACK_ROWS * size);
   return packed;
+}
+
+bool packs(int type) {
+  const Impl* impl = active_impl();
+  return impl->packs && impl->packs(type);
 }
 
 std::vector<mx::array> in_huge_pages(const std::vector<mx::array>& arrays) {

@@ -45,10 +45,12 @@ mx::array gguf_gated_mlp(const mx::array& x, const mx::array& gate, const mx::ar
 
 // rows uint8 (..., row_bytes) -> float32 (..., K): dequantize whole rows (embedding lookup).
 mx::array gguf_dequant_rows(const mx::array& rows, int type, int64_t K, mx::StreamOrDevice s = {});
-// An embedding lookup: float32 (*ids.shape, K), row ids[i] of w (any type, Q8_0_R16 included) dequantized.
+// An embedding lookup: float32 (*ids.shape, K), row ids[i] of w (any type, packed included) dequantized.
 mx::array gguf_embed(const mx::array& w, const mx::array& ids, int type, int64_t K, mx::StreamOrDevice s = {});
-// Q8_0 bytes (rows, K / 32 * 34), rows a multiple of PACK_ROWS, in the Q8_0_R16 layout.
-mx::array pack_q8_0(const mx::array& w);
+// Q8_0 or Q5_0 bytes (rows, K / 32 * type size), rows a multiple of PACK_ROWS, in their packed
+// layout (Q8_0_R16, Q5_0_R16); and whether the active ISA's kernels multiply that layout.
+mx::array pack(const mx::array& w, int type);
+bool packs(int type);
 // The arrays copied into buffers advised for transparent huge pages (Linux; elsewhere, as given).
 std::vector<mx::array> in_huge_pages(const std::vector<mx::array>& arrays);
 
@@ -180,7 +182,7 @@ class GGUFDequantRows : public GGUFRows {
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
 };
 
-// The rows of a weight that ids name (an embedding lookup), in any layout, Q8_0_R16 included.
+// The rows of a weight that ids name (an embedding lookup), in any layout, packed included.
 class GGUFEmbed : public GGUFRows {
  public:
   using GGUFRows::GGUFRows;

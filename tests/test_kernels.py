@@ -193,100 +193,112 @@ def test_modules_behave_like_linear_and_embedding():
     np.testing.assert_allclose(np.array(emb.as_linear(x)), np.array(x) @ wd.T, rtol=0, atol=tol)
 
 
-def q8_0_table(n: int, k: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """Random Q8_0 bytes (n, k / 32 * 34) with every code occurring, and their float32 values."""
-    w = random_weights(T.Q8_0, n, k, rng)
-    return w, dequantize(w, T.Q8_0).reshape(n, k).astype(np.float32)
+PACKABLE = {T.Q8_0: gk.Q8_0_R16, T.Q5_0: gk.Q5_0_R16}
 
 
-def test_a_packed_q8_0_table_looks_up_the_files_rows_exactly(isa):
-    """Q8_0_R16 moves bytes only: every row a lookup gathers is the file's row, in any id shape,
-    whatever the ISA, those without a packed product included (the lookup and the packing are
-    plain code)."""
+def table(t: T, n: int, k: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Random bytes of type t (n, k / 32 * type size), every code occurring, and their float32 values."""
+    w = random_weights(t, n, k, rng)
+    return w, dequantize(w, t).reshape(n, k).astype(np.float32)
+
+
+@pytest.mark.parametrize("t", list(PACKABLE), ids=lambda t: t.name)
+def test_a_packed_table_looks_up_the_files_rows_exactly(t, isa):
+    """The packed layouts move bits only: every row a lookup gathers is the file's row, in any id
+    shape, whatever the ISA, those without a packed product included (the lookup and the packing
+    are plain code)."""
     rng = np.random.default_rng(11)
-    w, wd = q8_0_table(48, 640, rng)
-    packed = gk.extension().pack_q8_0(mx.array(w))
+    w, wd = table(t, 48, 640, rng)
+    packed = gk.extension().pack(mx.array(w), t)
     assert packed.shape == w.shape and packed.dtype == mx.uint8
     assert not np.array_equal(np.array(packed), w)  # rearranged, not copied
     ids = np.array([[0, 15, 16], [47, 31, 5]])
-    for table, layout in ((packed, gk.Q8_0_R16), (mx.array(w), int(T.Q8_0))):
-        got = gk.extension().gguf_embed(table, mx.array(ids), layout, 640, stream=mx.cpu)
+    for weights, layout in ((packed, PACKABLE[t]), (mx.array(w), int(t))):
+        got = gk.extension().gguf_embed(weights, mx.array(ids), layout, 640, stream=mx.cpu)
         np.testing.assert_array_equal(np.array(got), wd[ids])
     with pytest.raises(ValueError, match="multiple of 16"):
-        gk.extension().pack_q8_0(mx.array(w[:40]))
+        gk.extension().pack(mx.array(w[:40]), t)
+    with pytest.raises(ValueError, match="Q8_0 or Q5_0"):
+        gk.extension().pack(mx.array(random_weights(T.Q4_0, 16, 640, rng)), T.Q4_0)
+    with pytest.raises(ValueError, match="file's layout only"):
+        gk.dequant_rows(packed, PACKABLE[t], 640)
 
 
+@pytest.mark.parametrize("t", list(PACKABLE), ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 8, 64, 70])
-def test_a_packed_q8_0_head_gives_the_file_layouts_products(rows, act_bits, isa):
-    """Where the kernels take Q8_0_R16 (avx2, avx512, avx512vnni), its products stay within the
-    integer path's bound of the float64 reference. With VNNI they are the file layout's floats
-    wherever both run the grouped kernel (from 4 rows, or any with 8-bit codes); the file's rows
-    otherwise go row by row, summed in another order."""
+def test_a_packed_weight_gives_the_file_layouts_products(t, rows, act_bits, isa):
+    """Where the kernels take a packed layout (avx2, avx512, avx512vnni), its products stay within
+    the integer path's bound of the float64 reference. With VNNI they are the file layout's floats
+    wherever both run the grouped kernel on the same codes (from 4 rows, or any with 8-bit codes);
+    the file's rows otherwise go row by row, summed in another order. A packed Q5_0 weight always
+    meets 16-bit codes."""
     ext = gk.extension()
-    if not ext.packs_q8_0():
-        pytest.skip(f"the {isa} kernels do not take packed Q8_0")
+    if not ext.packs(t):
+        pytest.skip(f"the {isa} kernels do not take packed {t.name}")
     rng = np.random.default_rng(rows)
     n, k = 96, 640
-    w, wd = q8_0_table(n, k, rng)
+    w, wd = table(t, n, k, rng)
     x = mx.array(rng.standard_normal((rows, k)).astype(np.float32))
-    got = np.array(gk.matmul(x, ext.pack_q8_0(mx.array(w)), gk.Q8_0_R16, n, k))
-    if isa == "avx512vnni" and (act_bits == 8 or (act_bits == 16 and rows >= 4)):
-        np.testing.assert_array_equal(got, np.array(gk.matmul(x, mx.array(w), T.Q8_0, n, k)))
-    bits = act_bits or 16  # a packed table always takes the integer path
+    got = np.array(gk.matmul(x, ext.pack(mx.array(w), t), PACKABLE[t], n, k))
+    bits = 16 if act_bits == 0 or t != T.Q8_0 else act_bits  # a packed weight always takes the integer path
+    if isa == "avx512vnni" and bits == act_bits and (bits == 8 or rows >= 4):
+        np.testing.assert_array_equal(got, np.array(gk.matmul(x, mx.array(w), t, n, k)))
     xb = np.abs(np.array(x)).reshape(rows, k // 32, 32).max(axis=2) / (2 ** (bits - 1) - 1) / 2
     bound = (np.abs(np.array(x)) @ np.abs(wd).T) * BOUND + xb @ np.abs(wd).reshape(n, k // 32, 32).sum(2).T
     assert (np.abs(got - np.array(x, dtype=np.float64) @ wd.T.astype(np.float64)) <= bound * 1.01).all()
 
 
+@pytest.mark.parametrize("t", list(PACKABLE), ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 5, 70])
-def test_a_packed_q8_0_head_gives_the_same_floats_on_every_isa_that_takes_it(rows, act_bits):
+def test_a_packed_weight_gives_the_same_floats_on_every_isa_that_takes_it(t, rows, act_bits):
     """The packed kernels sum each block's integers exactly and scale them in one order, so
-    AVX2's (madd), AVX-512's and VNNI's (dpwssd) agree to the bit: a server's head does not
+    AVX2's (madd), AVX-512's and VNNI's (dpwssd) agree to the bit: a server's products do not
     depend on which of them the CPU has."""
     ext = gk.extension()
     rng = np.random.default_rng(rows)
-    w, _ = q8_0_table(64, 640, rng)
-    packed = ext.pack_q8_0(mx.array(w))
+    w, _ = table(t, 64, 640, rng)
+    packed = ext.pack(mx.array(w), t)
     x = mx.array(rng.standard_normal((rows, 640)).astype(np.float32))
     outs = {}
     try:
         for name in ("avx2", "avx512", "avx512vnni"):
-            if ext.set_isa(name) == name and ext.packs_q8_0():
-                outs[name] = np.array(gk.matmul(x, packed, gk.Q8_0_R16, 64, 640))
+            if ext.set_isa(name) == name and ext.packs(t):
+                outs[name] = np.array(gk.matmul(x, packed, PACKABLE[t], 64, 640))
     finally:
         ext.set_isa("")
     if len(outs) < 2:
-        pytest.skip(f"one ISA here takes packed Q8_0: {list(outs)}")
+        pytest.skip(f"one ISA here takes packed {t.name}: {list(outs)}")
     first, *rest = outs.values()
     for out in rest:
         np.testing.assert_array_equal(out, first)
 
 
-def test_a_packed_q8_0_head_refuses_an_isa_without_its_kernel():
+@pytest.mark.parametrize("t", list(PACKABLE), ids=lambda t: t.name)
+def test_a_packed_weight_refuses_an_isa_without_its_kernel(t):
     ext = gk.extension()
-    if not ext.packs_q8_0():
-        pytest.skip(f"the {gk.isa()} kernels do not take packed Q8_0")
-    w, _ = q8_0_table(32, 64, np.random.default_rng(0))
-    packed = ext.pack_q8_0(mx.array(w))
+    if not ext.packs(t):
+        pytest.skip(f"the {gk.isa()} kernels do not take packed {t.name}")
+    w = random_weights(t, 32, 64, np.random.default_rng(0))
+    packed = ext.pack(mx.array(w), t)
     try:
         ext.set_isa("generic")
         with pytest.raises(ValueError, match="kernels that take it"):
-            gk.matmul(mx.zeros((1, 64)), packed, gk.Q8_0_R16, 32, 64)
+            gk.matmul(mx.zeros((1, 64)), packed, PACKABLE[t], 32, 64)
     finally:
         ext.set_isa("")
 
 
 def test_an_embedding_packs_a_q8_0_table_only_where_the_kernels_take_it(monkeypatch):
     rng = np.random.default_rng(12)
-    w, wd = q8_0_table(64, 256, rng)
+    w, wd = table(T.Q8_0, 64, 256, rng)
     x = mx.array(rng.standard_normal((8, 256)).astype(np.float32))
     emb = gk.GGUFEmbedding(mx.array(w), T.Q8_0, 256)
     affinity = getattr(os, "sched_getaffinity", lambda _: None)  # Linux
     cpus = affinity(0)
-    assert emb.pack() == gk.extension().packs_q8_0()
+    assert emb.pack() == gk.extension().packs(T.Q8_0)
     assert affinity(0) == cpus  # the loading thread (the engine's) keeps every CPU
     assert emb.ggml_type == T.Q8_0
-    assert (emb.kernel_type == gk.Q8_0_R16) == gk.extension().packs_q8_0()
+    assert (emb.kernel_type == gk.Q8_0_R16) == gk.extension().packs(T.Q8_0)
     assert not emb.pack()  # once
     monkeypatch.setenv("GMLX_KERNELS_PACK", "0")
     plain = gk.GGUFEmbedding(mx.array(w), T.Q8_0, 256)
@@ -294,6 +306,42 @@ def test_an_embedding_packs_a_q8_0_table_only_where_the_kernels_take_it(monkeypa
     assert plain.kernel_type == T.Q8_0 and np.array_equal(np.array(plain.weight), w)
     np.testing.assert_array_equal(np.array(emb(mx.array([[1, 63]]))), wd[[[1, 63]]])
     np.testing.assert_array_equal(np.array(emb.as_linear(x)), np.array(plain.as_linear(x)))
+
+
+@pytest.mark.parametrize("rows", [1, 8, 80], ids=["decode", "decode8", "prefill"])
+def test_packed_linears_in_a_group_and_a_fused_mlp_give_the_file_layouts_products(rows):
+    """pack_weights packs the linears whose layout the kernels take (Q5_0 and Q8_0 here; 24 rows is
+    no whole group) and leaves the rest; grouped and fused, each product stays the file layout's
+    within the integer codes' rounding, and a packed Q5_0 weight keeps 16-bit codes when 8 are asked for."""
+    ext = gk.extension()
+    rng = np.random.default_rng(21)
+    k = 640
+    specs = [(T.Q5_0, 64), (T.Q5_0, 24), (T.Q8_0, 32)]
+    ws = [random_weights(t, n, k, rng) for t, n in specs]
+    attn = nn.Module()
+    attn.q_proj, attn.k_proj, attn.v_proj = (gk.GGUFLinear(mx.array(w), t, k) for w, (t, _) in zip(ws, specs))
+    mlp, _ = _mlp(rng, k, 1024, (T.Q5_0, T.Q5_0, T.Q4_K))
+    fused = gk.GatedMLP(mlp.gate_proj, mlp.up_proj, mlp.down_proj, "gelu_approx")
+    model = nn.Module()
+    model.attn, model.mlp = attn, fused
+    gk.group_linears(attn)
+    x = mx.array(rng.standard_normal((rows, k)).astype(np.float32))
+    before = [np.array(y) for y in (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x), fused(x))]
+    packed = gk.pack_weights(model)
+    wanted = [ext.packs(T.Q5_0), False, ext.packs(T.Q8_0), ext.packs(T.Q5_0), ext.packs(T.Q5_0), False]
+    linears = [attn.q_proj, attn.k_proj, attn.v_proj, fused.gate_proj, fused.up_proj, fused.down_proj]
+    assert [m.kernel_type > gk.PACKED for m in linears] == wanted and packed == sum(wanted)
+    assert all(m.ggml_type < gk.PACKED for m in linears)
+    after = {}
+    try:
+        for bits in (16, 8):
+            ext.set_act_bits(bits)
+            after[bits] = [np.array(y) for y in (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x), fused(x))]
+            for a, b in zip(after[bits], before):
+                np.testing.assert_allclose(a, b, rtol=0, atol=(1e-4 if bits == 16 else 0.05) * np.abs(b).max())
+    finally:
+        ext.set_act_bits(16)
+    assert np.array_equal(after[8][0], after[16][0]) == ext.packs(T.Q5_0)
 
 
 def _vma_flags(address: int) -> list[str]:

@@ -154,19 +154,39 @@ inline __m512i pair_sums(const __m512i* r, const int32_t* xp, int p0, int p1) {
   return _mm512_add_epi32(s0, s1);
 }
 
-// A Q8_0_R16 group (gguf_kernels.h: 16 weight rows, a lane each) against M coded activation
-// rows: out[m * PACK_ROWS + i]. Each block's codes are read in place, in order, as the lanes take
-// them; with VNNI these are group_dot's sums in its order, so its floats, without group_dot's
-// widening and transposing (about 80 shuffles a block of 16 rows) and row-by-row scales.
+// Code pair p of every row of a packed group's 32-block (gguf_kernels.h), a lane each: TYPE is
+// the file's. Q5_0's 4 low bits of a row's two codes meet in one word each (the byte, shifted
+// 12 into the high word, masked), then the codes whose fifth bit is clear lose 16.
+template <int TYPE>
+inline __m512i packed_pair(const uint8_t* blk, int p) {
+  if constexpr (TYPE == Q8_0) {
+    return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(blk + packed_pairs_at(p))));
+  } else {
+    static_assert(TYPE == Q5_0);
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + q5_nibbles_at(p))));
+    const __m512i v = _mm512_ternarylogic_epi32(b, _mm512_slli_epi32(b, 12), _mm512_set1_epi32(0x000F000F), 0xA8);
+    __mmask32 low;  // (b | b << 12) & mask above; these bits: code 2 i + j of the pair
+    memcpy(&low, blk + q5_signs_at(p), 4);
+    return _mm512_mask_sub_epi16(v, low, v, _mm512_set1_epi16(16));
+  }
+}
+
+// A packed group (gguf_kernels.h: 16 weight rows, a lane each; TYPE the file's) against M coded
+// activation rows: out[m * PACK_ROWS + i]. Each block's codes are read in place, in order, as the
+// lanes take them; with VNNI these are group_dot's sums in its order, so its floats, without
+// group_dot's decoding, widening and transposing (about 80 shuffles a block of 16 rows) and
+// row-by-row scales.
+template <int TYPE>
 inline void packed_dot(const uint8_t* w, const XQ& x, int M, float* out) {
+  constexpr int BLOCK = packed_block(TYPE);
   const int64_t K = x.K, nb32 = K / 32;
   for (int m = 0; m < M; m++) _mm512_storeu_ps(out + m * PACK_ROWS, _mm512_setzero_ps());
   for (int64_t b = 0; b < nb32; b++) {
-    const uint8_t* blk = w + b * PACKED_BLOCK;
-    for (int l = 0; l < PACKED_BLOCK; l += 64) _mm_prefetch((const char*)blk + PREFETCH_PACKED + l, _MM_HINT_T0);
+    const uint8_t* blk = w + b * BLOCK;
+    for (int l = 0; l < BLOCK; l += 64) _mm_prefetch((const char*)blk + prefetch_packed(TYPE) + l, _MM_HINT_T0);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)blk));
     __m512i r[16];
-    for (int p = 0; p < 16; p++) r[p] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(blk + packed_pairs_at(p))));
+    for (int p = 0; p < 16; p++) r[p] = packed_pair<TYPE>(blk, p);
     for (int m = 0; m < M; m++) {
       const __m512i s = pair_sums(r, (const int32_t*)(x.q + m * K + b * 32), 0, 16);
       const __m512 xd = _mm512_set1_ps(x.d[m * nb32 + b]);
@@ -367,8 +387,9 @@ inline void packed_dot8_rows(const uint8_t* w, const XQ& x, int m0, float* out) 
   __m512 acc[MR];
   for (int i = 0; i < MR; i++) acc[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb32; b++) {
-    const uint8_t* blk = w + b * PACKED_BLOCK;
-    for (int l = 0; l < PACKED_BLOCK; l += 64) _mm_prefetch((const char*)blk + PREFETCH_PACKED + l, _MM_HINT_T0);
+    constexpr int BLOCK = packed_block(Q8_0);
+    const uint8_t* blk = w + b * BLOCK;
+    for (int l = 0; l < BLOCK; l += 64) _mm_prefetch((const char*)blk + prefetch_packed(Q8_0) + l, _MM_HINT_T0);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)blk));
     __m512i r[8];
     for (int q = 0; q < 8; q++)

@@ -107,10 +107,12 @@ void int_rows(const MatmulArgs& a, const int16_t* xq, const float* xd, const flo
 // Activation rows a packed_dot call takes (its out holds PACKED_ROWS * PACK_ROWS floats).
 constexpr int PACKED_ROWS = 64;
 
-// Weight rows n0 .. n1 of a Q8_0_R16 tensor against every activation row, a group at a time.
-// With VNNI, 8-bit codes (narrowed in place, code_row) take packed_dot8.
-void packed_rows_int(const MatmulArgs& a, const int16_t* xq, const float* xd, int64_t n0, int64_t n1,
-                     [[maybe_unused]] void* scratch, [[maybe_unused]] int bits) {
+// Weight rows n0 .. n1 of a packed tensor against every activation row, a group at a time.
+// With VNNI, 8-bit codes (narrowed in place, code_row) take packed_dot8 (Q8_0_R16; ops.cpp gives
+// the others 16-bit codes).
+template <int TYPE>
+void packed_rows(const MatmulArgs& a, const int16_t* xq, const float* xd, int64_t n0, int64_t n1,
+                 [[maybe_unused]] int bits) {
   const int64_t nb = a.K / 32;
   float out[PACKED_ROWS * PACK_ROWS];
   for (int64_t m0 = 0; m0 < a.M; m0 += PACKED_ROWS) {
@@ -118,14 +120,22 @@ void packed_rows_int(const MatmulArgs& a, const int16_t* xq, const float* xd, in
     const XQ x{xq + m0 * a.K, xd + m0 * nb, nullptr, a.K};
     for (int64_t n = n0; n < n1; n += PACK_ROWS) {
 #ifdef __AVX512VNNI__
-      if (bits == 8)
+      if (TYPE == Q8_0 && bits == 8)
         packed_dot8(a.w + n * a.row_bytes, x, mc, out);
       else
 #endif
-        packed_dot(a.w + n * a.row_bytes, x, mc, out);
+        packed_dot<TYPE>(a.w + n * a.row_bytes, x, mc, out);
       for (int m = 0; m < mc; m++) memcpy(a.y + (m0 + m) * a.N + n, out + m * PACK_ROWS, PACK_ROWS * sizeof(float));
     }
   }
+}
+
+bool packs(int type) { return type == Q8_0 || type == Q5_0; }
+
+void packed_rows_int(const MatmulArgs& a, const int16_t* xq, const float* xd, int64_t n0, int64_t n1, void*,
+                     int bits) {
+  if (a.type == Q8_0_R16) packed_rows<Q8_0>(a, xq, xd, n0, n1, bits);
+  if (a.type == Q5_0_R16) packed_rows<Q5_0>(a, xq, xd, n0, n1, bits);
 }
 
 }  // namespace

@@ -87,8 +87,8 @@ void quantize_row(const float* x, int64_t K, float qmax, int16_t* q, float* d, f
   }
 }
 
-// Bytes ahead that a Q8_0_R16 kernel prefetches its group's stream (four of its blocks).
-constexpr int64_t PREFETCH_PACKED = 4 * PACKED_BLOCK;
+// Bytes ahead that a packed kernel prefetches its group's stream (four of its blocks).
+consteval int64_t prefetch_packed(int type) { return 4 * packed_block(type); }
 
 struct XQ {  // the int16 path's view of one pass of coded activation rows
   const int16_t* q;  // M rows of K codes

@@ -30,8 +30,8 @@ GMLX_KERNELS_ACT_BITS (16; 8 = llama.cpp's Q8_0 activations; 0 = float path only
 GMLX_KERNELS_PIN (0 leaves the threads unpinned; by default, on Linux, where they use every CPU the
 process may run on, each keeps one of its own),
 GMLX_KERNELS_SPIN_US (how long an idle thread waits for the next parallel region before it sleeps; 20),
-GMLX_KERNELS_PACK (0 keeps a Q8_0 embedding table in the file's layout; by default, where the kernels
-have an int16 path (AVX2, AVX-512), it is packed for them: see GGUFEmbedding),
+GMLX_KERNELS_PACK (0 keeps Q8_0 and Q5_0 weights in the file's layout; by default, where the kernels
+have an int16 path (AVX2, AVX-512), they are packed for them: see packs),
 GMLX_KERNELS_HUGE_PAGES (0 leaves the weights where they were loaded; by default, on Linux unless its
 transparent huge pages are `never`, they are moved into memory advised for them: see in_huge_pages),
 GMLX_KERNELS_EXT (load the extension from another build).
@@ -54,8 +54,9 @@ from mlx.utils import tree_flatten, tree_unflatten
 # GGML types the kernels read directly.
 TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
 TYPE_NAMES = tuple(t.name for t in TYPES)
-# gmlx's own layout of Q8_0 bytes, as the kernels number it (Q8_0_R16 in csrc/gguf_kernels.h).
-Q8_0_R16 = 1008
+# gmlx's own layouts of Q8_0 and Q5_0 bytes, as the kernels number them (csrc/gguf_kernels.h).
+PACKED = 1000
+Q8_0_R16, Q5_0_R16 = PACKED + T.Q8_0, PACKED + T.Q5_0
 
 _reason: str | None = None
 
@@ -167,11 +168,12 @@ def dequant_rows(rows: mx.array, ggml_type: int, k: int) -> mx.array:
 
 
 class GGUFLinear(nn.Module):
-    """nn.Linear over a GGUF quantized weight: y = x @ W.T (+ bias). W stays in its blocks."""
+    """nn.Linear over a GGUF quantized weight: y = x @ W.T (+ bias). W stays in its blocks, in
+    the file's layout or packed for the kernels (pack)."""
 
     def __init__(self, weight: mx.array, ggml_type: int, in_features: int, bias: mx.array | None = None):
         super().__init__()
-        self.ggml_type = int(ggml_type)
+        self.ggml_type = self.kernel_type = int(ggml_type)
         self.in_features, self.out_features = in_features, weight.shape[0]
         self.weight = weight
         if bias is not None:
@@ -179,11 +181,19 @@ class GGUFLinear(nn.Module):
         self.group: LinearGroup | None = None
         self.freeze()
 
+    def pack(self) -> bool:
+        """Repack the weight for the active kernels where they take its layout (see packs); True
+        if it was. `kernel_type` is then the layout the kernels are given; `ggml_type` stays the file's."""
+        if self.kernel_type != self.ggml_type or not packs(self.ggml_type, self.out_features):
+            return False
+        self.weight, self.kernel_type = _load().pack(self.weight, self.ggml_type), PACKED + self.ggml_type
+        return True
+
     def __call__(self, x: mx.array) -> mx.array:
         if self.group is not None:
             y = self.group.output(self, x)
         else:
-            y = matmul(x, self.weight, self.ggml_type, self.out_features, self.in_features)
+            y = matmul(x, self.weight, self.kernel_type, self.out_features, self.in_features)
         return y + self["bias"] if "bias" in self else y
 
     def _extra_repr(self) -> str:
@@ -212,7 +222,7 @@ class LinearGroup:
         ys = _load().gguf_matmul_group(
             x,
             [m.weight for m in ms],
-            [m.ggml_type for m in ms],
+            [m.kernel_type for m in ms],
             [m.out_features for m in ms],
             member.in_features,
             stream=mx.cpu,
@@ -260,7 +270,7 @@ class GatedMLP(nn.Module):
             g.weight,
             u.weight,
             d.weight,
-            [g.ggml_type, u.ggml_type, d.ggml_type],
+            [g.kernel_type, u.kernel_type, d.kernel_type],
             g.out_features,
             g.in_features,
             ACTIVATIONS[self.act],
@@ -296,21 +306,26 @@ def fuse_mlps(model: nn.Module) -> int:
     return len(swaps)
 
 
-def pack_tables(model: nn.Module) -> int:
-    """GGUFEmbedding.pack for each of the model's tables, after their weights are loaded; returns
-    how many were packed."""
-    return sum(m.pack() for _, m in model.named_modules() if isinstance(m, GGUFEmbedding))
+def pack_weights(model: nn.Module) -> int:
+    """Pack each of the model's GGUF weights whose layout the active kernels take (see packs),
+    after its weights are loaded; returns how many were packed. Each packed weight replaces the
+    file's, so with no other reference to them loading holds one weight twice at most."""
+    return sum(m.pack() for _, m in model.named_modules() if isinstance(m, GGUFLinear | GGUFEmbedding))
 
 
-def packs_q8_0(rows: int) -> bool:
-    """Whether a Q8_0 table of `rows` rows is packed (Q8_0_R16) for the active kernels."""
+def packs(ggml_type: int, rows: int) -> bool:
+    """Whether a weight of this type and row count is packed for the active kernels
+    (docs/ARCHITECTURE.md, decision 25): Q8_0 and Q5_0 where they have an int16 path (AVX2,
+    AVX-512). A packed Q5_0 weight always meets 16-bit activation codes, so with 8-bit ones asked
+    for (GMLX_KERNELS_ACT_BITS=8: llama.cpp's arithmetic) it keeps the file's layout."""
     ext = _load()
     return (
         ext is not None
-        and ext.packs_q8_0()
+        and ext.packs(int(ggml_type))
         and rows % 16 == 0
         and os.environ.get("GMLX_KERNELS_PACK", "1") != "0"
         and ext.act_bits() != 0  # the float path reads only the file's layout
+        and (ggml_type == T.Q8_0 or ext.act_bits() == 16)
     )
 
 
@@ -331,10 +346,10 @@ class GGUFEmbedding(nn.Module):
         self.freeze()
 
     def pack(self) -> bool:
-        """Repack the weight for the active kernels where they take its layout; True if it was."""
-        if self.kernel_type != T.Q8_0 or not packs_q8_0(self.num_embeddings):
+        """Repack a Q8_0 weight for the active kernels where they take its layout; True if it was."""
+        if self.kernel_type != T.Q8_0 or not packs(T.Q8_0, self.num_embeddings):
             return False
-        self.weight, self.kernel_type = _load().pack_q8_0(self.weight), Q8_0_R16
+        self.weight, self.kernel_type = _load().pack(self.weight, T.Q8_0), Q8_0_R16
         return True
 
     def __call__(self, ids: mx.array) -> mx.array:

@@ -16,7 +16,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from gmlx.gguf.header import GGUFError, GGUFHeader, ModelGeometry, read_header
 from gmlx.gguf.tensors import GGUF_BLOCKS, LoadReport, load_tensors
 from gmlx.gguf.tokenizer import load_tokenizer
-from gmlx.kernels import in_huge_pages
+from gmlx.kernels import in_huge_pages, pack_weights
 from gmlx.models import check_supported
 from gmlx.models.architecture import Architecture
 from gmlx.models.deepseek2 import DeepSeek2
@@ -102,8 +102,9 @@ def load(
     arrays, quant, report = load_tensors(h, mode)  # type: ignore[arg-type]
     step("model")
     model = _build(arch, h, arrays, quant)
-    del arrays  # the model holds the weights alone, so in_huge_pages frees each old buffer it copies
+    del arrays  # the model holds the weights alone, so packing and in_huge_pages free each old buffer
     mx.eval(model.parameters())
+    pack_weights(model)
     in_huge_pages(model)
     # Not beside the weights in a thread: tokenizers parses its JSON holding the GIL (measured: no gain).
     step("tokenizer")
@@ -150,10 +151,9 @@ def _build(
     arch.finish(model, h, arrays)
     fuse_attention(model)
     if blocks:
-        from gmlx.kernels import fuse_mlps, pack_tables
+        from gmlx.kernels import fuse_mlps
 
         fuse_mlps(model)  # after the weights: it checks each fused MLP against the module's own output
-        pack_tables(model)
     return model
 
 
