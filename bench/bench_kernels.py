@@ -28,9 +28,9 @@ Writes bench/results/kernels-<model>.json.
 --matmuls instead times each distinct matmul of the model (GGML type, N x K, and the tied LM
 head) alone at batch 1, 4 and 8, one ISA against another in the same process (rounds
 interleave them; best of rounds): ms per matmul and Gweights/s per kernel thread
-(GMLX_KERNELS_THREADS, else every core), and the ratio of each ISA to the first. A Q8_0 or Q5_0
-weight is timed in the file's layout and packed (`Q8_0_R16`, `Q5_0_R16`, for the ISAs whose kernels
-take it).
+(GMLX_KERNELS_THREADS, else every core), and the ratio of each ISA to the first. A weight of a
+type gmlx packs (gmlx.kernels.PACKABLE) is timed in the file's layout and packed (`Q8_0_R16` and
+so on, for the ISAs whose kernels take it).
 """
 
 from __future__ import annotations
@@ -241,7 +241,7 @@ def _matmuls(model: str, isas: list[str], rounds: int) -> dict:
             continue
         if (t, n, k) not in shapes:
             shapes[(t, n, k)] = mod.weight
-            if t in (gk.T.Q8_0, gk.T.Q5_0) and n % 16 == 0:
+            if t in gk.PACKABLE and n % 16 == 0:
                 shapes[(gk.PACKED + t, n, k)] = ext.pack(mod.weight, t)
     threads = kernel_threads()
     best: dict = {}

@@ -47,17 +47,25 @@ consteval BlockFormat format_of(int type) {
 int block_size(int type);
 int type_size(int type);
 
-// gmlx's own layouts of Q8_0 and Q5_0 tensors (no GGML type; ops take each as PACKED + the file's
-// type): each PACK_ROWS rows' blocks interleaved, so that a kernel with a lane per weight row
-// reads them in order with no transposes. Group g holds the bytes of rows 16 g .. 16 g + 15, so
-// row counts and a group's offset are the file type's. Per 32-block of the 16 rows, their 16 f16
-// scales, then
-//   Q8_0_R16: 512 codes in pairs, byte 32 p + 2 i + j holding code 2 p + j of row i;
-//   Q5_0_R16: 16 bytes a pair, byte i holding the low 4 bits of row i's codes 2 p (low nibble)
-//             and 2 p + 1 (high), then 4 bytes a pair, bit 2 i + j set where row i's code 2 p + j
-//             has its fifth bit clear (its value is the nibble less 16).
+// gmlx's own layouts of Q8_0, Q5_0, Q4_K and Q6_K tensors (no GGML type; ops take each as PACKED + the
+// file's type): each PACK_ROWS rows' blocks interleaved, so that a kernel with a lane per weight
+// row reads them in order with no transposes. Group g holds the bytes of rows 16 g .. 16 g + 15,
+// so row counts and a group's offset are the file type's. Per block of the 16 rows (a 32-block;
+// a K-quant's super-block of 256), the same bytes as the file's 16 blocks:
+//   Q8_0_R16: 16 f16 scales, then 512 codes in pairs, byte 32 p + 2 i + j holding code 2 p + j
+//             of row i;
+//   Q5_0_R16: 16 f16 scales, then 16 bytes a pair, byte i holding the low 4 bits of row i's
+//             codes 2 p (low nibble) and 2 p + 1 (high), then 4 bytes a pair, bit 2 i + j set
+//             where row i's code 2 p + j has its fifth bit clear (its value is the nibble less 16);
+//   Q4_K_R16: 16 f16 scales d, 16 f16 minimum scales dmin, then per sub-block j (of 32) the 16
+//             rows' 6-bit scales and minima (q4k_low_at, q4k_high_at), then per sub-block its 16
+//             code pairs as Q5_0_R16's low bits (4-bit codes: no fifth);
+//   Q6_K_R16: 16 f16 scales d, then per sub-block and half of it the 16 rows' int8 scales, then
+//             per sub-block its 16 code pairs' low 4 bits as Q5_0_R16's, then their high 2 bits
+//             (q6k_high_at); a code is those 6 bits less 32.
 inline constexpr int PACKED = 1000;
-inline constexpr int Q8_0_R16 = PACKED + Q8_0, Q5_0_R16 = PACKED + Q5_0;
+inline constexpr int Q8_0_R16 = PACKED + Q8_0, Q5_0_R16 = PACKED + Q5_0, Q4_K_R16 = PACKED + Q4_K,
+                     Q6_K_R16 = PACKED + Q6_K;
 inline constexpr int PACK_ROWS = 16;
 constexpr bool is_packed(int type) { return type > PACKED; }
 constexpr int file_type(int type) { return is_packed(type) ? type - PACKED : type; }
@@ -69,7 +77,22 @@ static constexpr int packed_pairs_at(int p) { return 32 + 32 * p; }
 static constexpr int packed_code_at(int i, int c) { return packed_pairs_at(c / 2) + 2 * i + c % 2; }
 static constexpr int q5_nibbles_at(int p) { return 32 + 16 * p; }
 static constexpr int q5_signs_at(int p) { return 32 + 16 * 16 + 4 * p; }
-// Bytes of a group's 32-block in the packed layout of file type TYPE: the file's 16 blocks.
+// Q4_K_R16's 16 rows' 6-bit values of sub-block j (what = 0: scales, 1: minima) as one 64-bit word
+// of low 4 bits, row i's at bit 4 (i / 2) + 32 (i % 2), and one 32-bit word of high 2 bits, row
+// i's at bit 2 i (a lane per row reads its own with one variable shift); then the codes of
+// sub-block j's pair p.
+static constexpr int q4k_dmin_at(int i) { return 32 + 2 * i; }
+static constexpr int q4k_low_at(int j, int what) { return 64 + 16 * j + 8 * what; }
+static constexpr int q4k_high_at(int j, int what) { return 192 + 8 * j + 4 * what; }
+static constexpr int q4k_pairs_at(int j, int p) { return 256 + 256 * j + 16 * p; }
+// Q6_K_R16's 16 rows' int8 scales of half h of sub-block j; the low 4 bits of sub-block j's code
+// pair p (as Q5_0_R16's); their high 2 bits, one 64-bit word in which the two bits of word w =
+// 2 i + c (row i's code 2 p + c) lie at bit 16 (w % 4) + 2 (w / 4): in the 16-bit word w % 4 of
+// the word broadcast to every lane, so each word reaches its own with one variable shift.
+static constexpr int q6k_scales_at(int j, int h) { return 32 + 32 * j + 16 * h; }
+static constexpr int q6k_low_at(int j, int p) { return 288 + 256 * j + 16 * p; }
+static constexpr int q6k_high_at(int j, int p) { return 2336 + 128 * j + 8 * p; }
+// Bytes of a group's block in the packed layout of file type TYPE: the file's 16 blocks.
 consteval int packed_block(int type) { return PACK_ROWS * format_of(type).bytes; }
 
 // Rows of W dequantized together: the unit of work handed to a thread.
@@ -140,11 +163,11 @@ struct Impl {
   void (*quantize_x)(const MatmulArgs& a, int bits, int16_t* xq, float* xd, float* xs);
   void (*matmul_rows_int)(const MatmulArgs& a, const int16_t* xq, const float* xd, const float* xs,
                           int64_t n0, int64_t n1, void* scratch, int bits);
-  // The same for a packed weight (a.type Q8_0_R16, Q5_0_R16; n0, n1 multiples of PACK_ROWS),
+  // The same for a packed weight (a.type PACKED + a packed type; n0, n1 multiples of PACK_ROWS),
   // where packs(its file type); both null where the ISA has no packed kernels (generic, amx).
   bool (*packs)(int type);
-  void (*packed_rows_int)(const MatmulArgs& a, const int16_t* xq, const float* xd, int64_t n0, int64_t n1,
-                          void* scratch, int bits);
+  void (*packed_rows_int)(const MatmulArgs& a, const int16_t* xq, const float* xd, const float* xs, int64_t n0,
+                          int64_t n1, void* scratch, int bits);
   // y[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w (w may be null), rows of D floats
   void (*rms_norm_rows)(const float* x, const float* w, float* y, int64_t rows, int64_t D, float eps);
   // h[i] = act(g[i]) * u[i] for i < n; act GATED_SILU or GATED_GELU_APPROX (h may be g)

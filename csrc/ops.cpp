@@ -31,7 +31,7 @@ namespace gmlx_kernels {
 
 // The file's format of a type or packed layout; null for one not handled.
 static const BlockFormat* format(int type) {
-  if (is_packed(type) && type != Q8_0_R16 && type != Q5_0_R16) return nullptr;
+  if (is_packed(type) && type != Q8_0_R16 && type != Q5_0_R16 && type != Q4_K_R16 && type != Q6_K_R16) return nullptr;
   for (const BlockFormat& f : FORMATS)
     if (f.type == file_type(type)) return &f;
   return nullptr;
@@ -213,7 +213,7 @@ void run_matmuls(const MatmulArgs* parts, int n_parts) {
     void* aligned = (void*)(((uintptr_t)scratch(scratch_floats) + 63) & ~(uintptr_t)63);
     const Chunk& ch = chunks[c];
     if (is_packed(parts[ch.part].type))
-      impl->packed_rows_int(parts[ch.part], xq, xd, ch.n0, ch.n1, aligned, bits);
+      impl->packed_rows_int(parts[ch.part], xq, xd, xs, ch.n0, ch.n1, aligned, bits);
     else
       impl->matmul_rows_int(parts[ch.part], xq, xd, xs, ch.n0, ch.n1, aligned, bits);
   });
@@ -410,22 +410,48 @@ std::vector<mx::Shape> GGUFDequantRows::output_shapes(const std::vector<mx::arra
   return {shape};
 }
 
-// Row `row` of a packed tensor (gguf_kernels.h) as K floats: scale times code, as the file type's.
+// Row `row` of a packed tensor (gguf_kernels.h) as K floats, computed as the file type's
+// dequantization computes them.
 static void packed_row(int type, const uint8_t* w, int64_t row_bytes, int64_t row, int64_t K, float* y) {
-  const int64_t block = PACK_ROWS * type_size(type);
+  const int64_t block = PACK_ROWS * type_size(type), weights = block_size(type);
   const uint8_t* group = w + row / PACK_ROWS * PACK_ROWS * row_bytes;
   const int i = (int)(row % PACK_ROWS);
-  for (int64_t b = 0; b < K / 32; b++) {
-    const uint8_t* blk = group + b * block;
+  auto f16 = [](const uint8_t* p) {
     mx::float16_t h;
-    memcpy(&h, blk + packed_scale_at(i), 2);
-    const float d = static_cast<float>(h);
+    memcpy(&h, p, 2);
+    return static_cast<float>(h);
+  };
+  auto bits = [](const uint8_t* p, int at) { return p[at / 8] >> at % 8; };  // from bit `at` of p's bytes
+  for (int64_t b = 0; b < K / weights; b++, y += weights) {
+    const uint8_t* blk = group + b * block;
+    const float d = f16(blk + packed_scale_at(i));
+    if (type == Q4_K_R16) {
+      const float dmin = f16(blk + q4k_dmin_at(i));
+      for (int j = 0; j < 8; j++) {
+        int six[2];
+        for (int what = 0; what < 2; what++)
+          six[what] = (bits(blk + q4k_low_at(j, what), 4 * (i / 2) + 32 * (i % 2)) & 15) |
+                      (bits(blk + q4k_high_at(j, what), 2 * i) & 3) << 4;
+        const float dj = d * (float)six[0], mj = dmin * (float)six[1];
+        for (int c = 0; c < 32; c++) y[32 * j + c] = dj * (float)(bits(blk + q4k_pairs_at(j, c / 2) + i, 4 * (c % 2)) & 15) - mj;
+      }
+      continue;
+    }
+    if (type == Q6_K_R16) {
+      for (int j = 0; j < 8; j++)
+        for (int c = 0; c < 32; c++) {
+          const int w = 2 * i + c % 2, high = bits(blk + q6k_high_at(j, c / 2), 16 * (w % 4) + 2 * (w / 4)) & 3;
+          const int code = ((bits(blk + q6k_low_at(j, c / 2) + i, 4 * (c % 2)) & 15) | high << 4) - 32;
+          y[32 * j + c] = d * (float)(int8_t)blk[q6k_scales_at(j, c / 16) + i] * (float)code;
+        }
+      continue;
+    }
     for (int c = 0; c < 32; c++) {
       const int p = c / 2, j = c % 2;
       const int code = type == Q8_0_R16 ? (int8_t)blk[packed_code_at(i, c)]
-                                        : (blk[q5_nibbles_at(p) + i] >> 4 * j & 15) -
-                                              16 * (blk[q5_signs_at(p) + (2 * i + j) / 8] >> (2 * i + j) % 8 & 1);
-      y[b * 32 + c] = d * (float)code;
+                                        : (bits(blk + q5_nibbles_at(p) + i, 4 * j) & 15) -
+                                              16 * (bits(blk + q5_signs_at(p), 2 * i + j) & 1);
+      y[c] = d * (float)code;
     }
   }
 }
@@ -481,14 +507,16 @@ static void check_weight(const char* op, const mx::array& w, int type, int64_t r
     msg << op << ": weight must be uint8 of shape (" << rows << ", " << rb << ")";
     throw std::invalid_argument(msg.str());
   }
+  if (!is_packed(type)) return;
   const Impl* impl = active_impl();
-  if (is_packed(type) &&
-      (rows % PACK_ROWS != 0 || (multiplied && !(impl->packs && impl->packs(file_type(type)))))) {
-    std::ostringstream msg;
-    msg << op << ": a packed weight needs a multiple of " << PACK_ROWS << " rows and kernels that take it "
-        << "(avx2, avx512, avx512vnni; the active ISA is " << impl->name << ")";
-    throw std::invalid_argument(msg.str());
-  }
+  std::ostringstream msg;
+  if (rows % PACK_ROWS != 0)
+    msg << op << ": a packed weight needs a multiple of " << PACK_ROWS << " rows";
+  else if (multiplied && !(impl->packs && impl->packs(file_type(type))))
+    msg << op << ": the active ISA's kernels (" << impl->name << ") do not take this packed layout";
+  else
+    return;
+  throw std::invalid_argument(msg.str());
 }
 
 // The CPU stream an op over x (..., K) runs on; throws unless x's last dimension is K and s is the CPU.
@@ -581,24 +609,50 @@ mx::array gguf_embed(const mx::array& w, const mx::array& ids, int type, int64_t
                    {row_contiguous(w, stream), row_contiguous(ids32, stream)});
 }
 
-// One 32-block of a group in the packed layout of its file type (gguf_kernels.h): rows are the
-// group's 16 file blocks, each `stride` bytes after the last.
+// One block of a group in the packed layout of its file type (gguf_kernels.h): rows are the
+// group's 16 file blocks, each `stride` bytes after the last; out starts zeroed.
 static void pack_block(int type, const uint8_t* rows, int64_t stride, uint8_t* out) {
-  for (int i = 0; i < PACK_ROWS; i++) memcpy(out + packed_scale_at(i), rows + i * stride, 2);
-  if (type == Q8_0) {
-    for (int c = 0; c < 32; c += 2)
-      for (int i = 0; i < PACK_ROWS; i++) memcpy(out + packed_code_at(i, c), rows + i * stride + 2 + c, 2);
-    return;
-  }
-  memset(out + q5_nibbles_at(0), 0, PACK_ROWS * 20);
+  auto set_bits = [](uint8_t* p, int at, int v) { p[at / 8] |= (uint8_t)(v << at % 8); };  // v within a byte
   for (int i = 0; i < PACK_ROWS; i++) {
-    const uint8_t* blk = rows + i * stride;  // f16 d, 32 fifth bits, 16 bytes of codes c and c + 16
-    uint32_t high;
-    memcpy(&high, blk + 2, 4);
-    for (int c = 0; c < 32; c++) {
-      const int p = c / 2, j = c % 2, low = c < 16 ? blk[6 + c] & 15 : blk[6 + c - 16] >> 4;
-      out[q5_nibbles_at(p) + i] |= low << 4 * j;
-      if (!(high >> c & 1)) out[q5_signs_at(p) + (2 * i + j) / 8] |= 1 << (2 * i + j) % 8;
+    const uint8_t* blk = rows + i * stride;
+    if (type != Q6_K) memcpy(out + packed_scale_at(i), blk, 2);
+    if (type == Q8_0) {
+      for (int c = 0; c < 32; c += 2) memcpy(out + packed_code_at(i, c), blk + 2 + c, 2);
+    } else if (type == Q5_0) {  // f16 d, 32 fifth bits, 16 bytes of codes c and c + 16
+      uint32_t high;
+      memcpy(&high, blk + 2, 4);
+      for (int c = 0; c < 32; c++) {
+        const int p = c / 2, j = c % 2;
+        set_bits(out + q5_nibbles_at(p) + i, 4 * j, c < 16 ? blk[6 + c] & 15 : blk[6 + c - 16] >> 4);
+        if (!(high >> c & 1)) set_bits(out + q5_signs_at(p), 2 * i + j, 1);
+      }
+    } else if (type == Q6_K) {  // 128 bytes of low 4 bits, 64 of high 2, 16 int8 scales, f16 d
+      memcpy(out + packed_scale_at(i), blk + 208, 2);
+      for (int j = 0; j < 8; j++) {
+        for (int h = 0; h < 2; h++) out[q6k_scales_at(j, h) + i] = blk[192 + 2 * j + h];
+        const uint8_t *ql = blk + 64 * (j / 4), *qh = blk + 128 + 32 * (j / 4);
+        const int g = j % 4;  // codes l of sub-blocks 4 h + g: ql[l] or ql[l + 32], nibble g / 2, qh bits 2 g
+        for (int c = 0; c < 32; c++) {
+          const int w = 2 * i + c % 2;
+          set_bits(out + q6k_low_at(j, c / 2) + i, 4 * (c % 2), ql[c + 32 * (g % 2)] >> 4 * (g / 2) & 15);
+          set_bits(out + q6k_high_at(j, c / 2), 16 * (w % 4) + 2 * (w / 4), qh[c] >> 2 * g & 3);
+        }
+      }
+    } else {  // Q4_K: f16 d, f16 dmin, 12 bytes of 6-bit scales and minima, 128 bytes of codes
+      memcpy(out + q4k_dmin_at(i), blk + 2, 2);
+      const uint8_t* q = blk + 4;
+      for (int j = 0; j < 8; j++) {
+        const int six[2] = {j < 4 ? q[j] & 63 : (q[j + 4] & 15) | (q[j - 4] >> 6) << 4,
+                            j < 4 ? q[j + 4] & 63 : (q[j + 4] >> 4) | (q[j] >> 6) << 4};
+        for (int what = 0; what < 2; what++) {
+          set_bits(out + q4k_low_at(j, what), 4 * (i / 2) + 32 * (i % 2), six[what] & 15);
+          set_bits(out + q4k_high_at(j, what), 2 * i, six[what] >> 4);
+        }
+        for (int c = 0; c < 32; c++) {  // sub-blocks 2 k and 2 k + 1: low and high nibbles of bytes 32 k ..
+          const int code = blk[16 + 32 * (j / 2) + c] >> 4 * (j % 2) & 15;
+          set_bits(out + q4k_pairs_at(j, c / 2) + i, 4 * (c % 2), code);
+        }
+      }
     }
   }
 }
@@ -606,13 +660,14 @@ static void pack_block(int type, const uint8_t* rows, int64_t stride, uint8_t* o
 mx::array pack(const mx::array& w_in, int type) {
   mx::array w = mx::contiguous(w_in);
   mx::eval(w);
-  const int size = type == Q8_0 || type == Q5_0 ? type_size(type) : 0;
+  const int size = type == Q8_0 || type == Q5_0 || type == Q4_K || type == Q6_K ? type_size(type) : 0;
   if (size == 0 || w.dtype() != mx::uint8 || w.ndim() != 2 || w.shape(1) % size != 0 || w.shape(0) % PACK_ROWS != 0)
-    throw std::invalid_argument("pack: Q8_0 or Q5_0 bytes (rows, K / 32 * type size), rows a multiple of 16");
+    throw std::invalid_argument("pack: Q8_0, Q5_0, Q4_K or Q6_K bytes (rows, K / block * type size), rows a multiple of 16");
   const int64_t rows = w.shape(0), rb = w.shape(1), nb = rb / size;
   mx::array packed(mx::allocator::malloc((size_t)(rows * rb)), w.shape(), mx::uint8);
   const uint8_t* src = w.data<uint8_t>();
   uint8_t* dst = packed.data<uint8_t>();
+  memset(dst, 0, (size_t)(rows * rb));
   // Written in order (a third of the time scattered writes took). One thread: a parallel region
   // would pin the loading thread to a CPU for good (pin_member), and this runs once.
   for (int64_t g = 0; g < rows / PACK_ROWS; g++)

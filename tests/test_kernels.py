@@ -193,7 +193,7 @@ def test_modules_behave_like_linear_and_embedding():
     np.testing.assert_allclose(np.array(emb.as_linear(x)), np.array(x) @ wd.T, rtol=0, atol=tol)
 
 
-PACKABLE = {T.Q8_0: gk.Q8_0_R16, T.Q5_0: gk.Q5_0_R16}
+PACKABLE = {t: gk.PACKED + t for t in gk.PACKABLE}
 
 
 def table(t: T, n: int, k: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
@@ -208,20 +208,20 @@ def test_a_packed_table_looks_up_the_files_rows_exactly(t, isa):
     shape, whatever the ISA, those without a packed product included (the lookup and the packing
     are plain code)."""
     rng = np.random.default_rng(11)
-    w, wd = table(t, 48, 640, rng)
+    w, wd = table(t, 48, 1024, rng)
     packed = gk.extension().pack(mx.array(w), t)
     assert packed.shape == w.shape and packed.dtype == mx.uint8
     assert not np.array_equal(np.array(packed), w)  # rearranged, not copied
     ids = np.array([[0, 15, 16], [47, 31, 5]])
     for weights, layout in ((packed, PACKABLE[t]), (mx.array(w), int(t))):
-        got = gk.extension().gguf_embed(weights, mx.array(ids), layout, 640, stream=mx.cpu)
+        got = gk.extension().gguf_embed(weights, mx.array(ids), layout, 1024, stream=mx.cpu)
         np.testing.assert_array_equal(np.array(got), wd[ids])
     with pytest.raises(ValueError, match="multiple of 16"):
         gk.extension().pack(mx.array(w[:40]), t)
-    with pytest.raises(ValueError, match="Q8_0 or Q5_0"):
-        gk.extension().pack(mx.array(random_weights(T.Q4_0, 16, 640, rng)), T.Q4_0)
+    with pytest.raises(ValueError, match="Q8_0, Q5_0, Q4_K or Q6_K"):
+        gk.extension().pack(mx.array(random_weights(T.Q4_0, 16, 1024, rng)), T.Q4_0)
     with pytest.raises(ValueError, match="file's layout only"):
-        gk.dequant_rows(packed, PACKABLE[t], 640)
+        gk.dequant_rows(packed, PACKABLE[t], 1024)
 
 
 @pytest.mark.parametrize("t", list(PACKABLE), ids=lambda t: t.name)
@@ -236,7 +236,7 @@ def test_a_packed_weight_gives_the_file_layouts_products(t, rows, act_bits, isa)
     if not ext.packs(t):
         pytest.skip(f"the {isa} kernels do not take packed {t.name}")
     rng = np.random.default_rng(rows)
-    n, k = 96, 640
+    n, k = 96, 1024
     w, wd = table(t, n, k, rng)
     x = mx.array(rng.standard_normal((rows, k)).astype(np.float32))
     got = np.array(gk.matmul(x, ext.pack(mx.array(w), t), PACKABLE[t], n, k))
@@ -256,14 +256,14 @@ def test_a_packed_weight_gives_the_same_floats_on_every_isa_that_takes_it(t, row
     depend on which of them the CPU has."""
     ext = gk.extension()
     rng = np.random.default_rng(rows)
-    w, _ = table(t, 64, 640, rng)
+    w, _ = table(t, 64, 1024, rng)
     packed = ext.pack(mx.array(w), t)
-    x = mx.array(rng.standard_normal((rows, 640)).astype(np.float32))
+    x = mx.array(rng.standard_normal((rows, 1024)).astype(np.float32))
     outs = {}
     try:
         for name in ("avx2", "avx512", "avx512vnni"):
             if ext.set_isa(name) == name and ext.packs(t):
-                outs[name] = np.array(gk.matmul(x, packed, PACKABLE[t], 64, 640))
+                outs[name] = np.array(gk.matmul(x, packed, PACKABLE[t], 64, 1024))
     finally:
         ext.set_isa("")
     if len(outs) < 2:
@@ -278,12 +278,12 @@ def test_a_packed_weight_refuses_an_isa_without_its_kernel(t):
     ext = gk.extension()
     if not ext.packs(t):
         pytest.skip(f"the {gk.isa()} kernels do not take packed {t.name}")
-    w = random_weights(t, 32, 64, np.random.default_rng(0))
+    w = random_weights(t, 32, 256, np.random.default_rng(0))
     packed = ext.pack(mx.array(w), t)
     try:
         ext.set_isa("generic")
-        with pytest.raises(ValueError, match="kernels that take it"):
-            gk.matmul(mx.zeros((1, 64)), packed, PACKABLE[t], 32, 64)
+        with pytest.raises(ValueError, match="do not take this packed layout"):
+            gk.matmul(mx.zeros((1, 256)), packed, PACKABLE[t], 32, 256)
     finally:
         ext.set_isa("")
 
@@ -310,8 +310,8 @@ def test_an_embedding_packs_a_q8_0_table_only_where_the_kernels_take_it(monkeypa
 
 @pytest.mark.parametrize("rows", [1, 8, 80], ids=["decode", "decode8", "prefill"])
 def test_packed_linears_in_a_group_and_a_fused_mlp_give_the_file_layouts_products(rows):
-    """pack_weights packs the linears whose layout the kernels take (Q5_0 and Q8_0 here; 24 rows is
-    no whole group) and leaves the rest; grouped and fused, each product stays the file layout's
+    """pack_weights packs the linears whose layout the kernels take (Q5_0, Q8_0, Q4_K here; 24 rows
+    is no whole group) and leaves the rest; grouped and fused, each product stays the file layout's
     within the integer codes' rounding, and a packed Q5_0 weight keeps 16-bit codes when 8 are asked for."""
     ext = gk.extension()
     rng = np.random.default_rng(21)
@@ -328,7 +328,7 @@ def test_packed_linears_in_a_group_and_a_fused_mlp_give_the_file_layouts_product
     x = mx.array(rng.standard_normal((rows, k)).astype(np.float32))
     before = [np.array(y) for y in (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x), fused(x))]
     packed = gk.pack_weights(model)
-    wanted = [ext.packs(T.Q5_0), False, ext.packs(T.Q8_0), ext.packs(T.Q5_0), ext.packs(T.Q5_0), False]
+    wanted = [ext.packs(T.Q5_0), False, ext.packs(T.Q8_0), ext.packs(T.Q5_0), ext.packs(T.Q5_0), ext.packs(T.Q4_K)]
     linears = [attn.q_proj, attn.k_proj, attn.v_proj, fused.gate_proj, fused.up_proj, fused.down_proj]
     assert [m.kernel_type > gk.PACKED for m in linears] == wanted and packed == sum(wanted)
     assert all(m.ggml_type < gk.PACKED for m in linears)

@@ -82,17 +82,24 @@ inline void row_dot(const uint8_t* w, const XQ& x, int M_, float* out) {
   }
 }
 
-// Code pair p of rows 8 h .. 8 h + 7 of a packed group's 32-block (gguf_kernels.h), a lane each:
-// TYPE is the file's. Q5_0's 4 low bits of a row's two codes meet in one word each, as on
-// AVX-512 (int16_avx512.h: packed_pair); the fifth bits, spread to words, take 16 off.
+// The packed layouts (gguf_kernels.h) whose kernel here beats the file's layout: Q6_K's high bits
+// cost more to decode in 8 lanes than its codes' products at batch 1 (0.069 ms against 0.058 at
+// 640 x 2,048, 0.98-1.02x at 4 and 8 rows), so it keeps the file's.
+constexpr bool packs_type(int type) { return type == Q8_0 || type == Q5_0 || type == Q4_K; }
+
+// Code pair p of rows 8 h .. 8 h + 7 of sub-block j of a packed group's block (gguf_kernels.h), a
+// lane each: TYPE is the file's. As on AVX-512 (int16_avx512.h: packed_pair), the 4 low bits of a
+// row's two codes meet in one word each; Q5_0's fifth bits, spread to words, take 16 off.
 template <int TYPE>
-inline __m256i packed_half(const uint8_t* blk, int p, int h) {
+inline __m256i packed_half(const uint8_t* blk, int j, int p, int h) {
   if constexpr (TYPE == Q8_0) {
     return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(blk + packed_pairs_at(p) + 16 * h)));
   } else {
-    static_assert(TYPE == Q5_0);
-    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(blk + q5_nibbles_at(p) + 8 * h)));
+    static_assert(TYPE == Q5_0 || TYPE == Q4_K);
+    const int at = TYPE == Q5_0 ? q5_nibbles_at(p) : q4k_pairs_at(j, p);
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(blk + at + 8 * h)));
     const __m256i v = _mm256_and_si256(_mm256_or_si256(b, _mm256_slli_epi32(b, 12)), _mm256_set1_epi32(0x000F000F));
+    if constexpr (TYPE == Q4_K) return v;
     uint16_t low;  // bit w: word w's code lost its fifth bit
     memcpy(&low, blk + q5_signs_at(p) + 2 * h, 2);
     const __m256i bit = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, -32768);
@@ -101,54 +108,92 @@ inline __m256i packed_half(const uint8_t* blk, int p, int h) {
   }
 }
 
+// Q4_K_R16's 6-bit scales (what = 0) or minima (1) of sub-block j for rows 8 h .. 8 h + 7, as floats.
+inline __m256 q4k_six(const uint8_t* blk, int j, int what, int h) {
+  int64_t low;
+  int32_t high;
+  memcpy(&low, blk + q4k_low_at(j, what), 8);
+  memcpy(&high, blk + q4k_high_at(j, what), 4);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i l = _mm256_srlv_epi32(_mm256_set1_epi64x(low), _mm256_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12));
+  const __m256i hb = _mm256_srlv_epi32(_mm256_set1_epi32(high), _mm256_slli_epi32(lane, 1));
+  const __m256i v = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(l, 16 * h), _mm256_set1_epi32(15)),
+                                    _mm256_and_si256(_mm256_slli_epi32(_mm256_srli_epi32(hb, 16 * h), 4),
+                                                     _mm256_set1_epi32(48)));
+  return _mm256_cvtepi32_ps(v);
+}
+
 // Activation rows MC (<= 6: their sums stay in 12 of the 16 registers through a block; two
-// chains each spilled and were slower) from m0 against 32-block b of a packed group,
-// out[m * PACK_ROWS + i] += its products: int16_avx512.h's packed_dot in two halves of 8 lanes,
-// madd and add for its dpwssd, so the same floats. The block's codes come from decoded (its 32
-// halves, decoded once for several passes of rows) or, if null, from blk.
+// chains each spilled and were slower) from m0 against sub-block j (32-block b of the tensor) of
+// a packed group's block, out[m * PACK_ROWS + i] += its products: int16_avx512.h's packed_dot in
+// two halves of 8 lanes, madd and add for its dpwssd, the same scales in the same order, so the
+// same floats. dj[h]: the scales of rows 8 h ..; mj[h] their minima's (Q4_K). The codes come from
+// decoded (the sub-block's 32 halves, decoded once for several passes of rows) or, if null, blk.
 template <int TYPE, int MC>
-inline void block_rows(const uint8_t* blk, const __m256i* decoded, const XQ& x, int64_t m0, int64_t b, float* out) {
+inline void block_rows(const uint8_t* blk, int j, const __m256i* decoded, const __m256* dj, const __m256* mj,
+                       const XQ& x, int64_t m0, int64_t b, float* out) {
   const int64_t K = x.K, nb32 = K / 32;
   __m256i s[MC][2] = {};  // row m, lanes 0-7 / 8-15 (an add's latency is short: one chain each)
   for (int p = 0; p < 16; p++) {
-    const __m256i lo = decoded ? decoded[2 * p] : packed_half<TYPE>(blk, p, 0);
-    const __m256i hi = decoded ? decoded[2 * p + 1] : packed_half<TYPE>(blk, p, 1);
+    const __m256i lo = decoded ? decoded[2 * p] : packed_half<TYPE>(blk, j, p, 0);
+    const __m256i hi = decoded ? decoded[2 * p + 1] : packed_half<TYPE>(blk, j, p, 1);
     for (int m = 0; m < MC; m++) {
       const __m256i xv = _mm256_set1_epi32(((const int32_t*)(x.q + (m0 + m) * K + b * 32))[p]);
       s[m][0] = _mm256_add_epi32(s[m][0], _mm256_madd_epi16(lo, xv));
       s[m][1] = _mm256_add_epi32(s[m][1], _mm256_madd_epi16(hi, xv));
     }
   }
-  const __m256 d[2] = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)blk)),
-                       _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16)))};
   for (int m = 0; m < MC; m++) {
     const __m256 xd = _mm256_set1_ps(x.d[(m0 + m) * nb32 + b]);
     for (int h = 0; h < 2; h++) {
       float* o = out + (m0 + m) * PACK_ROWS + 8 * h;
-      _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[m][h]), _mm256_mul_ps(d[h], xd), _mm256_loadu_ps(o)));
+      _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[m][h]), _mm256_mul_ps(dj[h], xd), _mm256_loadu_ps(o)));
     }
   }
+  if constexpr (TYPE == Q4_K)
+    for (int m = 0; m < MC; m++) {
+      const __m256 xs = _mm256_set1_ps(x.s[(m0 + m) * nb32 + b]);
+      for (int h = 0; h < 2; h++) {
+        float* o = out + (m0 + m) * PACK_ROWS + 8 * h;
+        _mm256_storeu_ps(o, _mm256_fmadd_ps(mj[h], xs, _mm256_loadu_ps(o)));
+      }
+    }
 }
 
-// A packed group against M coded activation rows: out[m * PACK_ROWS + i], block by block, 6 rows
-// a pass. Q5_0's codes cost more to decode than a row's products, so past one pass each block is
-// decoded once, into L1, for all of them (at 8 rows, decoded for each pass, it was 6 % slower than
-// the file's layout row by row).
+// A packed group against M coded activation rows: out[m * PACK_ROWS + i], sub-block by sub-block,
+// 6 rows a pass. Q5_0's and Q4_K's codes cost more to decode than a row's products, so past one
+// pass each sub-block is decoded once, into L1, for all of them (Q5_0 at 8 rows, decoded for each
+// pass, was 6 % slower than the file's layout row by row).
 template <int TYPE>
 inline void packed_dot(const uint8_t* w, const XQ& x, int M, float* out) {
-  constexpr int BLOCK = packed_block(TYPE);
+  constexpr int BLOCK = packed_block(TYPE), SUBS = format_of(TYPE).block / 32;
   for (int m = 0; m < M; m++) memset(out + m * PACK_ROWS, 0, PACK_ROWS * sizeof(float));
   const bool once = TYPE != Q8_0 && M > 6;
   __m256i decoded[32];
-  for (int64_t b = 0; b < x.K / 32; b++) {
-    const uint8_t* blk = w + b * BLOCK;
+  for (int64_t c = 0; c < x.K / 32 / SUBS; c++) {
+    const uint8_t* blk = w + c * BLOCK;
     for (int l = 0; l < BLOCK; l += 64) _mm_prefetch((const char*)blk + prefetch_packed(TYPE) + l, _MM_HINT_T0);
-    if (once)
-      for (int p = 0; p < 16; p++)
-        for (int h = 0; h < 2; h++) decoded[2 * p + h] = packed_half<TYPE>(blk, p, h);
-    row_blocks<6>(M, [&](auto R, int64_t m0) {
-      block_rows<TYPE, decltype(R)::value>(blk, once ? decoded : nullptr, x, m0, b, out);
-    });
+    const __m256 d[2] = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)blk)),
+                         _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16)))};
+    __m256 minus_dmin[2] = {};
+    if constexpr (TYPE == Q4_K)
+      for (int h = 0; h < 2; h++)
+        minus_dmin[h] = _mm256_sub_ps(_mm256_setzero_ps(),
+                                      _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + q4k_dmin_at(8 * h)))));
+    for (int j = 0; j < SUBS; j++) {
+      __m256 dj[2] = {d[0], d[1]}, mj[2] = {};  // as group_dot: d times a scale, -dmin times a minimum
+      if constexpr (TYPE == Q4_K)
+        for (int h = 0; h < 2; h++) {
+          dj[h] = _mm256_mul_ps(d[h], q4k_six(blk, j, 0, h));
+          mj[h] = _mm256_mul_ps(minus_dmin[h], q4k_six(blk, j, 1, h));
+        }
+      if (once)
+        for (int p = 0; p < 16; p++)
+          for (int h = 0; h < 2; h++) decoded[2 * p + h] = packed_half<TYPE>(blk, j, p, h);
+      row_blocks<6>(M, [&](auto R, int64_t m0) {
+        block_rows<TYPE, decltype(R)::value>(blk, j, once ? decoded : nullptr, dj, mj, x, m0, c * SUBS + j, out);
+      });
+    }
   }
 }
 

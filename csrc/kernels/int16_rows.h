@@ -111,13 +111,13 @@ constexpr int PACKED_ROWS = 64;
 // With VNNI, 8-bit codes (narrowed in place, code_row) take packed_dot8 (Q8_0_R16; ops.cpp gives
 // the others 16-bit codes).
 template <int TYPE>
-void packed_rows(const MatmulArgs& a, const int16_t* xq, const float* xd, int64_t n0, int64_t n1,
+void packed_rows(const MatmulArgs& a, const int16_t* xq, const float* xd, const float* xs, int64_t n0, int64_t n1,
                  [[maybe_unused]] int bits) {
   const int64_t nb = a.K / 32;
   float out[PACKED_ROWS * PACK_ROWS];
   for (int64_t m0 = 0; m0 < a.M; m0 += PACKED_ROWS) {
     const int mc = (int)(a.M - m0 < PACKED_ROWS ? a.M - m0 : PACKED_ROWS);
-    const XQ x{xq + m0 * a.K, xd + m0 * nb, nullptr, a.K};
+    const XQ x{xq + m0 * a.K, xd + m0 * nb, xs + m0 * nb, a.K};
     for (int64_t n = n0; n < n1; n += PACK_ROWS) {
 #ifdef __AVX512VNNI__
       if (TYPE == Q8_0 && bits == 8)
@@ -130,12 +130,13 @@ void packed_rows(const MatmulArgs& a, const int16_t* xq, const float* xd, int64_
   }
 }
 
-bool packs(int type) { return type == Q8_0 || type == Q5_0; }
+bool packs(int type) { return packs_type(type); }
 
-void packed_rows_int(const MatmulArgs& a, const int16_t* xq, const float* xd, int64_t n0, int64_t n1, void*,
-                     int bits) {
-  if (a.type == Q8_0_R16) packed_rows<Q8_0>(a, xq, xd, n0, n1, bits);
-  if (a.type == Q5_0_R16) packed_rows<Q5_0>(a, xq, xd, n0, n1, bits);
+void packed_rows_int(const MatmulArgs& a, const int16_t* xq, const float* xd, const float* xs, int64_t n0,
+                     int64_t n1, void*, int bits) {
+  with_type(file_type(a.type), [&]<int TYPE>() {
+    if constexpr (packs_type(TYPE)) packed_rows<TYPE>(a, xq, xd, xs, n0, n1, bits);
+  });
 }
 
 }  // namespace
