@@ -67,6 +67,7 @@ inline constexpr int PACKED = 1000;
 inline constexpr int Q8_0_R16 = PACKED + Q8_0, Q5_0_R16 = PACKED + Q5_0, Q4_K_R16 = PACKED + Q4_K,
                      Q6_K_R16 = PACKED + Q6_K;
 inline constexpr int PACK_ROWS = 16;
+constexpr bool packable(int type) { return type == Q8_0 || type == Q5_0 || type == Q4_K || type == Q6_K; }
 constexpr bool is_packed(int type) { return type > PACKED; }
 constexpr int file_type(int type) { return is_packed(type) ? type - PACKED : type; }
 // Within a group's 32-block (static: each ISA's object keeps its own copy, see above): row i's
