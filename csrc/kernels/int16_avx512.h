@@ -154,6 +154,27 @@ inline __m512i pair_sums(const __m512i* r, const int32_t* xp, int p0, int p1) {
   return _mm512_add_epi32(s0, s1);
 }
 
+// 32-block b's products with 16 weight rows, a lane each (r: their code pairs, transposed or
+// packed), for every activation row: out[m * 16 + i] += the integer sums of each half of the
+// block (Q6_K's two scales; one half else) times d[h] times the row's scale, then the minima
+// times the row's sum where the type has them. group_dot and packed_dot both end here, so with
+// the same codes and scales they give the same floats.
+template <int HALVES, bool MINS>
+inline void meet_block(const __m512i* r, const __m512* d, __m512 mins, const XQ& x, int64_t b, int M, float* out) {
+  const int64_t K = x.K, nb32 = K / 32;
+  for (int m = 0; m < M; m++) {
+    const int32_t* xp = (const int32_t*)(x.q + m * K + b * 32);
+    const __m512 xd = _mm512_set1_ps(x.d[m * nb32 + b]);
+    __m512 acc = _mm512_loadu_ps(out + m * 16);
+    for (int h = 0; h < HALVES; h++) {
+      const __m512i s = pair_sums(r, xp, h * 16 / HALVES, (h + 1) * 16 / HALVES);
+      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d[h], xd), acc);
+    }
+    if constexpr (MINS) acc = _mm512_fmadd_ps(mins, _mm512_set1_ps(x.s[m * nb32 + b]), acc);
+    _mm512_storeu_ps(out + m * 16, acc);
+  }
+}
+
 // The packed layouts (gguf_kernels.h) whose kernel here beats the file's layout: all four.
 constexpr bool packs_type(int type) { return type == Q8_0 || type == Q5_0 || type == Q4_K || type == Q6_K; }
 
@@ -211,15 +232,16 @@ inline __m512 q4k_six(const uint8_t* blk, int j, int what) {
 template <int TYPE>
 inline void packed_dot(const uint8_t* w, const XQ& x, int M, float* out) {
   constexpr int BLOCK = packed_block(TYPE), SUBS = format_of(TYPE).block / 32, HALVES = TYPE == Q6_K ? 2 : 1;
-  const int64_t K = x.K, nb32 = K / 32;
   for (int m = 0; m < M; m++) _mm512_storeu_ps(out + m * PACK_ROWS, _mm512_setzero_ps());
-  for (int64_t c = 0; c < nb32 / SUBS; c++) {
+  for (int64_t c = 0; c < x.K / 32 / SUBS; c++) {
     const uint8_t* blk = w + c * BLOCK;
     for (int l = 0; l < BLOCK; l += 64) _mm_prefetch((const char*)blk + prefetch_packed(TYPE) + l, _MM_HINT_T0);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)blk));
     __m512 minus_dmin = _mm512_setzero_ps();
-    if constexpr (TYPE == Q4_K)
-      minus_dmin = _mm512_sub_ps(minus_dmin, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + q4k_dmin_at(0)))));
+    if constexpr (TYPE == Q4_K) {
+      const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + q4k_dmin_at(0))));
+      minus_dmin = _mm512_sub_ps(minus_dmin, dmin);
+    }
     for (int j = 0; j < SUBS; j++) {
       const int64_t b = c * SUBS + j;
       __m512 dj[HALVES] = {d}, mj = minus_dmin;  // as group_dot: d times a scale, -dmin times a minimum
@@ -234,17 +256,7 @@ inline void packed_dot(const uint8_t* w, const XQ& x, int M, float* out) {
         }
       __m512i r[16];
       for (int p = 0; p < 16; p++) r[p] = packed_pair<TYPE>(blk, j, p);
-      for (int m = 0; m < M; m++) {
-        const int32_t* xp = (const int32_t*)(x.q + m * K + b * 32);
-        const __m512 xd = _mm512_set1_ps(x.d[m * nb32 + b]);
-        __m512 acc = _mm512_loadu_ps(out + m * PACK_ROWS);
-        for (int h = 0; h < HALVES; h++) {
-          const __m512i s = pair_sums(r, xp, h * 16 / HALVES, (h + 1) * 16 / HALVES);
-          acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dj[h], xd), acc);
-        }
-        if constexpr (TYPE == Q4_K) acc = _mm512_fmadd_ps(mj, _mm512_set1_ps(x.s[m * nb32 + b]), acc);
-        _mm512_storeu_ps(out + m * PACK_ROWS, acc);
-      }
+      meet_block<HALVES, TYPE == Q4_K>(r, dj, mj, x, b, M, out);
     }
   }
 }
@@ -292,7 +304,7 @@ template <int TYPE>
 void group_dot(const uint8_t* w, int64_t rb, const XQ& x, int M, float* out) {
   using B = Blocks<TYPE>;
   constexpr int HALVES = TYPE == Q6_K ? 2 : 1;
-  const int64_t K = x.K, nb32 = K / 32;
+  const int64_t nb32 = x.K / 32;
   for (int m = 0; m < M; m++) _mm512_storeu_ps(out + m * GROUP, _mm512_setzero_ps());
   W32 wb[GROUP][B::NB];
   // The next group's bytes (contiguous) are prefetched a share per chunk: a lane per row walks 16
@@ -315,18 +327,9 @@ void group_dot(const uint8_t* w, int64_t rb, const XQ& x, int M, float* out) {
         mn[i] = wi.m;
       }
       transpose16(r);
-      const __m512 mv = _mm512_load_ps(mn);
-      for (int m = 0; m < M; m++) {
-        const int32_t* xp = (const int32_t*)(x.q + m * K + b * 32);
-        const __m512 xd = _mm512_set1_ps(x.d[m * nb32 + b]);
-        __m512 acc = _mm512_loadu_ps(out + m * GROUP);
-        for (int h = 0; h < HALVES; h++) {
-          const __m512i s = pair_sums(r, xp, h * 16 / HALVES, (h + 1) * 16 / HALVES);
-          acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(_mm512_load_ps(d[h]), xd), acc);
-        }
-        if constexpr (has_min(TYPE)) acc = _mm512_fmadd_ps(mv, _mm512_set1_ps(x.s[m * nb32 + b]), acc);
-        _mm512_storeu_ps(out + m * GROUP, acc);
-      }
+      __m512 dv[HALVES];
+      for (int h = 0; h < HALVES; h++) dv[h] = _mm512_load_ps(d[h]);
+      meet_block<HALVES, has_min(TYPE)>(r, dv, _mm512_load_ps(mn), x, b, M, out);
     }
   }
 }
