@@ -186,10 +186,7 @@ class GGUFLinear(nn.Module):
     def pack(self) -> bool:
         """Repack the weight for the active kernels where they take its layout (see packs); True
         if it was. `kernel_type` is then the layout the kernels are given; `ggml_type` stays the file's."""
-        if self.kernel_type != self.ggml_type or not packs(self.ggml_type, self.out_features):
-            return False
-        self.weight, self.kernel_type = _load().pack(self.weight, self.ggml_type), PACKED + self.ggml_type
-        return True
+        return _pack(self, self.out_features)
 
     def __call__(self, x: mx.array) -> mx.array:
         if self.group is not None:
@@ -318,8 +315,9 @@ def pack_weights(model: nn.Module) -> int:
 def packs(ggml_type: int, rows: int) -> bool:
     """Whether a weight of this type and row count is packed for the active kernels
     (docs/ARCHITECTURE.md, decision 25): Q8_0, Q5_0 and Q4_K where they have an int16 path (AVX2,
-    AVX-512), Q6_K where it is AVX-512's. A packed weight other than Q8_0 always meets 16-bit activation codes, so with
-    8-bit ones asked for (GMLX_KERNELS_ACT_BITS=8: llama.cpp's arithmetic) it keeps the file's layout."""
+    AVX-512), Q6_K where it is AVX-512's. A packed weight other than Q8_0 always meets 16-bit
+    activation codes, so with 8-bit ones asked for (GMLX_KERNELS_ACT_BITS=8: llama.cpp's
+    arithmetic) it keeps the file's layout."""
     ext = _load()
     return (
         ext is not None
@@ -331,14 +329,22 @@ def packs(ggml_type: int, rows: int) -> bool:
     )
 
 
+def _pack(module: GGUFLinear | GGUFEmbedding, rows: int) -> bool:
+    if module.kernel_type != module.ggml_type or not packs(module.ggml_type, rows):
+        return False
+    module.weight, module.kernel_type = _load().pack(module.weight, module.ggml_type), PACKED + module.ggml_type
+    return True
+
+
 class GGUFEmbedding(nn.Module):
     """nn.Embedding over a GGUF quantized table: a lookup dequantizes only the rows it gathers;
     as_linear (a tied LM head) is the quantized matmul.
 
-    A Q8_0 table (the default model's, and most tied heads') is packed where the kernels have an
-    int16 path (AVX2, AVX-512): the same bytes, each 16 rows' blocks interleaved so the head's
-    kernel reads them in order with no transposes (docs/ARCHITECTURE.md, decision 25), by `pack`
-    once its weight is loaded. `kernel_type` is the layout the kernels are given; `ggml_type` stays the file's."""
+    A table of a type gmlx packs (the default model's Q8_0, a K-quant's Q6_K) is packed as a
+    GGUFLinear's weight is (see packs): the same bytes, each 16 rows' blocks interleaved so the
+    head's kernel reads them in order with no transposes (docs/ARCHITECTURE.md, decision 25), by
+    `pack` once its weight is loaded; a lookup reads a row from either layout. `kernel_type` is the
+    layout the kernels are given; `ggml_type` stays the file's."""
 
     def __init__(self, weight: mx.array, ggml_type: int, dims: int):
         super().__init__()
@@ -348,11 +354,8 @@ class GGUFEmbedding(nn.Module):
         self.freeze()
 
     def pack(self) -> bool:
-        """Repack a Q8_0 weight for the active kernels where they take its layout; True if it was."""
-        if self.kernel_type != T.Q8_0 or not packs(T.Q8_0, self.num_embeddings):
-            return False
-        self.weight, self.kernel_type = _load().pack(self.weight, T.Q8_0), Q8_0_R16
-        return True
+        """Repack the weight for the active kernels where they take its layout (see packs); True if it was."""
+        return _pack(self, self.num_embeddings)
 
     def __call__(self, ids: mx.array) -> mx.array:
         return _load().gguf_embed(self.weight, ids, self.kernel_type, self.dims, stream=mx.cpu)
