@@ -85,7 +85,7 @@ inline void row_dot(const uint8_t* w, const XQ& x, int M_, float* out) {
 // The packed layouts (gguf_kernels.h) whose kernel here beats the file's layout: Q6_K's high bits
 // cost more to decode in 8 lanes than its codes' products at batch 1 (0.069 ms against 0.058 at
 // 640 x 2,048, 0.98-1.02x at 4 and 8 rows), so it keeps the file's.
-constexpr bool packs_type(int type) { return type == Q8_0 || type == Q5_0 || type == Q4_K; }
+constexpr bool packs_type(int type) { return packable(type) && type != Q6_K; }
 
 // Code pair p of rows 8 h .. 8 h + 7 of sub-block j of a packed group's block (gguf_kernels.h), a
 // lane each: TYPE is the file's. As on AVX-512 (int16_avx512.h: packed_pair), the 4 low bits of a

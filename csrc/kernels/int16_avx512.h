@@ -175,8 +175,8 @@ inline void meet_block(const __m512i* r, const __m512* d, __m512 mins, const XQ&
   }
 }
 
-// The packed layouts (gguf_kernels.h) whose kernel here beats the file's layout: all four.
-constexpr bool packs_type(int type) { return type == Q8_0 || type == Q5_0 || type == Q4_K || type == Q6_K; }
+// The packed layouts (gguf_kernels.h) whose kernel here beats the file's layout: all of them.
+constexpr bool packs_type(int type) { return packable(type); }
 
 // Code pair p of every row of sub-block j of a packed group's block (gguf_kernels.h), a lane
 // each: TYPE is the file's. The 4 low bits of a row's two codes meet in one word each (the byte,
@@ -442,8 +442,8 @@ inline void packed_dot8_rows(const uint8_t* w, const XQ& x, int m0, float* out) 
   const __m512i order = _mm512_load_si512(ORDER);  // word 2i: pair 2q of row i; word 2i + 1: pair 2q + 1
   __m512 acc[MR];
   for (int i = 0; i < MR; i++) acc[i] = _mm512_setzero_ps();
+  constexpr int BLOCK = packed_block(Q8_0);
   for (int64_t b = 0; b < nb32; b++) {
-    constexpr int BLOCK = packed_block(Q8_0);
     const uint8_t* blk = w + b * BLOCK;
     for (int l = 0; l < BLOCK; l += 64) _mm_prefetch((const char*)blk + prefetch_packed(Q8_0) + l, _MM_HINT_T0);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)blk));
