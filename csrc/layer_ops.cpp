@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
+#include <cstring>
 #include <sstream>
 #include <stdexcept>
 
@@ -689,6 +690,27 @@ mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, 
   }
   mx::array y(q.shape(), mx::float32, std::make_shared<Attention>(stream, scale, causal), std::move(inputs));
   return dtype == mx::float32 ? y : mx::astype(y, dtype, stream);
+}
+
+void Zeros::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& enc = prepare(inputs, outputs);
+  auto out = mx::array::unsafe_weak_copy(outputs[0]);
+  enc.dispatch([out]() mutable {
+    constexpr size_t PART = size_t(1) << 20;  // a thread's share at a time: 256 pages
+    uint8_t* p = out.data<uint8_t>();
+    const size_t bytes = out.nbytes(), parts = (bytes + PART - 1) / PART;
+    parallel_chunks(n_threads(), (int64_t)parts, [&](int64_t c) {
+      const size_t at = (size_t)c * PART;
+      std::memset(p + at, 0, std::min(PART, bytes - at));
+    });
+  });
+}
+
+mx::array zeros(const std::vector<int>& dims, mx::Dtype dtype, mx::StreamOrDevice s) {
+  auto stream = cpu_stream(s, "zeros");
+  for (int n : dims) check(n >= 0, "zeros: a dimension is negative");
+  const mx::Shape shape(dims.begin(), dims.end());
+  return mx::array(shape, dtype, std::make_shared<Zeros>(stream, shape), {});
 }
 
 }  // namespace gmlx_kernels

@@ -97,6 +97,8 @@ std::vector<mx::array> add_norm(const mx::array& x, const mx::array& r, const mx
 // Hkv; mask bool (attend where true) or float (added), broadcastable to (B, Hq, L, T).
 mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
                     const std::optional<mx::array>& mask, bool causal, mx::StreamOrDevice s = {});
+// mx.zeros with every kernel thread writing a share of the pages (see Zeros).
+mx::array zeros(const std::vector<int>& shape, mx::Dtype dtype, mx::StreamOrDevice s = {});
 
 // CPU only; subclasses say how to compute and compare (output shape: the first input's by default).
 class CPUPrimitive : public mx::Primitive {
@@ -344,6 +346,24 @@ class Attention : public CPUPrimitive {
  private:
   float scale_;
   bool causal_;
+};
+
+// A new buffer of zeros, written by every kernel thread. Its pages are fresh from the kernel,
+// and their first touch (a page fault each) is most of the cost: 0.7-0.9 ms a MiB on these
+// VMs, about twice as fast from two threads as from MLX's fill on one (docs/ARCHITECTURE.md,
+// decision 30: a row joining the decode batch writes every row into such buffers).
+class Zeros : public CPUPrimitive {
+ public:
+  Zeros(mx::Stream s, mx::Shape shape) : CPUPrimitive(s), shape_(std::move(shape)) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "GmlxZeros"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return shape_ == static_cast<const Zeros&>(other).shape_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>&) override { return {shape_}; }
+
+ private:
+  mx::Shape shape_;
 };
 
 }  // namespace gmlx_kernels

@@ -190,8 +190,28 @@ def test_fused_ops_compose_mlxs_own_where_the_kernels_do_not_run(rng):
     assert np.array_equal(np.array(fast.heads(x, 4, norm=norm32)), np.array(composed_heads(x, 4, norm32, None, 0)))
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16, mx.int32])
+@pytest.mark.parametrize("shape", [(0, 3), (2, 3), (7, 1, 1030, 64)])
+def test_zeros_are_zeros_in_a_recycled_buffer_and_take_writes(shape, dtype):
+    # A freed buffer of the same size goes back to MLX's cache and out again: the kernel threads
+    # must clear every part of it (several MiB: each thread a share), as mx.zeros would.
+    dirty = mx.ones(shape, dtype) * 3
+    mx.eval(dirty)
+    del dirty
+    z = kernels.zeros(shape, dtype)
+    assert z.shape == shape and z.dtype == dtype
+    assert not np.array(z.astype(mx.float32)).any()
+    if z.size:  # the joining row's write (upstream._extend_in_one_copy)
+        z[1:2, ..., :2] = mx.ones((1, *shape[1:-1], 2), dtype)
+        expected = np.zeros(shape, np.float32)
+        expected[1:2, ..., :2] = 1
+        assert np.array_equal(np.array(z.astype(mx.float32)), expected)
+
+
 def test_bad_arguments_raise_not_crash(rng):
     ext = kernels.extension()
+    with pytest.raises(ValueError):
+        ext.zeros([2, -1], mx.float32)
     with pytest.raises(ValueError):
         ext.rms_norm(randn(rng, 2, 8), randn(rng, 4), 1e-5)
     with pytest.raises(ValueError):

@@ -79,10 +79,14 @@ def test_with_nothing_decoding_a_short_prompt_is_not_padded_to_a_long_ones_chunk
     engine.submit(short)
     held.set()
     wait(lambda: long_events and isinstance(long_events[-1], Finished))
-    # The steps that ended the short prompt took the least chunk (32) of the long one's tokens each,
+    # The steps that ended the short prompt took the least chunk (16) of the long one's tokens each,
     # not 512: one step, or two where the short one's last token is a chunk of its own (the prompt
-    # cache keeps the cache before it).
-    assert at_first_token and at_first_token[0] - before in (32, 64), (before, at_first_token)
+    # cache keeps the cache before it). Its first token goes out with the decode step after, which
+    # may have prefilled its own chunk by then (the budget's floor: a row decodes).
+    b = PrefillBudget(512)
+    ended = {b.least_chunk, 2 * b.least_chunk}
+    took = at_first_token[0] - before if at_first_token else None
+    assert took in ended | {n + b.floor for n in ended}, (before, at_first_token)
     assert short.first_token_at < long.first_token_at
     wait(lambda: engine.in_flight == 0)
 

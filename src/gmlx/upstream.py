@@ -78,7 +78,7 @@ def own_steps(
     keep_last_apart: Callable[[int], bool],
     sample_rows: SampleRows,
     deliver: Deliver = lambda responses: None,
-    least_chunk: int = 32,  # the engine passes its prefill budget's floor
+    least_chunk: int = 16,  # the engine passes its prefill budget's least_chunk
 ) -> None:
     """Make `gen` take gmlx's steps (mlx-lm 0.32's, changed where said):
 
@@ -238,7 +238,7 @@ def _next_first_token_in_prefill(
     # Each row's chunk is padded to the longest (_prefill): a prompt that ends this step would be
     # padded to a long one's whole chunk (two rows of 512 tokens to end one of 16, with nothing
     # decoding), so no row takes more than the row ending soonest has left, unless that is under
-    # `least_chunk` (a step's fixed cost).
+    # `least_chunk` (then a step would advance the others by too little for its fixed cost).
     left = min(len(seq[0][0]) for seq in gen._currently_processing)
     size = min(gen.prefill_step_size, max(least_chunk, left))
     for i, (uid, seq) in enumerate(zip(batch.uids, gen._currently_processing)):
@@ -403,6 +403,8 @@ def _extend_in_one_copy(cache: Any, other: Any) -> None:
     """
     import mlx.core as mx
 
+    from gmlx.kernels import zeros
+
     parts = (cache, other)
     if cache.keys is None and other.keys is None:
         cache.left_padding = mx.concatenate([c.left_padding for c in parts])
@@ -427,8 +429,8 @@ def _extend_in_one_copy(cache: Any, other: Any) -> None:
     length = max(c.keys.shape[2] for c in parts if c.keys is not None)
     last = max(filled)
     rows = [c.offset.shape[0] for c in parts]
-    keys = mx.zeros((sum(rows), heads, length, dims), like.keys.dtype)
-    values = mx.zeros((sum(rows), heads, length, value_dims), like.values.dtype)
+    keys = zeros((sum(rows), heads, length, dims), like.keys.dtype)
+    values = zeros((sum(rows), heads, length, value_dims), like.values.dtype)
     row, padding = 0, []
     for c, n_rows, side, written in zip(parts, rows, slots, filled):
         at = last - written  # right-aligned on the last written slot, as mlx_lm pads

@@ -464,7 +464,7 @@ class Engine:
             self._keeps_last_apart,
             sample_rows,
             lambda rs: self._hand_out_early(gen, rs),
-            least_chunk=self._budget.floor,
+            least_chunk=self._budget.least_chunk,
         )
         return gen
 

@@ -154,6 +154,14 @@ def isa() -> str | None:
     return ext.isa() if ext is not None else None
 
 
+def zeros(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
+    """mx.zeros; on the CPU, with every kernel thread touching a share of its fresh pages first
+    (their faults are most of a large new buffer's cost: a joining row's KV cache, decision 30)."""
+    if not available():
+        return mx.zeros(shape, dtype)
+    return _load().zeros(list(shape), dtype, stream=mx.cpu)
+
+
 def row_bytes(ggml_type: int, k: int) -> int:
     block, size = GGML_QUANT_SIZES[T(ggml_type)]
     return k // block * size
