@@ -350,7 +350,7 @@ class Attention : public CPUPrimitive {
 
 // A new buffer of zeros, written by every kernel thread. Its pages are fresh from the kernel,
 // and their first touch (a page fault each) is most of the cost: 0.7-0.9 ms a MiB on these
-// VMs, about twice as fast from two threads as from MLX's fill on one (docs/ARCHITECTURE.md,
+// VMs, 1.5-2x faster from two threads than from MLX's fill on one (docs/ARCHITECTURE.md,
 // decision 30: a row joining the decode batch writes every row into such buffers).
 class Zeros : public CPUPrimitive {
  public:
