@@ -1,6 +1,6 @@
 """Decode gaps while long prompts keep arriving: gmlx beside llama-server, one after the other.
 
-    python -m bench.bench_gaps [--model M.gguf] [--peers gmlx,llama-cpp] [--streams 6] [--long 2000] [--rounds 1]
+    python -m bench.bench_gaps [--model M.gguf] [--peers gmlx,llama-cpp] [--streams 6] [--long 2000] [--rounds 3]
 
 Each server (decode batch 8) runs `streams` greedy streams of `max_tokens`; while they decode, a
 `long`-token prompt is sent one after another (`prompts` of them, one token each), and a short
@@ -104,7 +104,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=200)
     ap.add_argument("--long", type=int, default=2000)
     ap.add_argument("--prompts", type=int, default=3)
-    ap.add_argument("--rounds", type=int, default=1, help="rounds on each server, their gaps pooled")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds on each server, their gaps pooled")
     ap.add_argument("--port", type=int, default=8091)
     args = ap.parse_args()
     model = resolve_model(args.model)
