@@ -32,8 +32,9 @@ NB_MODULE(_ext, m) {
         "Q8_0, Q5_0, Q4_K or Q6_K bytes (rows, row_bytes) in gmlx's packed layout of that type (PACKED + type).");
   m.def("in_huge_pages", &gk::in_huge_pages, "arrays"_a,
         "The arrays as views of buffers advised for transparent huge pages (Linux; elsewhere as given).");
-  m.def("zeros", &gk::zeros, "shape"_a, "dtype"_a, nb::kw_only(), "stream"_a = nb::none(),
-        "mx.zeros on the CPU, its pages first touched by every kernel thread.");
+  m.def("place_rows", &gk::place_rows, "sources"_a, "rows"_a, "ats"_a, "shape"_a, "dtype"_a, nb::kw_only(),
+        "stream"_a = nb::none(),
+        "A new (R, H, T, D) array: sources[i] (n, H, t, D) at rows rows[i].. and slots ats[i].., zeros elsewhere.");
   m.def("packs", &gk::packs, "type"_a, "Whether the active ISA's kernels multiply the packed layout of a GGML type.");
   m.def("rms_norm", &gk::rms_norm, "x"_a, "weight"_a.none(), "eps"_a, nb::kw_only(), "stream"_a = nb::none(),
         "mx.fast.rms_norm as one CPU node (float32).");

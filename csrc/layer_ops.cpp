@@ -692,25 +692,70 @@ mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, 
   return dtype == mx::float32 ? y : mx::astype(y, dtype, stream);
 }
 
-void Zeros::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+void PlaceRows::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& enc = prepare(inputs, outputs);
-  auto out = mx::array::unsafe_weak_copy(outputs[0]);
-  enc.dispatch([out]() mutable {
-    constexpr size_t PART = size_t(1) << 20;  // a thread's share at a time: 256 pages
-    uint8_t* p = out.data<uint8_t>();
-    const size_t bytes = out.nbytes(), parts = (bytes + PART - 1) / PART;
-    parallel_chunks(n_threads(), (int64_t)parts, [&](int64_t c) {
-      const size_t at = (size_t)c * PART;
-      std::memset(p + at, 0, std::min(PART, bytes - at));
+  std::vector<mx::array> sources;
+  for (const auto& in : inputs) sources.push_back(mx::array::unsafe_weak_copy(in));
+  enc.dispatch([sources, out = mx::array::unsafe_weak_copy(outputs[0]), rows = rows_, ats = ats_]() mutable {
+    if (out.size() == 0) return;
+    const int64_t R = out.shape(0), H = out.shape(1), T = out.shape(2), D = out.shape(3);
+    const size_t esz = out.itemsize();
+    // each output row's sources, in slot order
+    std::vector<std::vector<int>> by_row(R);
+    for (int i = 0; i < (int)sources.size(); i++)
+      for (int64_t r = rows[i]; r < rows[i] + sources[i].shape(0); r++) by_row[r].push_back(i);
+    for (auto& v : by_row) std::sort(v.begin(), v.end(), [&](int a, int b) { return ats[a] < ats[b]; });
+    // work items: a (row, head)'s slots in pieces of about 256 KiB, so two threads share even one row
+    const int64_t piece = std::max<int64_t>(1, (int64_t(256) << 10) / (D * (int64_t)esz));
+    const int64_t pieces = (T + piece - 1) / piece;
+    uint8_t* o = out.data<uint8_t>();
+    parallel_chunks(n_threads(), R * H * pieces, [&](int64_t c) {
+      const int64_t r = c / (H * pieces), h = c / pieces % H, t0 = c % pieces * piece;
+      const int64_t t1 = std::min(t0 + piece, T), row = D * (int64_t)esz;
+      uint8_t* dst = o + ((r * H + h) * T) * row;
+      int64_t at = t0;  // slots before it are written
+      for (int i : by_row[r]) {
+        const mx::array& src = sources[i];
+        const int64_t a = std::max<int64_t>(ats[i], at), b = std::min<int64_t>(ats[i] + src.shape(2), t1);
+        if (a >= b) continue;
+        std::memset(dst + at * row, 0, (a - at) * row);
+        const auto& st = src.strides();
+        const uint8_t* from = src.data<uint8_t>() + ((r - rows[i]) * st[0] + h * st[1]) * (int64_t)esz;
+        if (st[2] == D)
+          std::memcpy(dst + a * row, from + (a - ats[i]) * D * esz, (b - a) * row);
+        else
+          for (int64_t t = a; t < b; t++) std::memcpy(dst + t * row, from + (t - ats[i]) * st[2] * esz, row);
+        at = b;
+      }
+      std::memset(dst + at * row, 0, (t1 - at) * row);
     });
   });
 }
 
-mx::array zeros(const std::vector<int>& dims, mx::Dtype dtype, mx::StreamOrDevice s) {
-  auto stream = cpu_stream(s, "zeros");
-  for (int n : dims) check(n >= 0, "zeros: a dimension is negative");
+mx::array place_rows(const std::vector<mx::array>& sources, const std::vector<int>& rows, const std::vector<int>& ats,
+                     const std::vector<int>& dims, mx::Dtype dtype, mx::StreamOrDevice s) {
+  auto stream = cpu_stream(s, "place_rows");
+  check(dims.size() == 4, "place_rows: the shape must be (rows, heads, slots, features)");
+  for (int n : dims) check(n >= 0, "place_rows: a dimension is negative");
+  check(rows.size() == sources.size() && ats.size() == sources.size(), "place_rows: a row and a slot for each source");
+  std::vector<mx::array> inputs;
+  for (size_t i = 0; i < sources.size(); i++) {
+    const mx::array& src = sources[i];
+    check(src.ndim() == 4 && src.dtype() == dtype, "place_rows: a source is not 4-D of the output's dtype");
+    check(src.shape(1) == dims[1] && src.shape(3) == dims[3], "place_rows: a source's heads or features differ");
+    check(rows[i] >= 0 && rows[i] + src.shape(0) <= dims[0] && ats[i] >= 0 && ats[i] + src.shape(2) <= dims[2],
+          "place_rows: a source falls outside the output");
+    inputs.push_back(src.strides().back() == 1 || src.size() == 0 ? src : mx::contiguous(src, false, stream));
+  }
+  for (int r = 0; r < dims[0]; r++) {  // the sources of a row may not overlap
+    std::vector<std::pair<int, int>> spans;
+    for (size_t i = 0; i < sources.size(); i++)
+      if (rows[i] <= r && r < rows[i] + sources[i].shape(0)) spans.push_back({ats[i], ats[i] + sources[i].shape(2)});
+    std::sort(spans.begin(), spans.end());
+    for (size_t i = 1; i < spans.size(); i++) check(spans[i].first >= spans[i - 1].second, "place_rows: sources overlap");
+  }
   const mx::Shape shape(dims.begin(), dims.end());
-  return mx::array(shape, dtype, std::make_shared<Zeros>(stream, shape), {});
+  return mx::array(shape, dtype, std::make_shared<PlaceRows>(stream, shape, rows, ats), std::move(inputs));
 }
 
 }  // namespace gmlx_kernels

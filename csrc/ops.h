@@ -97,8 +97,10 @@ std::vector<mx::array> add_norm(const mx::array& x, const mx::array& r, const mx
 // Hkv; mask bool (attend where true) or float (added), broadcastable to (B, Hq, L, T).
 mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
                     const std::optional<mx::array>& mask, bool causal, mx::StreamOrDevice s = {});
-// mx.zeros with every kernel thread writing a share of the pages (see Zeros).
-mx::array zeros(const std::vector<int>& shape, mx::Dtype dtype, mx::StreamOrDevice s = {});
+// A new array of `shape` (R, H, T, D) and `dtype`: sources[i] (n, H, t, D) at rows rows[i]..
+// and slots ats[i].., zeros elsewhere (see PlaceRows).
+mx::array place_rows(const std::vector<mx::array>& sources, const std::vector<int>& rows, const std::vector<int>& ats,
+                     const std::vector<int>& shape, mx::Dtype dtype, mx::StreamOrDevice s = {});
 
 // CPU only; subclasses say how to compute and compare (output shape: the first input's by default).
 class CPUPrimitive : public mx::Primitive {
@@ -348,22 +350,26 @@ class Attention : public CPUPrimitive {
   bool causal_;
 };
 
-// A new buffer of zeros, written by every kernel thread. Its pages are fresh from the kernel,
-// and their first touch (a page fault each) is most of the cost: 0.7-0.9 ms a MiB on these
-// VMs, 1.5-2x faster from two threads than from MLX's fill on one (docs/ARCHITECTURE.md,
-// decision 30: a row joining the decode batch writes every row into such buffers).
-class Zeros : public CPUPrimitive {
+// A decode batch's KV buffer rebuilt around a joining row (upstream._extend_in_one_copy): the
+// rows' slots copied into a new buffer, zeros between them, each page written once and by the
+// kernel threads in parallel. The pages are fresh from the kernel, and their first touch (a fault
+// each) is most of the cost: 0.7-0.9 ms a MiB on these VMs, from one thread in MLX's fill and
+// again in its copies (docs/ARCHITECTURE.md, decision 30).
+class PlaceRows : public CPUPrimitive {
  public:
-  Zeros(mx::Stream s, mx::Shape shape) : CPUPrimitive(s), shape_(std::move(shape)) {}
+  PlaceRows(mx::Stream s, mx::Shape shape, std::vector<int> rows, std::vector<int> ats)
+      : CPUPrimitive(s), shape_(std::move(shape)), rows_(std::move(rows)), ats_(std::move(ats)) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
-  const char* name() const override { return "GmlxZeros"; }
+  const char* name() const override { return "GmlxPlaceRows"; }
   bool is_equivalent(const mx::Primitive& other) const override {
-    return shape_ == static_cast<const Zeros&>(other).shape_;
+    auto& o = static_cast<const PlaceRows&>(other);
+    return shape_ == o.shape_ && rows_ == o.rows_ && ats_ == o.ats_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>&) override { return {shape_}; }
 
  private:
   mx::Shape shape_;
+  std::vector<int> rows_, ats_;
 };
 
 }  // namespace gmlx_kernels

@@ -190,28 +190,46 @@ def test_fused_ops_compose_mlxs_own_where_the_kernels_do_not_run(rng):
     assert np.array_equal(np.array(fast.heads(x, 4, norm=norm32)), np.array(composed_heads(x, 4, norm32, None, 0)))
 
 
-@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16, mx.int32])
-@pytest.mark.parametrize("shape", [(0, 3), (2, 3), (7, 1, 1030, 64)])
-def test_zeros_are_zeros_in_a_recycled_buffer_and_take_writes(shape, dtype):
-    # A freed buffer of the same size goes back to MLX's cache and out again: the kernel threads
-    # must clear every part of it (several MiB: each thread a share), as mx.zeros would.
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+def test_place_rows_is_zeros_with_the_sources_written_in(rng, dtype):
+    # A join's buffer (upstream._extend_in_one_copy): 6 decoding rows right-aligned on slot 300,
+    # a rotated window's two runs in one row, a joining row; several MiB, in a recycled buffer.
+    def rand(*shape: int) -> mx.array:
+        return randn(rng, *shape).astype(dtype)
+
+    shape = (8, 2, 1030, 64)
+    batch, window, joining = rand(6, 2, 400, 64), rand(1, 2, 512, 64), rand(1, 2, 1030, 64)
+    parts = [
+        (batch[..., 100:400, :], 0, 0),  # a view: the cache's slots from its oldest
+        (window[..., 200:, :], 6, 0),  # a rotated window from its oldest slot, then the rest
+        (window[..., :200, :], 6, 312),
+        (joining, 7, 0),
+    ]
     dirty = mx.ones(shape, dtype) * 3
     mx.eval(dirty)
     del dirty
-    z = kernels.zeros(shape, dtype)
-    assert z.shape == shape and z.dtype == dtype
-    assert not np.array(z.astype(mx.float32)).any()
-    if z.size:  # the joining row's write (upstream._extend_in_one_copy)
-        z[1:2, ..., :2] = mx.ones((1, *shape[1:-1], 2), dtype)
-        expected = np.zeros(shape, np.float32)
-        expected[1:2, ..., :2] = 1
-        assert np.array_equal(np.array(z.astype(mx.float32)), expected)
+    got = kernels.place_rows(shape, dtype, parts)
+    expected = np.zeros(shape, np.float32)
+    for source, row, at in parts:
+        expected[row : row + source.shape[0], :, at : at + source.shape[2]] = np.array(source.astype(mx.float32))
+    assert got.shape == shape and got.dtype == dtype
+    assert np.array_equal(np.array(got.astype(mx.float32)), expected)
+    got[1:2, :, 300:301] = mx.ones((1, 2, 1, 64), dtype)  # a decode step writes into it in place
+    expected[1:2, :, 300:301] = 1
+    assert np.array_equal(np.array(got.astype(mx.float32)), expected)
+    empty = kernels.place_rows((0, 2, 4, 8), dtype, [])
+    assert empty.shape == (0, 2, 4, 8)
 
 
 def test_bad_arguments_raise_not_crash(rng):
     ext = kernels.extension()
-    with pytest.raises(ValueError):
-        ext.zeros([2, -1], mx.float32)
+    source = randn(rng, 1, 2, 4, 8)
+    with pytest.raises(ValueError):  # past the output's slots
+        ext.place_rows([source], [0], [2], [1, 2, 5, 8], mx.float32)
+    with pytest.raises(ValueError):  # two sources on the same slots of a row
+        ext.place_rows([source, source], [0, 0], [0, 3], [1, 2, 8, 8], mx.float32)
+    with pytest.raises(ValueError):  # another dtype
+        ext.place_rows([source], [0], [0], [1, 2, 4, 8], mx.float16)
     with pytest.raises(ValueError):
         ext.rms_norm(randn(rng, 2, 8), randn(rng, 4), 1e-5)
     with pytest.raises(ValueError):

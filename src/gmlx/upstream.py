@@ -399,11 +399,12 @@ def _extend_in_one_copy(cache: Any, other: Any) -> None:
     A row joining the decode batch extends every layer's cache with its own: mlx_lm rolls a
     rotated window into temporal order, pads each side to the longer, then concatenates them,
     each a copy of every row. On the default model, 7 rows taking one more cost 82-124 ms that
-    way and 53-76 ms here (the rest is the new buffers' first touch), and every stream waits it.
+    way and 53-76 ms here, most of it the new buffers' first touch, and every stream waits it:
+    `kernels.place_rows` writes each buffer's pages once, on every kernel thread (decision 30).
     """
     import mlx.core as mx
 
-    from gmlx.kernels import zeros
+    from gmlx.kernels import place_rows
 
     parts = (cache, other)
     if cache.keys is None and other.keys is None:
@@ -429,21 +430,20 @@ def _extend_in_one_copy(cache: Any, other: Any) -> None:
     length = max(c.keys.shape[2] for c in parts if c.keys is not None)
     last = max(filled)
     rows = [c.offset.shape[0] for c in parts]
-    keys = zeros((sum(rows), heads, length, dims), like.keys.dtype)
-    values = zeros((sum(rows), heads, length, value_dims), like.values.dtype)
-    row, padding = 0, []
+    row, padding, key_parts, value_parts = 0, [], [], []
     for c, n_rows, side, written in zip(parts, rows, slots, filled):
         at = last - written  # right-aligned on the last written slot, as mlx_lm pads
         for k, v in side:
             n = min(k.shape[2], length - at)
             if n <= 0:
                 break
-            keys[row : row + n_rows, :, at : at + n] = k[..., :n, :]
-            values[row : row + n_rows, :, at : at + n] = v[..., :n, :]
+            key_parts.append((k[..., :n, :], row, at))
+            value_parts.append((v[..., :n, :], row, at))
             at += n
         padding.append(c.left_padding + (last - written))
         row += n_rows
-    cache.keys, cache.values = keys, values
+    cache.keys = place_rows((sum(rows), heads, length, dims), like.keys.dtype, key_parts)
+    cache.values = place_rows((sum(rows), heads, length, value_dims), like.values.dtype, value_parts)
     cache.offset = mx.concatenate([c.offset for c in parts])
     cache.left_padding = mx.concatenate(padding)
     cache._idx = last

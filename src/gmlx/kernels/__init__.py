@@ -154,12 +154,17 @@ def isa() -> str | None:
     return ext.isa() if ext is not None else None
 
 
-def zeros(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
-    """mx.zeros; on the CPU, with every kernel thread touching a share of its fresh pages first
-    (their faults are most of a large new buffer's cost: a joining row's KV cache, decision 30)."""
+def place_rows(shape: tuple[int, ...], dtype: mx.Dtype, parts: list[tuple[mx.array, int, int]]) -> mx.array:
+    """A new (R, H, T, D) array of `shape`: each part's source (n, H, t, D) at rows `row`.. and
+    slots `at`.., zeros elsewhere. On the CPU the kernel threads write each page once, in parallel:
+    a new buffer's first touch is most of its cost (a joining row's KV cache, decision 30)."""
     if not available():
-        return mx.zeros(shape, dtype)
-    return _load().zeros(list(shape), dtype, stream=mx.cpu)
+        out = mx.zeros(shape, dtype)
+        for source, row, at in parts:
+            out[row : row + source.shape[0], :, at : at + source.shape[2]] = source
+        return out
+    sources, rows, ats = ([p[i] for p in parts] for i in range(3))
+    return _load().place_rows(sources, rows, ats, list(shape), dtype, stream=mx.cpu)
 
 
 def row_bytes(ggml_type: int, k: int) -> int:
