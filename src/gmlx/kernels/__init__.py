@@ -58,7 +58,6 @@ TYPE_NAMES = tuple(t.name for t in TYPES)
 # (PACKED + the type: Q8_0_R16 and the others in csrc/gguf_kernels.h).
 PACKABLE = (T.Q8_0, T.Q5_0, T.Q4_K, T.Q6_K)
 PACKED = 1000
-Q8_0_R16, Q5_0_R16, Q4_K_R16, Q6_K_R16 = (PACKED + t for t in PACKABLE)
 
 _reason: str | None = None
 
