@@ -130,8 +130,9 @@ struct RopeArgs {
 
 struct AttentionArgs {
   const float* q;        // (B, Hq, L, D), contiguous
-  const float* k;        // (B, Hkv, T, D) with strides ks over (b, h, t); features contiguous
-  const float* v;        // likewise with strides vs
+  const void* k;         // (B, Hkv, T, D) with strides ks over (b, h, t); features contiguous
+  const void* v;         // likewise with strides vs
+  bool kv_half;          // k and v hold float16 (a KV cache's store), else float32
   float* out;            // (B, Hq, L, D), contiguous
   int64_t B, Hq, Hkv, L, T, D;
   int64_t ks[3], vs[3];

@@ -31,6 +31,7 @@ constexpr int64_t ATTN_PARTS_PER_THREAD = 2;
 constexpr int64_t ATTN_PART_KEYS = 64;
 
 thread_local std::vector<float> tl_a, tl_b, tl_c, tl_d, tl_work, tl_parts;
+thread_local std::vector<uint16_t> tl_hb, tl_hc;  // float16 keys and values copied row-major
 
 float* work_buffer(size_t n) {
   if (tl_work.size() < n) tl_work.resize(n);
@@ -69,14 +70,15 @@ void row_chunks(int64_t rows, int64_t per, F&& fn) {
 
 }  // namespace
 
-const float* row_major(const mx::array& a, std::vector<float>& buf) {
-  if (a.flags().row_contiguous) return a.data<float>();
+template <class T>
+const T* row_major(const mx::array& a, std::vector<T>& buf) {
+  if (a.flags().row_contiguous) return a.data<T>();
   buf.resize(a.size());
   const auto& shape = a.shape();
   const auto& strides = a.strides();
   const int nd = a.ndim();
   std::vector<int> idx(nd, 0);
-  const float* src = a.data<float>();
+  const T* src = a.data<T>();
   const int64_t inner = nd ? shape[nd - 1] : 1, inner_stride = nd ? strides[nd - 1] : 1;
   for (size_t o = 0; o < a.size(); o += inner) {
     int64_t base = 0;
@@ -86,6 +88,8 @@ const float* row_major(const mx::array& a, std::vector<float>& buf) {
   }
   return buf.data();
 }
+
+template const float* row_major(const mx::array&, std::vector<float>&);
 
 void RMSNorm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& enc = prepare(inputs, outputs);
@@ -440,15 +444,20 @@ void Attention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
   enc.dispatch([q, k, v, mask, out, scale = scale_, causal = causal_]() mutable {
     // keys and values are usually a view of a KV cache's buffer: read through their strides
     // when each row is contiguous, else copy
-    const float* kp = k.strides()[3] == 1 ? k.data<float>() : row_major(k, tl_b);
-    const float* vp = v.strides()[3] == 1 ? v.data<float>() : row_major(v, tl_c);
+    const bool half = k.dtype() == mx::float16;
+    auto kv_rows = [half](const mx::array& a, std::vector<float>& f, std::vector<uint16_t>& h) -> const void* {
+      if (half) return a.strides()[3] == 1 ? a.data<uint16_t>() : row_major(a, h);
+      return a.strides()[3] == 1 ? a.data<float>() : row_major(a, f);
+    };
+    const void* kp = kv_rows(k, tl_b, tl_hb);
+    const void* vp = kv_rows(v, tl_c, tl_hc);
     auto strides3 = [](const mx::array& a, bool copied) {
       const int64_t T = a.shape(2), D = a.shape(3), H = a.shape(1);
       return copied ? std::vector<int64_t>{H * T * D, T * D, D}
                     : std::vector<int64_t>{a.strides()[0], a.strides()[1], a.strides()[2]};
     };
     const auto ks = strides3(k, k.strides()[3] != 1), vs = strides3(v, v.strides()[3] != 1);
-    AttentionArgs a{row_major(q, tl_a), kp, vp, out.data<float>(),
+    AttentionArgs a{row_major(q, tl_a), kp, vp, half, out.data<float>(),
                     q.shape(0), q.shape(1), k.shape(1), q.shape(2), k.shape(2), q.shape(3),
                     {ks[0], ks[1], ks[2]}, {vs[0], vs[1], vs[2]}, nullptr, false, {0, 0, 0, 0},
                     causal, scale};
@@ -678,7 +687,10 @@ mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, 
   check(k.shape(1) > 0 && q.shape(1) % k.shape(1) == 0, "attention: query heads must be a multiple of KV heads");
   check(!causal || q.shape(2) <= k.shape(2), "attention: a causal mask needs at least as many keys as queries");
   const auto dtype = q.dtype();
-  std::vector<mx::array> inputs{f32(q, stream), f32(k, stream), f32(v, stream)};
+  // float16 keys and values (a float16 KV cache) are read as they are: widening them here would
+  // write the whole cache out again as float32 on every call
+  const bool half = k.dtype() == mx::float16 && v.dtype() == mx::float16;
+  std::vector<mx::array> inputs{f32(q, stream), half ? k : f32(k, stream), half ? v : f32(v, stream)};
   if (mask) {
     check(mask->ndim() <= 4, "attention: the mask has more than 4 dimensions");
     const mx::Shape full{q.shape(0), q.shape(1), q.shape(2), k.shape(2)};

@@ -4,6 +4,7 @@
 // width. Plain C maths only (see kernels_impl.cpp).
 
 #include "gguf_kernels.h"
+#include "kernels/dequant.h"  // fp16_to_fp32
 #include "kernels/row_blocks.h"
 
 #include <math.h>
@@ -50,6 +51,20 @@ inline fvec vld(const float* p) {
   memcpy(&v, p, sizeof v);
   return v;
 }
+// FW float16 values (a KV cache's store) widened to floats
+inline fvec vld(const uint16_t* p) {
+#if defined(__AVX512F__)
+  return (fvec)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+#elif defined(__AVX2__)
+  return (fvec)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+#else
+  fvec v;
+  for (int i = 0; i < FW; i++) v[i] = fp16_to_fp32(p[i]);
+  return v;
+#endif
+}
+inline float ld(const float* p) { return *p; }
+inline float ld(const uint16_t* p) { return fp16_to_fp32(*p); }
 inline void vst(float* p, fvec v) { memcpy(p, &v, sizeof v); }
 inline fvec vset(float x) { return fvec{} + x; }
 
@@ -300,8 +315,8 @@ void qk_tile(const float* Q, int64_t rows, int64_t D, const float* Kt, float* S)
 }
 
 // O[:, d .. d + NV * FW) += P V for MR rows: P (MR x n, row stride ldp), V (n rows of stride vs)
-template <int MR, int NV>
-void pv_cols(const float* P, int64_t ldp, const float* V, int64_t vs, int64_t n, int64_t D, int64_t d, float* O) {
+template <int MR, int NV, class KV>
+void pv_cols(const float* P, int64_t ldp, const KV* V, int64_t vs, int64_t n, int64_t D, int64_t d, float* O) {
   fvec acc[MR][NV];
   for (int r = 0; r < MR; r++)
     for (int c = 0; c < NV; c++) acc[r][c] = vld(O + r * D + d + c * FW);
@@ -317,18 +332,19 @@ void pv_cols(const float* P, int64_t ldp, const float* V, int64_t vs, int64_t n,
     for (int c = 0; c < NV; c++) vst(O + r * D + d + c * FW, acc[r][c]);
 }
 
-template <int MR>
-void pv_rows(const float* P, int64_t ldp, const float* V, int64_t vs, int64_t n, int64_t D, float* O) {
+template <int MR, class KV>
+void pv_rows(const float* P, int64_t ldp, const KV* V, int64_t vs, int64_t n, int64_t D, float* O) {
   int64_t d = 0;
   for (; d + 2 * FW <= D; d += 2 * FW) pv_cols<MR, 2>(P, ldp, V, vs, n, D, d, O);
   for (; d + FW <= D; d += FW) pv_cols<MR, 1>(P, ldp, V, vs, n, D, d, O);
   for (; d < D; d++)
     for (int r = 0; r < MR; r++)
-      for (int64_t t = 0; t < n; t++) O[r * D + d] += P[r * ldp + t] * V[t * vs + d];
+      for (int64_t t = 0; t < n; t++) O[r * D + d] += P[r * ldp + t] * ld(V + t * vs + d);
 }
 
 // O (rows x D) += P (rows x n, stride ldp) V: ATTN_MR rows at a time, then the rest
-void pv(const float* P, int64_t ldp, int64_t rows, const float* V, int64_t vs, int64_t n, int64_t D, float* O) {
+template <class KV>
+void pv(const float* P, int64_t ldp, int64_t rows, const KV* V, int64_t vs, int64_t n, int64_t D, float* O) {
   row_blocks<ATTN_MR>(rows, [&](auto R, int64_t r) {
     pv_rows<decltype(R)::value>(P + r * ldp, ldp, V, vs, n, D, O + r * D);
   });
@@ -343,12 +359,12 @@ constexpr int64_t ATTN_AHEAD = 8;
 // O (R x D) += P (R x n, stride ldp) V, V's rows read in order, four at a time against every
 // row's outputs (which stay in L1): a decode step's values then stream from memory once, where
 // pv walks all n rows again for each slice of D. Each output sums its products in key order, as pv.
-template <int R>
-void pv_stream_rows(const float* P, int64_t ldp, const float* V, int64_t vs, int64_t n, int64_t D, float* O) {
+template <int R, class KV>
+void pv_stream_rows(const float* P, int64_t ldp, const KV* V, int64_t vs, int64_t n, int64_t D, float* O) {
   const int64_t Dv = D / FW * FW;
   int64_t t = 0;
   for (; t + 4 <= n; t += 4) {
-    const float* v[4] = {V + t * vs, V + (t + 1) * vs, V + (t + 2) * vs, V + (t + 3) * vs};
+    const KV* v[4] = {V + t * vs, V + (t + 1) * vs, V + (t + 2) * vs, V + (t + 3) * vs};
     fvec p[R][4];
     for (int r = 0; r < R; r++)
       for (int k = 0; k < 4; k++) p[r][k] = vset(P[r * ldp + t + k]);
@@ -366,17 +382,18 @@ void pv_stream_rows(const float* P, int64_t ldp, const float* V, int64_t vs, int
     }
     for (int64_t d = Dv; d < D; d++)
       for (int r = 0; r < R; r++)
-        for (int k = 0; k < 4; k++) O[r * D + d] += P[r * ldp + t + k] * v[k][d];
+        for (int k = 0; k < 4; k++) O[r * D + d] += P[r * ldp + t + k] * ld(v[k] + d);
   }
   for (; t < n; t++)
     for (int r = 0; r < R; r++) {
       const float pr = P[r * ldp + t];
-      const float* vt = V + t * vs;
-      for (int64_t d = 0; d < D; d++) O[r * D + d] += pr * vt[d];
+      const KV* vt = V + t * vs;
+      for (int64_t d = 0; d < D; d++) O[r * D + d] += pr * ld(vt + d);
     }
 }
 
-void pv_stream(const float* P, int64_t ldp, int64_t rows, const float* V, int64_t vs, int64_t n, int64_t D, float* O) {
+template <class KV>
+void pv_stream(const float* P, int64_t ldp, int64_t rows, const KV* V, int64_t vs, int64_t n, int64_t D, float* O) {
   row_blocks<4>(rows, [&](auto R, int64_t r) {
     pv_stream_rows<decltype(R)::value>(P + r * ldp, ldp, V, vs, n, D, O + r * D);
   });
@@ -384,7 +401,8 @@ void pv_stream(const float* P, int64_t ldp, int64_t rows, const float* V, int64_
 
 // S (R x T) = scale Q K^T for few rows (decode), K's rows read as they lie: two query rows by
 // NK keys a step, so 2 NK independent accumulators hide the FMA's latency, each reduced once.
-void qk_rows(const float* Q, int64_t R, int64_t D, const float* K, int64_t ks, int64_t T, float scale, float* S) {
+template <class KV>
+void qk_rows(const float* Q, int64_t R, int64_t D, const KV* K, int64_t ks, int64_t T, float scale, float* S) {
   const int64_t Dv = D / FW * FW;
   auto keys = [&]<int NK>(int64_t t) {
     for (int64_t r = 0; r < R; r += 2) {
@@ -402,11 +420,11 @@ void qk_rows(const float* Q, int64_t R, int64_t D, const float* K, int64_t ks, i
         }
       }
       for (int j = 0; j < NK; j++) {
-        const float* kt = K + (t + j) * ks;
+        const KV* kt = K + (t + j) * ks;
         float s0 = hsum(acc[0][j]), s1 = hsum(acc[1][j]);
         for (int64_t d = Dv; d < D; d++) {
-          s0 += q0[d] * kt[d];
-          s1 += q1[d] * kt[d];
+          s0 += q0[d] * ld(kt + d);
+          s1 += q1[d] * ld(kt + d);
         }
         S[r * T + t + j] = s0 * scale;
         if (r + 1 < R) S[(r + 1) * T + t + j] = s1 * scale;
@@ -460,15 +478,14 @@ bool masked_out(const AttentionArgs& a, int64_t b, int64_t h, int64_t l0, int64_
   return true;
 }
 
-}  // namespace
-
-void attend(const AttentionArgs& a, int64_t b, int64_t h0, int64_t h1, int64_t t0, int64_t t1, float* scores,
-            float* ml, float* o) {
+template <class KV>
+void attend_as(const AttentionArgs& a, int64_t b, int64_t h0, int64_t h1, int64_t t0, int64_t t1, float* scores,
+               float* ml, float* o) {
   // Query heads h0..h1 share one KV head: each key and value row is read once for all of them.
   const int64_t L = a.L, T = a.T, D = a.D, n = t1 - t0, rows = (h1 - h0) * L;
   const int64_t kvh = h0 / (a.Hq / a.Hkv);
-  const float* kb = a.k + b * a.ks[0] + kvh * a.ks[1] + t0 * a.ks[2];
-  const float* vb = a.v + b * a.vs[0] + kvh * a.vs[1] + t0 * a.vs[2];
+  const KV* kb = (const KV*)a.k + b * a.ks[0] + kvh * a.ks[1] + t0 * a.ks[2];
+  const KV* vb = (const KV*)a.v + b * a.vs[0] + kvh * a.vs[1] + t0 * a.vs[2];
   qk_rows(a.q + (b * a.Hq + h0) * L * D, rows, D, kb, a.ks[2], n, a.scale, scores);
   for (int64_t r = 0; r < rows; r++) {
     const int64_t l = r % L;
@@ -485,7 +502,8 @@ void attend(const AttentionArgs& a, int64_t b, int64_t h0, int64_t h1, int64_t t
   pv_stream(scores, n, rows, vb, a.vs[2], n, D, o);
 }
 
-void attend_rows(const AttentionArgs& a, int64_t b, int64_t h, int64_t l0, int64_t l1, float* work) {
+template <class KV>
+void attend_rows_as(const AttentionArgs& a, int64_t b, int64_t h, int64_t l0, int64_t l1, float* work) {
   const int64_t D = a.D, T = a.T, L = a.L, R = l1 - l0;
   const int64_t Rp = (R + ATTN_MR - 1) / ATTN_MR * ATTN_MR;  // padding rows: zero queries
   float* Q = work;               // Rp x D, times scale
@@ -503,16 +521,16 @@ void attend_rows(const AttentionArgs& a, int64_t b, int64_t h, int64_t l0, int64
     lrow[i] = 0.f;
   }
   const int64_t kvh = h / (a.Hq / a.Hkv);
-  const float* kb = a.k + b * a.ks[0] + kvh * a.ks[1];
-  const float* vb = a.v + b * a.vs[0] + kvh * a.vs[1];
+  const KV* kb = (const KV*)a.k + b * a.ks[0] + kvh * a.ks[1];
+  const KV* vb = (const KV*)a.v + b * a.vs[0] + kvh * a.vs[1];
   // query l sees keys t <= T - L + l when causal: the block's last row bounds the tiles
   const int64_t t_end = a.causal ? T - L + l1 : T;
   for (int64_t t0 = 0; t0 < t_end; t0 += ATTN_KEYS) {
     const int64_t n = t_end - t0 < ATTN_KEYS ? t_end - t0 : ATTN_KEYS;
     if (a.mask && masked_out(a, b, h, l0, l1, t0, n)) continue;  // a sliding window's far keys
     for (int64_t j = 0; j < n; j++) {
-      const float* kr = kb + (t0 + j) * a.ks[2];
-      for (int64_t d = 0; d < D; d++) Kt[d * ATTN_KEYS + j] = kr[d];
+      const KV* kr = kb + (t0 + j) * a.ks[2];
+      for (int64_t d = 0; d < D; d++) Kt[d * ATTN_KEYS + j] = ld(kr + d);
     }
     if (n < ATTN_KEYS)
       for (int64_t d = 0; d < D; d++) memset(Kt + d * ATTN_KEYS + n, 0, sizeof(float) * (ATTN_KEYS - n));
@@ -542,6 +560,23 @@ void attend_rows(const AttentionArgs& a, int64_t b, int64_t h, int64_t l0, int64
     const float inv = lrow[i] > 0.f ? 1.f / lrow[i] : 0.f;
     for (int64_t d = 0; d < D; d++) out[i * D + d] = O[i * D + d] * inv;
   }
+}
+
+}  // namespace
+
+void attend(const AttentionArgs& a, int64_t b, int64_t h0, int64_t h1, int64_t t0, int64_t t1, float* scores,
+            float* ml, float* o) {
+  if (a.kv_half)
+    attend_as<uint16_t>(a, b, h0, h1, t0, t1, scores, ml, o);
+  else
+    attend_as<float>(a, b, h0, h1, t0, t1, scores, ml, o);
+}
+
+void attend_rows(const AttentionArgs& a, int64_t b, int64_t h, int64_t l0, int64_t l1, float* work) {
+  if (a.kv_half)
+    attend_rows_as<uint16_t>(a, b, h, l0, l1, work);
+  else
+    attend_rows_as<float>(a, b, h, l0, l1, work);
 }
 
 }  // namespace GMLX_ISA

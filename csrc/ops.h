@@ -54,8 +54,11 @@ bool packs(int type);
 // The arrays copied into buffers advised for transparent huge pages (Linux; elsewhere, as given).
 std::vector<mx::array> in_huge_pages(const std::vector<mx::array>& arrays);
 
-// a's elements in row-major order: its own buffer when already so, else a copy into buf.
-const float* row_major(const mx::array& a, std::vector<float>& buf);
+// a's elements (T float, or uint16_t for float16) in row-major order: its own buffer when already
+// so, else a copy into buf.
+template <class T>
+const T* row_major(const mx::array& a, std::vector<T>& buf);
+extern template const float* row_major(const mx::array&, std::vector<float>&);
 
 // The transformer ops MLX composes from many nodes on the CPU, as one node each (float32).
 // y = x / sqrt(mean(x^2, -1) + eps) * w, w (D,) or none.

@@ -239,6 +239,14 @@ def invoke_json(*args: object, code: int | None = 0) -> dict:
     return json.loads(r.stdout)
 
 
+def kv_float_bytes() -> int:
+    """The KV cache's float width a server allocates here (float16 where the kernels run attention)."""
+    from gmlx.capacity.table import kv_float
+    from gmlx.kernels import fast
+
+    return kv_float(fast.enabled())[0]
+
+
 def offline_table(
     path: Path,
     memory: int,
@@ -260,7 +268,7 @@ def offline_table(
         weight_bytes=resident_bytes(h, "float"),
         decode_batch=decode_batch,
         prefill_step=512,
-        kv=KVFormat(float_bytes=4),
+        kv=KVFormat(float_bytes=kv_float_bytes()),
         memory=memory,
         reserve_fraction=0.10,
         reserve_floor=512 * MiB,

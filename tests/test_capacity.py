@@ -26,6 +26,7 @@ from gmlx.capacity.memory import (
     layer_bytes_per_token,
     outgrown_bytes,
     rotating_prefill_bytes,
+    store_cast_bytes,
     stream_bytes,
     warmup_per_token,
 )
@@ -256,10 +257,10 @@ def test_parse_bytes_rejects(text: str) -> None:
 # ---- table -----------------------------------------------------------------------------------
 
 # 2 layers x 1 KV head x (64 + 64) x fp16 = 512 bytes a token, so 256 tokens take 128 KiB.
-# A decoding stream also holds 2 logits rows: 2 x 64 (vocabulary) x fp16 = 256 bytes. The
+# A decoding stream also holds 2 logits rows: 2 x 64 (vocabulary) x float32 = 512 bytes. The
 # budget is 1 MiB of KV plus that overhead for 8 streams, so one stream holds 2048 tokens.
 SMALL = geometry(2, 1, 64, context_length=4096, vocab_size=64)
-OVERHEAD = 2 * 64 * 2
+OVERHEAD = 2 * 64 * 4
 ONE_MIB = MemoryBudget(
     total_bytes=MiB + 8 * OVERHEAD, weight_bytes=0, prefill_bytes=0, reserve_floor_bytes=0, reserve_fraction=0
 )
@@ -358,6 +359,18 @@ def test_rotating_caches_while_a_chunk_runs() -> None:
     assert rotating_prefill_bytes(LLAMA, 512) == 0
 
 
+def test_a_float16_store_counts_the_chunks_keys_and_values_cast() -> None:
+    # Every layer's keys and values of the chunk, at the store's width; nothing cast into float32.
+    per_token = sum(k.bytes_per_token for k in kv_layer_kinds(GEMMA3, FP16))
+    assert store_cast_bytes(GEMMA3, 512) == 512 * per_token == 512 * 18 * (256 + 256) * 2
+    assert store_cast_bytes(GEMMA3, 512, KVFormat(bits=4, float_bytes=2)) == store_cast_bytes(GEMMA3, 512)
+    assert store_cast_bytes(GEMMA3, 512, FP32) == 0
+    t = capacity_table(GEMMA3, weight_bytes=GiB, decode_batch=4, prefill_step=512, memory=8 * GiB, kv=FP16)
+    assert t.budget.prefill_bytes == prefill_working_bytes(GEMMA3, 512, 32768) + rotating_prefill_bytes(
+        GEMMA3, 512
+    ) + store_cast_bytes(GEMMA3, 512)
+
+
 def test_the_budget_counts_what_the_governor_counts() -> None:
     """With a governor, the table leaves out the process's memory outside MLX and fills up to
     where orange starts; the prefill terms are those of a table without one."""
@@ -413,13 +426,14 @@ def test_each_stream_brings_its_prefill() -> None:
 def test_gemma3_table_saturates_sliding_layers() -> None:
     t = build_table(GEMMA3, MemoryBudget(total_bytes=563 * MiB, weight_bytes=0, prefill_bytes=0), 8)
     assert t.budget.kv_bytes == 51 * MiB  # 563 MiB less the 512 MiB floor
-    # A stream's 2 logits rows over 262144 tokens in fp16 take 1 MiB, which leaves 50 MiB of KV.
+    # A stream's 2 logits rows over 262144 tokens in float32 take 2 MiB, which leaves 49 MiB of KV.
     # Past 512 tokens only the 3 global layers grow: 3072 bytes a token on top of 15360 x 512.
-    # (50 MiB - 15360 x 512) / 3072 = 14506.7 tokens, rounded down to whole steps of 256.
-    assert t.max_context_at_width(1) == 14336
-    assert 3072 * 14336 + 15360 * 512 <= 50 * MiB < 3072 * (14336 + 256) + 15360 * 512
-    # 8 streams get 51 / 8 - 1 = 5.375 MiB of KV each: 256 tokens take 18432 x 256 = 4.5 MiB, 512 take 9.
-    assert t.max_context_at_width(8) == 256
+    # (49 MiB - 15360 x 512) / 3072 = 14165.3 tokens, rounded down to whole steps of 256.
+    assert t.max_context_at_width(1) == 14080
+    assert 3072 * 14080 + 15360 * 512 <= 49 * MiB < 3072 * (14080 + 256) + 15360 * 512
+    # 7 streams get 51 / 7 - 2 = 5.29 MiB of KV each: 256 tokens take 18432 x 256 = 4.5 MiB, 512 take 9;
+    # 8 get 4.375 MiB, not one step.
+    assert t.max_context_at_width(7) == 256 and t.max_context_at_width(8) == 0
     assert depth_grid(32768)[-1] == 32768 and depth_grid(300) == [300]
 
 
@@ -494,7 +508,7 @@ def test_plan_without_table_or_under_overcommit() -> None:
 
 
 def test_estimate_fields() -> None:
-    need = 1000 + (3072 + 15360) * 512 + 2 * 262144 * 2  # prefill + KV of 300 + 212 tokens + logits rows
+    need = 1000 + (3072 + 15360) * 512 + 2 * 262144 * 4  # prefill + KV of 300 + 212 tokens + logits rows
     e = estimate(
         GEMMA3,
         prompt_tokens=300,
@@ -583,7 +597,7 @@ def test_estimate_without_rates_or_free_figures() -> None:
         resident=False,
         kv=Q8,
     )
-    assert e["need_bytes"] == kv_bytes(LLAMA, 4096, Q8) + 2 * 128256 * 2 == 4096 * 32 * 8 * 2 * 136 + 513024
+    assert e["need_bytes"] == kv_bytes(LLAMA, 4096, Q8) + 2 * 128256 * 4 == 4096 * 32 * 8 * 2 * 136 + 1026048
     assert e["fits_now"] is None and e["fits_drained"] is None and e["est_ttft_s"] is None
     assert e["context_ok"] is False  # no room left for one generated token
     for max_tokens, ok in ((4, True), (5, False)):  # a window of 8: 4 + 4 fits, 4 + 5 would be a 400

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import kv_float_bytes
 from tiny_models import HIDDEN
 from typer.testing import CliRunner
 
@@ -26,11 +27,11 @@ def test_inspect_json(tiny_models: dict[str, Path]) -> None:
     info = json.loads(r.stdout)
     assert info["architecture"] == "gemma3" and info["layers"] == 6 and info["kv_heads"] == 2
     assert info["sliding_window"] == 64 and info["sliding_layers"] == 5
-    # float32, as the server allocates it: 2 KV heads x (64 + 64) x 4 bytes
+    # as the server allocates it: 2 KV heads x (64 + 64) x the float width (float16 where the kernels run)
     assert info["kv_bytes_per_token"]["full"] == {
         "kind": "full",
         "layers": 1,
-        "bytes_per_token": 2 * 2 * 64 * 4,
+        "bytes_per_token": 2 * 2 * 64 * kv_float_bytes(),
         "window": None,
     }
     assert info["kv_bytes_per_token"]["sliding"]["layers"] == 5
@@ -41,7 +42,8 @@ def test_inspect_json(tiny_models: dict[str, Path]) -> None:
 def test_inspect_table(tiny_models: dict[str, Path]) -> None:
     r = invoke("inspect", str(tiny_models["llama"]))
     assert r.exit_code == 0
-    assert "tiny-llama (llama)" in r.stdout and "KV cache fp32" in r.stdout and str(HIDDEN) not in r.stderr
+    kv = {2: "KV cache fp16", 4: "KV cache fp32"}[kv_float_bytes()]
+    assert "tiny-llama (llama)" in r.stdout and kv in r.stdout and str(HIDDEN) not in r.stderr
 
 
 @pytest.mark.parametrize("content", [b"", b"hello world, not a model at all", b"GGUF\x03\x00\x00\x00" + b"\xff" * 16])
@@ -117,13 +119,13 @@ def test_print_config_shows_sources(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_inspect_and_plan_agree_on_the_kv_element(
     tiny_models: dict[str, Path], no_settings_env: None, weights: str
 ) -> None:
-    """inspect prints the KV cost the server allocates (float32 here), as `gmlx plan` counts it."""
+    """inspect prints the KV cost the server allocates (float16 where the kernels run), as `gmlx plan` counts it."""
     model = str(tiny_models["gemma3"])
     info = json.loads(invoke("inspect", model, "--weights", weights, "--json").stdout)
     r = invoke("plan", model, "--weights", weights, "--memory", "8GiB", "--width", "1", "--depth", "64", "--json")
     assert r.exit_code in (0, 1), r.output
     planned = json.loads(r.stdout)["assumptions"]["kv_format"]
-    assert info["kv_format"]["element_bytes"] == planned["element_bytes"] == 4
+    assert info["kv_format"]["element_bytes"] == planned["element_bytes"] == kv_float_bytes()
     assert info["kv_format"]["from"] == planned["from"]
     full = info["kv_bytes_per_token"]["full"]
     assert full["bytes_per_token"] == full["layers"] * 2 * (64 + 64) * planned["element_bytes"]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from conftest import kv_float_bytes
 from mlx_lm.generate import BatchGenerator
 
 from gmlx.capacity.memory import KVFormat, stream_bytes, warmup_per_token
@@ -54,7 +55,7 @@ def _measure(m: LoadedModel, width: int, depth: int) -> tuple[int, int]:
     mx.clear_cache()
     measured = mx.get_active_memory() - before
     # The generator has run one step ahead (async), so the caches hold depth + steps + 1 tokens.
-    predicted = width * stream_bytes(m.geometry, depth + steps + 1, KVFormat(float_bytes=4))
+    predicted = width * stream_bytes(m.geometry, depth + steps + 1, KVFormat(float_bytes=kv_float_bytes()))
     gen.close()
     return measured, predicted
 
@@ -98,12 +99,13 @@ def test_warm_up_measures_what_is_predicted(tiny_long: dict[str, LoadedModel], a
     m = tiny_long[arch]
     with quiet():
         measured = warm_up(m)
+    assert measured.kv_dtype_bytes == kv_float_bytes()  # what the offline plan counts
     kv = KVFormat(float_bytes=measured.kv_dtype_bytes)
     predicted = kv_bytes_after_prefill(m.geometry, measured.tokens, kv)
     assert abs(measured.kv_bytes - predicted) <= 0.01 * predicted, (measured.kv_bytes, predicted)
-    # Per token: 2 layers (gemma3 tiny: 6) x 2 KV heads x (64 + 64) x float32, all below the window.
+    # Per token: 2 layers (gemma3 tiny: 6) x 2 KV heads x (64 + 64) x the float width, all below the window.
     per_token = warmup_per_token(m.geometry, measured.tokens, measured.kv_bytes, kv)
-    assert per_token["kv_bytes_per_token_predicted"] == m.geometry.n_layers * 2 * 128 * 4
+    assert per_token["kv_bytes_per_token_predicted"] == m.geometry.n_layers * 2 * 128 * kv_float_bytes()
     assert per_token["kv_bytes_per_token_measured"] == pytest.approx(
         per_token["kv_bytes_per_token_predicted"], rel=0.01
     )

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from conftest import LiveServer
+from conftest import LiveServer, kv_float_bytes
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 from test_capacity import GEMMA3, LLAMA, MLA, geometry
@@ -325,8 +325,9 @@ def test_kv_prediction_matches_mlx(
 ) -> None:
     m = tiny_long[arch]
     plan = plan_kv_quant(settings, m.geometry)
-    measured, predicted = measure(m, make_cache_factory(plan), plan.kv_format(4), width, depth)
-    assert abs(measured - predicted) <= 0.05 * predicted, (measured, predicted)
+    measured, predicted = measure(m, make_cache_factory(plan), plan.kv_format(kv_float_bytes()), width, depth)
+    # beside the caches, the step's own small arrays come and go: 8 to 51 KB either side, measured
+    assert abs(measured - predicted) <= 0.05 * predicted + 64 * 1024, (measured, predicted)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
@@ -335,12 +336,15 @@ def test_quantized_memory_per_token_measured(tiny_long: dict[str, LoadedModel], 
     m = tiny_long[arch]
     plan = plan_kv_quant(UNIFORM4, m.geometry)
     slopes = {}
-    for name, factory, fmt in (("float", _factory(m, None), FP32), ("q4", make_cache_factory(plan), plan.kv_format(4))):
+    floats = KVFormat(float_bytes=kv_float_bytes())
+    q4 = plan.kv_format(floats.float_bytes)
+    for name, factory, fmt in (("float", _factory(m, None), floats), ("q4", make_cache_factory(plan), q4)):
         lo, _ = measure(m, factory, fmt, 1, 3072)
         hi, _ = measure(m, factory, fmt, 1, 5120)
         slopes[name] = (hi - lo) / 2048
     ratio = slopes["q4"] / slopes["float"]
-    assert ratio == pytest.approx(0.625 / 4, rel=0.05), slopes
+    # 4 bits and a scale and bias a group of 64 against the float width (0.625 / 4 in float32)
+    assert ratio == pytest.approx(q4.element_bytes() / floats.element_bytes(), rel=0.05), slopes
 
 
 @pytest.mark.parametrize("settings", [UNIFORM4, KVARN], ids=["uniform4", "kvarn"])
@@ -446,7 +450,8 @@ def test_offline_plan_takes_the_same_flags(tiny_models: dict[str, Path]) -> None
     plain = invoke_json("plan", path, "--table", "--memory", "8GiB")
     q = invoke_json("plan", path, "--table", "--memory", "8GiB", "--kv-bits", "4", "--kv-scheme", "uniform")
     kv_format = q["assumptions"]["kv_format"]
-    assert kv_format["value"] == "4-bit g64, fp32 scales" and kv_format["kv_quant"]["verdict"] == "full"
+    scales = {2: "fp16", 4: "fp32"}[kv_float_bytes()]
+    assert kv_format["value"] == f"4-bit g64, {scales} scales" and kv_format["kv_quant"]["verdict"] == "full"
     assert q["table"]["kv_format"]["bits"] == 4 and plain["table"]["kv_format"]["bits"] is None
     est = invoke_json(
         "estimate", path, "--prompt", "hi", "--max-tokens", "100", "--memory", "8GiB", "--kv-scheme", "kvarn", code=None

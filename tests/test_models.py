@@ -12,6 +12,7 @@ import pytest
 import tiny_architectures as dense
 from gguf import GGMLQuantizationType as Q
 from tiny_models import ARCHES, write_model
+from tiny_moe import write_deepseek2, write_moe
 from typer.testing import CliRunner
 
 from gmlx.cli.common import EXIT_BAD_MODEL
@@ -63,12 +64,13 @@ def test_layers_in_fewer_nodes_give_mlx_lms_floats(tiny_models: dict[str, Path],
     # Where the kernels run, a decode step's attention layers split their heads in fused nodes
     # (fast.heads) and Gemma 3's blocks add their residuals with the norms about them
     # (fast.add_norm): the logits must be those of mlx_lm's own layers to the bit, in batched decode
-    # steps (per-row offsets) after prompts past Gemma 3's sliding window (a rotated cache).
+    # steps (per-row offsets) after prompts past Gemma 3's sliding window (a rotated cache). Both
+    # store the KV cache as float16.
     from mlx_lm.models.cache import make_prompt_cache
 
     from gmlx import kernels
     from gmlx.kernels import fast
-    from gmlx.models.fused import FusedAttention
+    from gmlx.models.fused import FusedAttention, HalfStore
     from gmlx.models.gemma3 import Gemma3Block
 
     if not (kernels.available() and fast.installed()):
@@ -93,15 +95,59 @@ def test_layers_in_fewer_nodes_give_mlx_lms_floats(tiny_models: dict[str, Path],
         for _ in range(4):
             outs.append(m.model(y, cache=batch))
             y = mx.argmax(outs[-1][:, -1], axis=-1)[:, None]
+        assert {c.keys.dtype for c in batch} == {mx.float16}
         return [np.array(o) for o in outs]
 
     fused = run()
-    for b in blocks:  # back to mlx_lm's own classes, the parameters unchanged
-        b.self_attn.__class__ = type(b.self_attn).__bases__[-1]
+    for b in blocks:  # back to mlx_lm's own classes (with the float16 store), the parameters unchanged
+        own_class = type(b.self_attn).__bases__[-1]
+        b.self_attn.__class__ = type(own_class.__name__, (HalfStore, own_class), {})
         if isinstance(b, Gemma3Block):
             b.__class__ = type(b).__bases__[0]
     own = run()
     assert all(np.array_equal(a, b) for a, b in zip(fused, own))
+
+
+KV_STORE_SPECS = [dense.LLAMA3, dense.QWEN2, dense.QWEN3, dense.PHI3, dense.GEMMA2, dense.GEMMA3]
+KV_STORE_SPECS += [dense.GRANITE, dense.OLMO2, dense.SMOLLM3]
+
+
+@pytest.mark.parametrize(
+    "write",
+    [lambda p, s=s: dense.write(p, s) for s in KV_STORE_SPECS]
+    + [lambda p, a=a: write_moe(p, a) for a in ("qwen2moe", "qwen3moe")]
+    + [write_deepseek2],
+    ids=[s.arch for s in KV_STORE_SPECS] + ["qwen2moe", "qwen3moe", "deepseek2"],
+)
+def test_every_architecture_stores_float16_kv_where_the_kernels_attend(tmp_path: Path, write, monkeypatch) -> None:
+    # Every attention class gmlx loads takes the float16 store (gmlx.models.fused): a prompt and
+    # two decode steps keep their caches in float16 and give the float32 store's logits but for
+    # float16's rounding (the same tokens).
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from gmlx.kernels import fast
+    from gmlx.models import fused
+
+    if not fast.installed():
+        pytest.skip("the float16 store is where gmlx's kernels run attention")
+    m = load(write(tmp_path / "m.gguf"), "float")
+
+    def run() -> tuple[list[mx.array], set]:
+        cache = make_prompt_cache(m.model)
+        outs = [m.model(mx.array([PROMPT * 3]), cache=cache)[:, -1]]
+        for token in (7, 11):
+            outs.append(m.model(mx.array([[token]]), cache=cache)[:, -1])
+        return outs, {c.keys.dtype for c in cache}
+
+    half, dtypes = run()
+    assert dtypes == {mx.float16}
+    monkeypatch.setattr(fused, "KV_DTYPE", mx.float32)
+    full, dtypes = run()
+    assert dtypes == {mx.float32}
+    for a, b in zip(half, full, strict=True):
+        a, b = np.array(a), np.array(b)
+        assert np.argmax(a) == np.argmax(b)
+        np.testing.assert_allclose(a, b, atol=2e-2 * np.abs(b).max())
 
 
 def test_llama_uses_interleaved_rope(tiny_models: dict[str, Path]) -> None:

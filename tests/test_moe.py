@@ -13,13 +13,14 @@ import gguf
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import kv_float_bytes
 from gguf import GGMLQuantizationType as Q
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 from tiny_moe import MLA, V3_LEGACY, write_deepseek2, write_moe
 
 from gmlx import kernels
-from gmlx.capacity.memory import FP32, kv_bytes
+from gmlx.capacity.memory import KVFormat, kv_bytes
 from gmlx.gguf.header import GGUFError, read_header
 from gmlx.models.experts import GGUFSwitchGLU, GGUFSwitchLinear
 from gmlx.models.loader import load
@@ -109,7 +110,8 @@ def test_deepseek2_caches_the_latent_the_plan_counts(tmp_path: Path, z: MLA) -> 
     allocated = sum(c.keys.nbytes + c.values.nbytes for c in cache)
     g = m.geometry
     assert {(c.keys.shape[-1], c.values.shape[-1]) for c in cache} == {(g.kv_lora_rank, g.rope_dim)}
-    assert allocated == kv_bytes(g, depth, FP32, allocated=True)  # float32 on the CPU, whole steps of 256
+    # float16 where the kernels run attention, whole steps of 256
+    assert allocated == kv_bytes(g, depth, KVFormat(float_bytes=kv_float_bytes()), allocated=True)
 
 
 def _header_only(path: Path, arch: str, tensors: dict[str, tuple[int, ...]], **keys: int) -> Path:

@@ -17,6 +17,14 @@ from transformers import PreTrainedTokenizerFast
 from gmlx import upstream
 from gmlx.engine.sampling import sample_rows
 
+# The relay against mlx_lm's generator: the same model, rows batched otherwise. Keys computed in
+# another batch layout can differ in float32's last bits, and where the KV cache stores float16 such
+# a key can round to the neighbouring float16 (2^-10 relative), which the layers above and the
+# tokens after carry on: over a relay of 300 tokens logprobs differed by up to 7e-4, cached keys and
+# values by a float16 unit or 1e-4 (a misplaced slot or position differs by 0.1 to 1 and more).
+LOGPROB_TOL = dict(atol=2e-3)
+KV_TOL = dict(rtol=2**-10, atol=1e-3)  # one float16 unit, or what the layers carry on
+
 
 def test_the_checked_versions_are_the_ones_installed_or_within_the_pins() -> None:
     for package, checked in upstream.CHECKED.items():
@@ -183,7 +191,7 @@ def test_prompts_past_the_sliding_window_join_a_decoding_batch_with_mlx_lms_logi
     for row, row_theirs in zip(ours, theirs, strict=True):
         assert [t for t, _ in row] == [t for t, _ in row_theirs]
         for (_, a), (_, b) in zip(row, row_theirs):
-            np.testing.assert_allclose(a, b, atol=1e-4)
+            np.testing.assert_allclose(a, b, **LOGPROB_TOL)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
@@ -232,7 +240,7 @@ def test_a_prompt_whose_first_token_is_its_last_never_joins_the_decode_batch(
     for row, row_theirs in zip(ours, theirs, strict=True):
         assert [(t, f) for t, f, *_ in row] == [(t, f) for t, f, *_ in row_theirs]
         for (*_, a, _), (*_, b, _) in zip(row, row_theirs):
-            np.testing.assert_allclose(a, b, atol=1e-4)
+            np.testing.assert_allclose(a, b, **LOGPROB_TOL)
     for prompt, row in zip(prompts[1:3], ours[1:3]):
         assert row[0][1] == "length" and row[0][3] == prompt  # the cache it leaves holds the prompt
 
@@ -336,6 +344,6 @@ def test_rows_joining_free_slots_see_what_they_see_in_mlx_lms_generator(
     for i in range(len(prompts)):
         assert [t for t, _ in ours[i]] == [t for t, _ in theirs[i]], i
         for (_, a), (_, b) in zip(ours[i], theirs[i]):
-            np.testing.assert_allclose(a, b, atol=1e-4)
+            np.testing.assert_allclose(a, b, **LOGPROB_TOL)
         for a, b in zip(ours_left[i], theirs_left[i], strict=True):
-            np.testing.assert_allclose(a, b, atol=1e-5)
+            np.testing.assert_allclose(a, b, **KV_TOL)

@@ -16,6 +16,7 @@ from gmlx.capacity.budget import (
 from gmlx.capacity.kv_quant import KVQuantPlan, KVQuantSettings, server_plan
 from gmlx.capacity.memory import (
     FP16,
+    FP16_BYTES,
     KVFormat,
     KVProfile,
     decode_overhead_bytes,
@@ -23,6 +24,7 @@ from gmlx.capacity.memory import (
     outgrown_bytes,
     profile_bytes,
     rotating_prefill_bytes,
+    store_cast_bytes,
 )
 from gmlx.gguf.header import GGUFHeader, ModelGeometry
 from gmlx.models.weights_mode import resident_bytes
@@ -56,7 +58,7 @@ class CapacityTable:
 
     @cached_property
     def _overhead(self) -> int:
-        return decode_overhead_bytes(self.geometry, self.kv)
+        return decode_overhead_bytes(self.geometry)
 
     def stream_bytes(self, depth: int) -> int:
         """One stream's cache as allocated, plus what it holds to decode (see memory.stream_bytes)."""
@@ -172,7 +174,8 @@ def capacity_table(
 
     A prompt's prefill holds the working set of a `prefill_step` chunk attending across the
     whole window (its scores whole, unless `tiled_attention`: gmlx's CPU kernels) and what the
-    chunk adds to its sliding-window caches; once per batch, MLX's buffer cache holds about one
+    chunk adds to its sliding-window caches, and its keys and values cast to a float16 store;
+    once per batch, MLX's buffer cache holds about one
     stream's sliding-window transient more (`batch_bytes`). With a `governor`, the budget also
     counts what the governor counts (GovernorTerms): the process's memory outside MLX comes off,
     and the table fills only up to where orange starts. `others_bytes`: the weights of the other
@@ -181,7 +184,9 @@ def capacity_table(
     window = g.context_length if context_length is None else min(context_length, g.context_length)
     chunk = min(prefill_step, window)
     transient = rotating_prefill_bytes(g, chunk, kv)
-    prefill = prefill_working_bytes(g, prefill_step, window, tiled_attention) + transient
+    prefill = (
+        prefill_working_bytes(g, prefill_step, window, tiled_attention) + transient + store_cast_bytes(g, chunk, kv)
+    )
     budget = MemoryBudget(
         memory,
         weight_bytes,
@@ -237,9 +242,13 @@ def governor_terms(s: TableSettings, host_bytes: int, host_memory: bool) -> Gove
     return GovernorTerms(host_bytes if host_memory else 0, round(s.governor_orange - s.governor_hysteresis, 4))
 
 
-# The KV cache's float width a server allocates, in every weight mode and on every device.
-KV_FLOAT_BYTES = FLOAT32_BYTES
-KV_FLOAT_WHY = "the engine computes in float32 (float32 weights or float32 scales)"
+def kv_float(fast_kernels: bool) -> tuple[int, str]:
+    """The KV cache's float width a server allocates, in every weight mode, and why: float16 where
+    gmlx's CPU kernels run attention (gmlx.models.fused, docs/ARCHITECTURE.md decision 35), else
+    the float32 the engine computes in."""
+    if fast_kernels:
+        return FP16_BYTES, "float16: gmlx's CPU kernels run attention and read float16 keys and values"
+    return FLOAT32_BYTES, "float32: the engine computes in float32 (float32 weights or float32 scales)"
 
 
 def header_table(
@@ -248,7 +257,6 @@ def header_table(
     *,
     mode: str,
     memory: int,
-    float_bytes: int = KV_FLOAT_BYTES,
     fast_kernels: bool = False,
     host_memory: bool = True,
     others_bytes: int = 0,
@@ -256,12 +264,12 @@ def header_table(
     """The table a server with settings `s` would build for this file, from its header alone (no
     weights): its weights as `mode` loads them, and the KV quantization plan it would make (None
     when off). `gmlx plan`/`gmlx estimate` and /v1/estimate for a model not loaded use it.
-    float_bytes 4: the engine computes in float32 (float32 weights or float32 scales);
-    fast_kernels: gmlx's CPU kernels run attention (see attention_in_tiles). With no server to
+    fast_kernels: gmlx's CPU kernels run attention (see attention_in_tiles and kv_float). With no server to
     measure, the process's memory outside MLX is HOST_BYTES_ESTIMATE (`host_memory`: the budget
     is host memory, as everywhere but CUDA); `others_bytes`, the weights of the models resident
     beside it."""
     g, weight_bytes, cache_bytes = h.geometry, resident_bytes(h, mode), s.prompt_cache_limit(memory)
+    float_bytes, _ = kv_float(fast_kernels)
     window = g.context_length if s.max_kv_size is None else min(g.context_length, s.max_kv_size)
     kv_plan = (
         server_plan(

@@ -11,7 +11,7 @@ from rich.table import Table
 import gmlx
 from gmlx import platform
 from gmlx.capacity.memory import KVFormat, kv_layer_kinds
-from gmlx.capacity.table import KV_FLOAT_BYTES, KV_FLOAT_WHY
+from gmlx.capacity.table import kv_float
 from gmlx.cli.common import (
     JSON_OPT,
     MODEL_ARG,
@@ -35,7 +35,10 @@ def describe(model: str | None, weights: WeightsOption) -> dict[str, Any]:
     g = h.geometry
     mode = choose_mode(weights, h)
     kv_heads = sorted(set(g.n_kv_heads))
-    kv = KVFormat(float_bytes=KV_FLOAT_BYTES)  # what the server allocates, as `gmlx plan` counts it
+    from gmlx.kernels import fast  # imports mlx: after the platform's bring-up
+
+    float_bytes, float_why = kv_float(fast.enabled())
+    kv = KVFormat(float_bytes=float_bytes)  # what the server allocates, as `gmlx plan` counts it
     return {
         "path": str(path),
         "architecture": g.architecture,
@@ -53,7 +56,7 @@ def describe(model: str | None, weights: WeightsOption) -> dict[str, Any]:
         "context_length": g.context_length,
         "vocab_size": g.vocab_size,
         "chat_template": g.has_chat_template,
-        "kv_format": {"value": kv.describe(), "from": KV_FLOAT_WHY, "element_bytes": kv.element_bytes()},
+        "kv_format": {"value": kv.describe(), "from": float_why, "element_bytes": kv.element_bytes()},
         "kv_bytes_per_token": {k.kind: asdict(k) for k in kv_layer_kinds(g, kv)},
         "weights": {"mode": mode, "resident_bytes": resident_bytes(h, mode)},
         "platform": {

@@ -15,7 +15,7 @@ from rich.table import Table
 from gmlx import platform
 from gmlx.capacity.estimate import estimate_embedding_not_loaded, estimate_not_loaded
 from gmlx.capacity.plan import LiveState, plan
-from gmlx.capacity.table import KV_FLOAT_WHY, CapacityTable, attention_in_tiles
+from gmlx.capacity.table import CapacityTable, attention_in_tiles, kv_float
 from gmlx.cli.common import (
     EXIT_FAILED,
     EXIT_OK,
@@ -137,7 +137,7 @@ def offline(
         "weights": {"value": mode, "from": weights_from, "resident_bytes": table.budget.weight_bytes},
         "kv_format": {
             "value": table.kv.describe(),
-            "from": KV_FLOAT_WHY,
+            "from": kv_float(_fast_kernels())[1],
             "element_bytes": table.kv.element_bytes(),
             **({"kv_quant": kv_plan.to_json()} if kv_plan is not None else {}),
         },

@@ -24,6 +24,7 @@ from enum import StrEnum
 
 import mlx.core as mx
 import psutil
+from mlx.utils import tree_flatten
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import StreamingDetokenizer
@@ -268,7 +269,7 @@ class Measured:
 
     tokens: int  # prompt tokens of the warm-up stream
     kv_bytes: int  # MLX active memory its cache took (caches allocate in 256-token steps)
-    kv_dtype_bytes: int  # element size of the cache, as the model computes
+    kv_dtype_bytes: int  # the cache's float element size (its store, a quantized cache's scales)
     prefill_tok_s: float
     decode_tok_s: float
     prefill_peak_bytes: int  # working memory above the cache while prefilling
@@ -284,6 +285,12 @@ def memory_outside_mlx() -> int:
 
 
 CacheFactory = Callable[[object], list]  # model -> one request's per-layer caches
+
+
+def _float_bytes(cache: list) -> int:
+    """The widest float element the caches hold (float16 where the kernels run attention)."""
+    arrays = [a for _, a in tree_flatten([c.state for c in cache]) if isinstance(a, mx.array)]
+    return max((a.dtype.size for a in arrays if mx.issubdtype(a.dtype, mx.floating)), default=4)
 
 
 def warm_up(
@@ -308,7 +315,7 @@ def warm_up(
     logits = loaded.model(prompt, cache=cache)
     mx.eval(logits[:, -1], [c.state for c in cache])
     prefill_s = time.perf_counter() - start
-    dtype_bytes = logits.dtype.size
+    dtype_bytes = _float_bytes(cache)
     del logits
     mx.clear_cache()
     kv = mx.get_active_memory() - before

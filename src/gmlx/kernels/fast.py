@@ -118,7 +118,8 @@ def scaled_dot_product_attention(
     ours = (
         _cpu(stream)
         and sinks is None
-        and _f32(q, k, v)
+        and _f32(q)
+        and (_f32(k, v) or k.dtype == v.dtype == mx.float16)
         and q.ndim == 4
         and k.ndim == 4
         and k.shape == v.shape

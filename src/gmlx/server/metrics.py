@@ -268,7 +268,8 @@ def _kv_cache(s: ServerState) -> dict:
         used = sum(t.stream_bytes(len(r.prompt_ids) + r.generated) for m, t in tables for r in m.engine.requests())  # type: ignore[union-attr]
         used += sum(t.stream_bytes(n) for m, t in tables for e in list(m.embeddings.values()) if (n := e.cache_tokens))
         budget = min(t.budget.kv_bytes for _, t in tables)
-        table_usage = round(used / budget, 4) if budget else 1.0
+        # six places: a small model's stream holds a few MB of a budget of tens of GB
+        table_usage = round(used / budget, 6) if budget else 1.0
     cache = s.default.engine.prompt_cache if s.default.engine is not None else None
     table = s.default.table()
     if table is not None and cache is not None and cache.enabled:
