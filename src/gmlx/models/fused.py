@@ -77,23 +77,26 @@ class HalfStore:
     def __call__(self, x: mx.array, mask: mx.array | None = None, cache: Any = None) -> mx.array:
         if cache is not None and fast.takes(x):
             cache = _HalfStore(cache)
+        return self._attend(x, mask, cache)
+
+    def _attend(self, x: mx.array, mask: mx.array | None, cache: Any) -> mx.array:
         return super().__call__(x, mask, cache)  # type: ignore[misc]
 
 
 class FusedAttention(HalfStore):
     """Put before an mlx_lm attention class: its computation with the heads split in one node each."""
 
-    def __call__(self, x: mx.array, mask: mx.array | None = None, cache: Any = None) -> mx.array:
+    def _attend(self, x: mx.array, mask: mx.array | None, cache: Any) -> mx.array:
         q_norm, k_norm = _norm(getattr(self, "q_norm", None)), _norm(getattr(self, "k_norm", None))
         if x.shape[1] != 1 or not fast.takes(x) or _NOT_FUSED in (q_norm, k_norm):
-            return super().__call__(x, mask, cache)
+            return super()._attend(x, mask, cache)
         B, L, _ = x.shape
         offset = cache.offset if cache is not None else 0
         q = fast.heads(self.q_proj(x), self.n_heads, norm=q_norm, rope=self.rope, offset=offset)
         k = fast.heads(self.k_proj(x), self.n_kv_heads, norm=k_norm, rope=self.rope, offset=offset)
         v = fast.heads(self.v_proj(x), self.n_kv_heads)
         if cache is not None:
-            k, v = cache.update_and_fetch(k.astype(KV_DTYPE), v.astype(KV_DTYPE))
+            k, v = cache.update_and_fetch(k, v)  # the float16 store, as HalfStore handed it
         out = scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
         return self.o_proj(out.reshape(B, L, -1))  # one query row: the transpose moves nothing
 
