@@ -89,6 +89,16 @@ const Impl* choose_impl(std::string want) {
   return &generic::impl;
 }
 
+// The kernels of the packed layouts (gguf_kernels.h) beside `impl`: its own, but where AMX's tiles
+// run (they read the file's layouts in place) AVX-512 VNNI's, which every CPU with AMX has: at a
+// decode step's few rows the packed kernels beat the tiles (docs/ARCHITECTURE.md, decision 36).
+const Impl* packing_impl(const Impl* impl) {
+#if defined(GMLX_HAVE_AMX) && defined(GMLX_HAVE_AVX512VNNI)
+  if (impl == &amx::impl && __builtin_cpu_supports("avx512vnni")) return &avx512vnni::impl;
+#endif
+  return impl;
+}
+
 thread_local std::vector<float> tl_scratch;
 
 float* scratch(size_t n) {
@@ -167,8 +177,7 @@ void run_float(const MatmulArgs& a) {
 // AVX2/AVX-512 take fewer than INT16_MAX_ROWS rows this way (prompts of 9 to 63 tokens went
 // 1.4x to 1.7x slower through the float kernel's dequantized tiles); AMX and AVX-512 with VNNI
 // take every prompt.
-void run_matmuls(const MatmulArgs* parts, int n_parts) {
-  const Impl* impl = active_impl();
+void run_matmuls_on(const Impl* impl, const MatmulArgs* parts, int n_parts) {
   const MatmulArgs& a = parts[0];
   // A packed weight has the integer path only (check_weight saw to it that this ISA has its
   // kernel), at 16 bits where the float path was asked for, and where 8 were but the layout has
@@ -217,6 +226,21 @@ void run_matmuls(const MatmulArgs* parts, int n_parts) {
     else
       impl->matmul_rows_int(parts[ch.part], xq, xd, xs, ch.n0, ch.n1, aligned, bits);
   });
+}
+
+// The weights' own kernels: the active ISA's, but a packed layout's where they differ (AMX: its
+// activation codes are laid out for tiles, so each kind is coded apart, a mixed call split).
+void run_matmuls(const MatmulArgs* parts, int n_parts) {
+  const Impl* impl = active_impl();
+  const Impl* packer = packing_impl(impl);
+  int n_packed = 0;
+  for (int i = 0; i < n_parts; i++) n_packed += is_packed(parts[i].type);
+  if (n_packed == 0 || packer == impl) return run_matmuls_on(impl, parts, n_parts);
+  if (n_packed == n_parts) return run_matmuls_on(packer, parts, n_parts);
+  std::vector<MatmulArgs> packed, file;
+  for (int i = 0; i < n_parts; i++) (is_packed(parts[i].type) ? packed : file).push_back(parts[i]);
+  run_matmuls_on(packer, packed.data(), (int)packed.size());
+  run_matmuls_on(impl, file.data(), (int)file.size());
 }
 
 void check_type(int type) {
@@ -509,7 +533,7 @@ static void check_weight(const char* op, const mx::array& w, int type, int64_t r
     throw std::invalid_argument(msg.str());
   }
   if (!is_packed(type)) return;
-  const Impl* impl = active_impl();
+  const Impl* impl = packing_impl(active_impl());
   std::ostringstream msg;
   if (rows % PACK_ROWS != 0)
     msg << op << ": a packed weight needs a multiple of " << PACK_ROWS << " rows";
@@ -708,7 +732,7 @@ mx::array pack(const mx::array& w_in, int type) {
 }
 
 bool packs(int type) {
-  const Impl* impl = active_impl();
+  const Impl* impl = packing_impl(active_impl());
   return impl->packs && impl->packs(type);
 }
 

@@ -22,7 +22,8 @@ int16, meets 8 rows at a time in integer dot products (AVX2/AVX-512 madd); more 
 go through OpenBLAS's sgemm on dequantized panels, or without it dequantize 16 weight rows at a
 time to float for a register-blocked FMA micro-kernel. Where the CPU has AMX's int8 tiles (Intel
 Sapphire Rapids on) and Linux grants them, every batch takes the integer path as tile products:
-the same 16-bit codes split into two int8 halves, 16 weight rows' blocks against 8 rows of x.
+the same 16-bit codes split into two int8 halves, 16 weight rows' blocks against 8 rows of x;
+packed weights (see packs) take AVX-512 VNNI's kernels there, faster at decode's few rows.
 Knobs, for tests and benchmarks:
 GMLX_KERNELS_THREADS (default: each CPU the process may run on),
 GMLX_KERNELS_ISA (generic, avx2, avx512, avx512vnni, amx),
@@ -31,7 +32,7 @@ GMLX_KERNELS_PIN (0 leaves the threads unpinned; by default, on Linux, where the
 process may run on, each keeps one of its own),
 GMLX_KERNELS_SPIN_US (how long an idle thread waits for the next parallel region before it sleeps; 20),
 GMLX_KERNELS_PACK (0 keeps Q8_0, Q5_0, Q4_K and Q6_K weights in the file's layout; by default, where the kernels
-have an int16 path (AVX2, AVX-512), they are packed for them: see packs),
+have an int16 path (AVX2, AVX-512; beside AMX, VNNI's), they are packed for them: see packs),
 GMLX_KERNELS_HUGE_PAGES (0 leaves the weights where they were loaded; by default, on Linux unless its
 transparent huge pages are `never`, they are moved into memory advised for them: see in_huge_pages),
 GMLX_KERNELS_EXT (load the extension from another build).
@@ -326,8 +327,8 @@ def pack_weights(model: nn.Module) -> int:
 
 def packs(ggml_type: int, rows: int) -> bool:
     """Whether a weight of this type and row count is packed for the active kernels
-    (docs/ARCHITECTURE.md, decision 25): Q8_0, Q5_0 and Q4_K where they have an int16 path (AVX2,
-    AVX-512), Q6_K where it is AVX-512's. A packed weight other than Q8_0 always meets 16-bit
+    (docs/ARCHITECTURE.md, decisions 25 and 36): Q8_0, Q5_0 and Q4_K where they have an int16 path
+    (AVX2, AVX-512; beside AMX, VNNI's), Q6_K where it is AVX-512's. A packed weight other than Q8_0 always meets 16-bit
     activation codes, so with 8-bit ones asked for (GMLX_KERNELS_ACT_BITS=8: llama.cpp's
     arithmetic) it keeps the file's layout."""
     ext = _load()
