@@ -47,7 +47,7 @@ consteval BlockFormat format_of(int type) {
 int block_size(int type);
 int type_size(int type);
 
-// gmlx's own layouts of Q8_0, Q5_0, Q4_K and Q6_K tensors (no GGML type; ops take each as PACKED + the
+// gmlx's own layouts of Q4_0, Q8_0, Q5_0, Q4_K, Q5_K and Q6_K tensors (no GGML type; ops take each as PACKED + the
 // file's type): each PACK_ROWS rows' blocks interleaved, so that a kernel with a lane per weight
 // row reads them in order with no transposes. Group g holds the bytes of rows 16 g .. 16 g + 15,
 // so row counts and a group's offset are the file type's. Per block of the 16 rows (a 32-block;
@@ -57,22 +57,28 @@ int type_size(int type);
 //   Q5_0_R16: 16 f16 scales, then 16 bytes a pair, byte i holding the low 4 bits of row i's
 //             codes 2 p (low nibble) and 2 p + 1 (high), then 4 bytes a pair, bit 2 i + j set
 //             where row i's code 2 p + j has its fifth bit clear (its value is the nibble less 16);
+//   Q4_0_R16: as Q5_0_R16 without the fifth bits (a code is its nibble less 8);
 //   Q4_K_R16: 16 f16 scales d, 16 f16 minimum scales dmin, then per sub-block j (of 32) the 16
 //             rows' 6-bit scales and minima (q4k_low_at, q4k_high_at), then per sub-block its 16
 //             code pairs as Q5_0_R16's low bits (4-bit codes: no fifth);
+//   Q5_K_R16: as Q4_K_R16, but each sub-block's code pairs followed by their fifth bits, 4 bytes
+//             a pair, bit 2 i + j set where row i's code 2 p + j has it (the code is the nibble
+//             plus 16);
 //   Q6_K_R16: 16 f16 scales d, then per sub-block and half of it the 16 rows' int8 scales, then
 //             per sub-block its 16 code pairs' low 4 bits as Q5_0_R16's, then their high 2 bits
 //             (q6k_high_at); a code is those 6 bits less 32.
 inline constexpr int PACKED = 1000;
-inline constexpr int Q8_0_R16 = PACKED + Q8_0, Q5_0_R16 = PACKED + Q5_0, Q4_K_R16 = PACKED + Q4_K,
-                     Q6_K_R16 = PACKED + Q6_K;
+inline constexpr int Q4_0_R16 = PACKED + Q4_0, Q8_0_R16 = PACKED + Q8_0, Q5_0_R16 = PACKED + Q5_0,
+                     Q4_K_R16 = PACKED + Q4_K, Q5_K_R16 = PACKED + Q5_K, Q6_K_R16 = PACKED + Q6_K;
 inline constexpr int PACK_ROWS = 16;
-constexpr bool packable(int type) { return type == Q8_0 || type == Q5_0 || type == Q4_K || type == Q6_K; }
+constexpr bool packable(int type) {
+  return type == Q4_0 || type == Q8_0 || type == Q5_0 || type == Q4_K || type == Q5_K || type == Q6_K;
+}
 constexpr bool is_packed(int type) { return type > PACKED; }
 constexpr int file_type(int type) { return is_packed(type) ? type - PACKED : type; }
 // Within a group's 32-block (static: each ISA's object keeps its own copy, see above): row i's
 // scale; Q8_0_R16's code pair p of every row (32 bytes, 2 a row) and row i's code c; Q5_0_R16's
-// low bits of pair p (16 bytes, 1 a row) and its cleared fifth bits (32, 2 a row).
+// low bits of pair p (16 bytes, 1 a row; Q4_0_R16's codes) and its cleared fifth bits (32, 2 a row).
 static constexpr int packed_scale_at(int i) { return 2 * i; }
 static constexpr int packed_pairs_at(int p) { return 32 + 32 * p; }
 static constexpr int packed_code_at(int i, int c) { return packed_pairs_at(c / 2) + 2 * i + c % 2; }
@@ -86,6 +92,10 @@ static constexpr int q4k_dmin_at(int i) { return 32 + 2 * i; }
 static constexpr int q4k_low_at(int j, int what) { return 64 + 16 * j + 8 * what; }
 static constexpr int q4k_high_at(int j, int what) { return 192 + 8 * j + 4 * what; }
 static constexpr int q4k_pairs_at(int j, int p) { return 256 + 256 * j + 16 * p; }
+// Q5_K_R16's (its scales and minima as Q4_K_R16's): the low 4 bits of sub-block j's code pair p,
+// then the pair's fifth bits (32, 2 a row).
+static constexpr int q5k_pairs_at(int j, int p) { return 256 + 320 * j + 16 * p; }
+static constexpr int q5k_fifth_at(int j, int p) { return 256 + 320 * j + 256 + 4 * p; }
 // Q6_K_R16's 16 rows' int8 scales of half h of sub-block j; the low 4 bits of sub-block j's code
 // pair p (as Q5_0_R16's); their high 2 bits, one 64-bit word in which the two bits of word w =
 // 2 i + c (row i's code 2 p + c) lie at bit 16 (w % 4) + 2 (w / 4): in the 16-bit word w % 4 of
@@ -166,7 +176,8 @@ struct Impl {
   void (*matmul_rows_int)(const MatmulArgs& a, const int16_t* xq, const float* xd, const float* xs,
                           int64_t n0, int64_t n1, void* scratch, int bits);
   // The same for a packed weight (a.type PACKED + a packed type; n0, n1 multiples of PACK_ROWS),
-  // where packs(its file type); both null where the ISA has no packed kernels (generic, amx).
+  // where packs(its file type); both null where the ISA has no packed kernels (generic; amx, whose
+  // packed weights ops.cpp hands to avx512vnni's).
   bool (*packs)(int type);
   void (*packed_rows_int)(const MatmulArgs& a, const int16_t* xq, const float* xd, const float* xs, int64_t n0,
                           int64_t n1, void* scratch, int bits);

@@ -449,7 +449,7 @@ static void packed_row(int type, const uint8_t* w, int64_t row_bytes, int64_t ro
   for (int64_t b = 0; b < K / weights; b++, y += weights) {
     const uint8_t* blk = group + b * block;
     const float d = f16(blk + packed_scale_at(i));
-    if (type == Q4_K_R16) {
+    if (type == Q4_K_R16 || type == Q5_K_R16) {
       const float dmin = f16(blk + q4k_dmin_at(i));
       for (int j = 0; j < 8; j++) {
         int six[2];
@@ -457,8 +457,13 @@ static void packed_row(int type, const uint8_t* w, int64_t row_bytes, int64_t ro
           six[what] = (bits(blk + q4k_low_at(j, what), 4 * (i / 2) + 32 * (i % 2)) & 15) |
                       (bits(blk + q4k_high_at(j, what), 2 * i) & 3) << 4;
         const float dj = d * (float)six[0], mj = dmin * (float)six[1];
-        for (int c = 0; c < 32; c++)
-          y[32 * j + c] = dj * (float)(bits(blk + q4k_pairs_at(j, c / 2) + i, 4 * (c % 2)) & 15) - mj;
+        for (int c = 0; c < 32; c++) {
+          const int p = c / 2, w = 2 * i + c % 2;
+          const int code = type == Q4_K_R16 ? bits(blk + q4k_pairs_at(j, p) + i, 4 * (c % 2)) & 15
+                                            : (bits(blk + q5k_pairs_at(j, p) + i, 4 * (c % 2)) & 15) |
+                                                  (bits(blk + q5k_fifth_at(j, p), w) & 1) << 4;
+          y[32 * j + c] = dj * (float)code - mj;
+        }
       }
       continue;
     }
@@ -473,9 +478,10 @@ static void packed_row(int type, const uint8_t* w, int64_t row_bytes, int64_t ro
     }
     for (int c = 0; c < 32; c++) {
       const int p = c / 2, j = c % 2;
-      const int code = type == Q8_0_R16 ? (int8_t)blk[packed_code_at(i, c)]
-                                        : (bits(blk + q5_nibbles_at(p) + i, 4 * j) & 15) -
-                                              16 * (bits(blk + q5_signs_at(p), 2 * i + j) & 1);
+      const int nibble = bits(blk + q5_nibbles_at(p) + i, 4 * j) & 15;
+      const int code = type == Q8_0_R16   ? (int8_t)blk[packed_code_at(i, c)]
+                       : type == Q4_0_R16 ? nibble - 8
+                                          : nibble - 16 * (bits(blk + q5_signs_at(p), 2 * i + j) & 1);
       y[c] = d * (float)code;
     }
   }
@@ -635,11 +641,15 @@ mx::array gguf_embed(const mx::array& w, const mx::array& ids, int type, int64_t
 }
 
 // Code c of sub-block j of a file block of a packable type, unsigned as the packed layouts keep
-// it (Q8_0: the int8 code's byte; Q5_0: its 5 bits; Q4_K: 4; Q6_K: 6).
+// it (Q8_0: the int8 code's byte; Q4_0, Q4_K: its 4 bits; Q5_0, Q5_K: 5; Q6_K: 6).
 template <int TYPE>
 static uint8_t file_code(const uint8_t* blk, int j, int c) {
   if constexpr (TYPE == Q8_0) {
     return blk[2 + c];
+  } else if constexpr (TYPE == Q4_0) {  // f16 d, 16 bytes of codes c and c + 16
+    return c < 16 ? blk[2 + c] & 15 : blk[2 + c - 16] >> 4;
+  } else if constexpr (TYPE == Q5_K) {  // f16 d, f16 dmin, 12 bytes of scales, 32 of fifth bits, 128 of low 4
+    return (uint8_t)((blk[48 + 32 * (j / 2) + c] >> 4 * (j % 2) & 15) | (blk[16 + c] >> j & 1) << 4);
   } else if constexpr (TYPE == Q5_0) {  // f16 d, 32 fifth bits, 16 bytes of codes c and c + 16
     return (uint8_t)((c < 16 ? blk[6 + c] & 15 : blk[6 + c - 16] >> 4) | (blk[2 + c / 8] >> c % 8 & 1) << 4);
   } else if constexpr (TYPE == Q4_K) {  // f16 d, f16 dmin, 12 bytes of scales, 128 of codes (2 sub-blocks a 32)
@@ -658,7 +668,7 @@ template <int TYPE>
 static void pack_block(const uint8_t* rows, int64_t stride, uint8_t* out) {
   auto row = [&](int i) { return rows + i * stride; };
   for (int i = 0; i < PACK_ROWS; i++) memcpy(out + packed_scale_at(i), row(i) + (TYPE == Q6_K ? 208 : 0), 2);
-  if constexpr (TYPE == Q4_K) {
+  if constexpr (TYPE == Q4_K || TYPE == Q5_K) {
     for (int i = 0; i < PACK_ROWS; i++) memcpy(out + q4k_dmin_at(i), row(i) + 2, 2);
     for (int j = 0; j < 8; j++)
       for (int what = 0; what < 2; what++) {
@@ -687,18 +697,24 @@ static void pack_block(const uint8_t* rows, int64_t stride, uint8_t* out) {
       if constexpr (TYPE == Q8_0) {
         for (int i = 0; i < PACK_ROWS; i++) memcpy(out + packed_code_at(i, 2 * p), &code[i][2 * p], 2);
       } else {
-        const int at = TYPE == Q5_0 ? q5_nibbles_at(p) : TYPE == Q4_K ? q4k_pairs_at(j, p) : q6k_low_at(j, p);
+        const int at = TYPE == Q5_0 || TYPE == Q4_0 ? q5_nibbles_at(p)
+                       : TYPE == Q4_K             ? q4k_pairs_at(j, p)
+                       : TYPE == Q5_K             ? q5k_pairs_at(j, p)
+                                                  : q6k_low_at(j, p);
         for (int i = 0; i < PACK_ROWS; i++)
           out[at + i] = (uint8_t)((code[i][2 * p] & 15) | (code[i][2 * p + 1] & 15) << 4);
       }
-      if constexpr (TYPE == Q5_0 || TYPE == Q6_K) {
-        uint64_t high = 0;  // Q5_0: the cleared fifth bits; Q6_K: the top two
+      if constexpr (TYPE == Q5_0 || TYPE == Q5_K || TYPE == Q6_K) {
+        uint64_t high = 0;  // Q5_0: the cleared fifth bits; Q5_K: the set ones; Q6_K: the top two
         for (int i = 0; i < PACK_ROWS; i++)
           for (int k = 0; k < 2; k++) {
             const int w = 2 * i + k, top = code[i][2 * p + k] >> 4;
-            high |= TYPE == Q5_0 ? (uint64_t)!top << w : (uint64_t)top << (16 * (w % 4) + 2 * (w / 4));
+            high |= TYPE == Q5_0   ? (uint64_t)!top << w
+                    : TYPE == Q5_K ? (uint64_t)top << w
+                                   : (uint64_t)top << (16 * (w % 4) + 2 * (w / 4));
           }
-        memcpy(out + (TYPE == Q5_0 ? q5_signs_at(p) : q6k_high_at(j, p)), &high, TYPE == Q5_0 ? 4 : 8);
+        const int at = TYPE == Q5_0 ? q5_signs_at(p) : TYPE == Q5_K ? q5k_fifth_at(j, p) : q6k_high_at(j, p);
+        memcpy(out + at, &high, TYPE == Q6_K ? 8 : 4);
       }
     }
   }
@@ -710,7 +726,7 @@ mx::array pack(const mx::array& w_in, int type) {
   const int size = packable(type) ? type_size(type) : 0;
   if (size == 0 || w.dtype() != mx::uint8 || w.ndim() != 2 || w.shape(1) % size != 0 || w.shape(0) % PACK_ROWS != 0)
     throw std::invalid_argument(
-        "pack: Q8_0, Q5_0, Q4_K or Q6_K bytes (rows, K / block * type size), rows a multiple of 16");
+        "pack: Q4_0, Q8_0, Q5_0, Q4_K, Q5_K or Q6_K bytes (rows, K / block * type size), rows a multiple of 16");
   const int64_t rows = w.shape(0), rb = w.shape(1), nb = rb / size;
   mx::array packed(mx::allocator::malloc((size_t)(rows * rb)), w.shape(), mx::uint8);
   const uint8_t* src = w.data<uint8_t>();
@@ -723,9 +739,11 @@ mx::array pack(const mx::array& w_in, int type) {
         pack_block<TYPE>(src + g * PACK_ROWS * rb + b * size, rb, dst + g * PACK_ROWS * rb + b * PACK_ROWS * size);
   };
   switch (type) {
+    case Q4_0: each.operator()<Q4_0>(); break;
     case Q8_0: each.operator()<Q8_0>(); break;
     case Q5_0: each.operator()<Q5_0>(); break;
     case Q4_K: each.operator()<Q4_K>(); break;
+    case Q5_K: each.operator()<Q5_K>(); break;
     default: each.operator()<Q6_K>(); break;
   }
   return packed;

@@ -47,7 +47,7 @@ mx::array gguf_gated_mlp(const mx::array& x, const mx::array& gate, const mx::ar
 mx::array gguf_dequant_rows(const mx::array& rows, int type, int64_t K, mx::StreamOrDevice s = {});
 // An embedding lookup: float32 (*ids.shape, K), row ids[i] of w (any type, packed included) dequantized.
 mx::array gguf_embed(const mx::array& w, const mx::array& ids, int type, int64_t K, mx::StreamOrDevice s = {});
-// Q8_0, Q5_0, Q4_K or Q6_K bytes (rows, K / block * type size), rows a multiple of PACK_ROWS, in
+// Q4_0, Q8_0, Q5_0, Q4_K, Q5_K or Q6_K bytes (rows, K / block * type size), rows a multiple of PACK_ROWS, in
 // their packed layout (PACKED + type); and whether the active ISA's kernels multiply it.
 mx::array pack(const mx::array& w, int type);
 bool packs(int type);

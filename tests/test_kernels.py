@@ -218,8 +218,8 @@ def test_a_packed_table_looks_up_the_files_rows_exactly(t, isa):
         np.testing.assert_array_equal(np.array(got), wd[ids])
     with pytest.raises(ValueError, match="multiple of 16"):
         gk.extension().pack(mx.array(w[:40]), t)
-    with pytest.raises(ValueError, match="Q8_0, Q5_0, Q4_K or Q6_K"):
-        gk.extension().pack(mx.array(random_weights(T.Q4_0, 16, 1024, rng)), T.Q4_0)
+    with pytest.raises(ValueError, match="Q4_0, Q8_0, Q5_0, Q4_K, Q5_K or Q6_K"):
+        gk.extension().pack(mx.array(random_weights(T.Q4_1, 16, 1024, rng)), T.Q4_1)
     with pytest.raises(ValueError, match="file's layout only"):
         gk.dequant_rows(packed, PACKABLE[t], 1024)
 

@@ -84,22 +84,25 @@ inline void row_dot(const uint8_t* w, const XQ& x, int M_, float* out) {
 
 // The packed layouts (gguf_kernels.h) whose kernel here beats the file's layout: Q6_K's high bits
 // cost more to decode in 8 lanes than its codes' products at batch 1 (0.069 ms against 0.058 at
-// 640 x 2,048, 0.98-1.02x at 4 and 8 rows), so it keeps the file's.
-constexpr bool packs_type(int type) { return packable(type) && type != Q6_K; }
+// 640 x 2,048, 0.98-1.02x at 4 and 8 rows), and so do Q5_K's fifth bits (0.091 against 0.080 at
+// 1,024 x 2,048, 1.04-1.11x at 4 to 64 rows), so they keep the file's.
+constexpr bool packs_type(int type) { return packable(type) && type != Q6_K && type != Q5_K; }
 
 // Code pair p of rows 8 h .. 8 h + 7 of sub-block j of a packed group's block (gguf_kernels.h), a
 // lane each: TYPE is the file's. As on AVX-512 (int16_avx512.h: packed_pair), the 4 low bits of a
-// row's two codes meet in one word each; Q5_0's fifth bits, spread to words, take 16 off.
+// row's two codes meet in one word each; Q4_0's lose 8; Q5_0's fifth bits, spread to words, take
+// 16 off.
 template <int TYPE>
 inline __m256i packed_half(const uint8_t* blk, int j, int p, int h) {
   if constexpr (TYPE == Q8_0) {
     return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(blk + packed_pairs_at(p) + 16 * h)));
   } else {
-    static_assert(TYPE == Q5_0 || TYPE == Q4_K);
-    const int at = TYPE == Q5_0 ? q5_nibbles_at(p) : q4k_pairs_at(j, p);
+    static_assert(TYPE == Q4_0 || TYPE == Q5_0 || TYPE == Q4_K);
+    const int at = TYPE == Q4_K ? q4k_pairs_at(j, p) : q5_nibbles_at(p);
     const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(blk + at + 8 * h)));
     const __m256i v = _mm256_and_si256(_mm256_or_si256(b, _mm256_slli_epi32(b, 12)), _mm256_set1_epi32(0x000F000F));
     if constexpr (TYPE == Q4_K) return v;
+    if constexpr (TYPE == Q4_0) return _mm256_sub_epi16(v, _mm256_set1_epi16(8));
     uint16_t low;  // bit w: word w's code lost its fifth bit
     memcpy(&low, blk + q5_signs_at(p) + 2 * h, 2);
     const __m256i bit = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, -32768);

@@ -180,22 +180,29 @@ constexpr bool packs_type(int type) { return packable(type); }
 
 // Code pair p of every row of sub-block j of a packed group's block (gguf_kernels.h), a lane
 // each: TYPE is the file's. The 4 low bits of a row's two codes meet in one word each (the byte,
-// shifted 12 into the high word, masked); then Q5_0's codes whose fifth bit is clear lose 16, and
-// Q6_K's take their 2 high bits (one variable shift a word) and lose 32.
+// shifted 12 into the high word, masked); then Q4_0's lose 8, Q5_0's whose fifth bit is clear
+// lose 16, Q5_K's whose fifth bit is set gain 16, and Q6_K's take their 2 high bits (one variable
+// shift a word) and lose 32.
 template <int TYPE>
 inline __m512i packed_pair(const uint8_t* blk, int j, int p) {
   if constexpr (TYPE == Q8_0) {
     return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(blk + packed_pairs_at(p))));
   } else {
-    const int at = TYPE == Q5_0 ? q5_nibbles_at(p) : TYPE == Q4_K ? q4k_pairs_at(j, p) : q6k_low_at(j, p);
+    const int at = TYPE == Q5_0 || TYPE == Q4_0 ? q5_nibbles_at(p)
+                   : TYPE == Q4_K             ? q4k_pairs_at(j, p)
+                   : TYPE == Q5_K             ? q5k_pairs_at(j, p)
+                                              : q6k_low_at(j, p);
     const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + at)));
     const __m512i v = _mm512_ternarylogic_epi32(b, _mm512_slli_epi32(b, 12), _mm512_set1_epi32(0x000F000F), 0xA8);
     if constexpr (TYPE == Q4_K) {
       return v;  // (b | b << 12) & mask above
-    } else if constexpr (TYPE == Q5_0) {
-      __mmask32 low;  // these bits: code 2 i + j of the pair
-      memcpy(&low, blk + q5_signs_at(p), 4);
-      return _mm512_mask_sub_epi16(v, low, v, _mm512_set1_epi16(16));
+    } else if constexpr (TYPE == Q4_0) {
+      return _mm512_sub_epi16(v, _mm512_set1_epi16(8));
+    } else if constexpr (TYPE == Q5_0 || TYPE == Q5_K) {
+      __mmask32 fifth;  // these bits: code 2 i + j of the pair
+      memcpy(&fifth, blk + (TYPE == Q5_0 ? q5_signs_at(p) : q5k_fifth_at(j, p)), 4);
+      return TYPE == Q5_0 ? _mm512_mask_sub_epi16(v, fifth, v, _mm512_set1_epi16(16))
+                          : _mm512_mask_add_epi16(v, fifth, v, _mm512_set1_epi16(16));
     } else {
       static_assert(TYPE == Q6_K);
       uint64_t high;
@@ -238,14 +245,14 @@ inline void packed_dot(const uint8_t* w, const XQ& x, int M, float* out) {
     for (int l = 0; l < BLOCK; l += 64) _mm_prefetch((const char*)blk + prefetch_packed(TYPE) + l, _MM_HINT_T0);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)blk));
     __m512 minus_dmin = _mm512_setzero_ps();
-    if constexpr (TYPE == Q4_K) {
+    if constexpr (has_min(TYPE)) {
       const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + q4k_dmin_at(0))));
       minus_dmin = _mm512_sub_ps(minus_dmin, dmin);
     }
     for (int j = 0; j < SUBS; j++) {
       const int64_t b = c * SUBS + j;
       __m512 dj[HALVES] = {d}, mj = minus_dmin;  // as group_dot: d times a scale, -dmin times a minimum
-      if constexpr (TYPE == Q4_K) {
+      if constexpr (has_min(TYPE)) {  // Q4_K, Q5_K
         dj[0] = _mm512_mul_ps(d, q4k_six(blk, j, 0));
         mj = _mm512_mul_ps(minus_dmin, q4k_six(blk, j, 1));
       }
@@ -256,7 +263,7 @@ inline void packed_dot(const uint8_t* w, const XQ& x, int M, float* out) {
         }
       __m512i r[16];
       for (int p = 0; p < 16; p++) r[p] = packed_pair<TYPE>(blk, j, p);
-      meet_block<HALVES, TYPE == Q4_K>(r, dj, mj, x, b, M, out);
+      meet_block<HALVES, has_min(TYPE)>(r, dj, mj, x, b, M, out);
     }
   }
 }
