@@ -31,8 +31,8 @@ GMLX_KERNELS_ACT_BITS (16; 8 = llama.cpp's Q8_0 activations; 0 = float path only
 GMLX_KERNELS_PIN (0 leaves the threads unpinned; by default, on Linux, where they use every CPU the
 process may run on, each keeps one of its own),
 GMLX_KERNELS_SPIN_US (how long an idle thread waits for the next parallel region before it sleeps; 20),
-GMLX_KERNELS_PACK (0 keeps Q4_0, Q8_0, Q5_0, Q4_K, Q5_K and Q6_K weights in the file's layout; by default, where the kernels
-have an int16 path (AVX2, AVX-512; beside AMX, VNNI's), they are packed for them: see packs),
+GMLX_KERNELS_PACK (0 keeps Q4_0, Q8_0, Q5_0, Q4_K, Q5_K and Q6_K weights in the file's layout; by default,
+where the kernels have an int16 path (AVX2, AVX-512; beside AMX, VNNI's), they are packed for them: see packs),
 GMLX_KERNELS_HUGE_PAGES (0 leaves the weights where they were loaded; by default, on Linux unless its
 transparent huge pages are `never`, they are moved into memory advised for them: see in_huge_pages),
 GMLX_KERNELS_EXT (load the extension from another build).
@@ -328,9 +328,9 @@ def pack_weights(model: nn.Module) -> int:
 def packs(ggml_type: int, rows: int) -> bool:
     """Whether a weight of this type and row count is packed for the active kernels
     (docs/ARCHITECTURE.md, decisions 25 and 36): Q4_0, Q8_0, Q5_0 and Q4_K where they have an int16
-    path (AVX2, AVX-512; beside AMX, VNNI's), Q5_K and Q6_K where it is AVX-512's. A packed weight other than Q8_0 always meets 16-bit
-    activation codes, so with 8-bit ones asked for (GMLX_KERNELS_ACT_BITS=8: llama.cpp's
-    arithmetic) it keeps the file's layout."""
+    path (AVX2, AVX-512; beside AMX, VNNI's), Q5_K and Q6_K where it is AVX-512's. A packed weight
+    other than Q8_0 always meets 16-bit activation codes, so with 8-bit ones asked for
+    (GMLX_KERNELS_ACT_BITS=8: llama.cpp's arithmetic) it keeps the file's layout."""
     ext = _load()
     return (
         ext is not None
