@@ -176,9 +176,11 @@ struct Impl {
   void (*matmul_rows_int)(const MatmulArgs& a, const int16_t* xq, const float* xd, const float* xs,
                           int64_t n0, int64_t n1, void* scratch, int bits);
   // The same for a packed weight (a.type PACKED + a packed type; n0, n1 multiples of PACK_ROWS),
-  // where packs(its file type); both null where the ISA has no packed kernels (generic; amx, whose
-  // packed weights ops.cpp hands to avx512vnni's).
+  // where packs(its file type), with activations coded by quantize_packed (quantize_x itself
+  // where the ISA's packed kernels read its codes; AMX's lay them out for A tiles); all three null
+  // where the ISA has no packed kernels (generic).
   bool (*packs)(int type);
+  void (*quantize_packed)(const MatmulArgs& a, int bits, int16_t* xq, float* xd, float* xs);
   void (*packed_rows_int)(const MatmulArgs& a, const int16_t* xq, const float* xd, const float* xs, int64_t n0,
                           int64_t n1, void* scratch, int bits);
   // y[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w (w may be null), rows of D floats

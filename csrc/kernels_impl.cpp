@@ -53,8 +53,17 @@ void matmul_rows_int(const MatmulArgs& a, const int16_t* xq, const float* xd, co
 #ifdef GMLX_PACKED_PATH
 constexpr auto packs_fn = packs;
 constexpr auto packed_rows_fn = packed_rows_int;
+#ifdef GMLX_PACKED_CODES
+void quantize_packed(const MatmulArgs& a, int bits, int16_t* xq, float* xd, float* xs) {
+  for (int64_t m = 0; m < a.M; m++) code_row_packed(a, m, bits, xq, xd, xs);
+}
+constexpr auto quantize_packed_fn = quantize_packed;
+#else
+constexpr auto quantize_packed_fn = quantize_x;  // the packed kernels read the integer path's codes
+#endif
 #else
 constexpr decltype(Impl::packs) packs_fn = nullptr;
+constexpr decltype(Impl::quantize_packed) quantize_packed_fn = nullptr;
 constexpr decltype(Impl::packed_rows_int) packed_rows_fn = nullptr;
 #endif
 
@@ -93,6 +102,7 @@ const Impl impl = {
     .matmul_rows_int = nullptr,
 #endif
     .packs = packs_fn,
+    .quantize_packed = quantize_packed_fn,
     .packed_rows_int = packed_rows_fn,
     .rms_norm_rows = L::rms_norm_rows,
     .gated_act = L::gated_act,

@@ -89,12 +89,21 @@ const Impl* choose_impl(std::string want) {
   return &generic::impl;
 }
 
-// The kernels of the packed layouts (gguf_kernels.h) beside `impl`: its own, but where AMX's tiles
-// run (they read the file's layouts in place) AVX-512 VNNI's, which every CPU with AMX has: at a
-// decode step's few rows the packed kernels beat the tiles (docs/ARCHITECTURE.md, decision 36).
-const Impl* packing_impl(const Impl* impl) {
+// Activation rows from which AMX's tiles multiply a packed weight of a file type faster than
+// AVX-512 VNNI's packed kernels (Q6_K's tiles take 16 codes, not 32; docs/ARCHITECTURE.md,
+// decision 36).
+constexpr int64_t amx_packed_rows(int type) { return type == Q6_K ? 128 : 16; }
+
+// The kernels that multiply a call's packed weights: `impl`'s, but where AMX runs, AVX-512 VNNI's
+// (every CPU with AMX has it) for fewer rows than any of the weights takes to the tiles.
+const Impl* packing_impl(const Impl* impl, const MatmulArgs* parts, int n_parts) {
 #if defined(GMLX_HAVE_AMX) && defined(GMLX_HAVE_AVX512VNNI)
-  if (impl == &amx::impl && __builtin_cpu_supports("avx512vnni")) return &avx512vnni::impl;
+  if (impl == &amx::impl && __builtin_cpu_supports("avx512vnni")) {
+    int64_t tiles_from = INT64_MAX;
+    for (int i = 0; i < n_parts; i++)
+      if (is_packed(parts[i].type)) tiles_from = std::min(tiles_from, amx_packed_rows(file_type(parts[i].type)));
+    if (parts[0].M < tiles_from) return &avx512vnni::impl;
+  }
 #endif
   return impl;
 }
@@ -202,11 +211,12 @@ void run_matmuls_on(const Impl* impl, const MatmulArgs* parts, int n_parts) {
   float* xs = tl_xs.data();
   const int64_t nb_row = a.K / 32, passes = (a.M + INT_ROWS - 1) / INT_ROWS;
   const int coders = a.M * a.K < (int64_t)1 << 16 ? 1 : n_threads();  // a prompt's rows coded in parallel
+  const auto quantize = packed ? impl->quantize_packed : impl->quantize_x;  // run_matmuls: never both kinds apart
   parallel_chunks(coders, passes, [&](int64_t p) {
     MatmulArgs rows = a;
     rows.x += p * INT_ROWS * a.K;
     rows.M = std::min<int64_t>(INT_ROWS, a.M - p * INT_ROWS);
-    impl->quantize_x(rows, bits, xq + p * INT_ROWS * a.K, xd + p * INT_ROWS * nb_row, xs + p * INT_ROWS * nb_row);
+    quantize(rows, bits, xq + p * INT_ROWS * a.K, xd + p * INT_ROWS * nb_row, xs + p * INT_ROWS * nb_row);
   });
   int64_t rows = 0;
   for (int i = 0; i < n_parts; i++) rows += parts[i].N;
@@ -228,15 +238,16 @@ void run_matmuls_on(const Impl* impl, const MatmulArgs* parts, int n_parts) {
   });
 }
 
-// The weights' own kernels: the active ISA's, but a packed layout's where they differ (AMX: its
-// activation codes are laid out for tiles, so each kind is coded apart, a mixed call split).
+// The weights' own kernels: the active ISA's, packed ones packing_impl's. A call of both kinds is
+// split where they code the activations apart (AMX's two layouts, or AMX's and VNNI's).
 void run_matmuls(const MatmulArgs* parts, int n_parts) {
   const Impl* impl = active_impl();
-  const Impl* packer = packing_impl(impl);
+  const Impl* packer = packing_impl(impl, parts, n_parts);
   int n_packed = 0;
   for (int i = 0; i < n_parts; i++) n_packed += is_packed(parts[i].type);
-  if (n_packed == 0 || packer == impl) return run_matmuls_on(impl, parts, n_parts);
-  if (n_packed == n_parts) return run_matmuls_on(packer, parts, n_parts);
+  if (n_packed == 0) return run_matmuls_on(impl, parts, n_parts);
+  if (n_packed == n_parts || (packer == impl && impl->quantize_packed == impl->quantize_x))
+    return run_matmuls_on(packer, parts, n_parts);
   std::vector<MatmulArgs> packed, file;
   for (int i = 0; i < n_parts; i++) (is_packed(parts[i].type) ? packed : file).push_back(parts[i]);
   run_matmuls_on(packer, packed.data(), (int)packed.size());
@@ -539,7 +550,7 @@ static void check_weight(const char* op, const mx::array& w, int type, int64_t r
     throw std::invalid_argument(msg.str());
   }
   if (!is_packed(type)) return;
-  const Impl* impl = packing_impl(active_impl());
+  const Impl* impl = active_impl();
   std::ostringstream msg;
   if (rows % PACK_ROWS != 0)
     msg << op << ": a packed weight needs a multiple of " << PACK_ROWS << " rows";
@@ -750,7 +761,7 @@ mx::array pack(const mx::array& w_in, int type) {
 }
 
 bool packs(int type) {
-  const Impl* impl = packing_impl(active_impl());
+  const Impl* impl = active_impl();
   return impl->packs && impl->packs(type);
 }
 

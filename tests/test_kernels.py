@@ -252,8 +252,9 @@ def test_a_packed_weight_gives_the_file_layouts_products(t, rows, act_bits, isa)
 @pytest.mark.parametrize("rows", [1, 5, 70])
 def test_a_packed_weight_gives_the_same_floats_on_every_isa_that_takes_it(t, rows, act_bits):
     """The packed kernels sum each block's integers exactly and scale them in one order, so
-    AVX2's (madd), AVX-512's and VNNI's (dpwssd) agree to the bit, and AMX hands packed weights to
-    VNNI's: a server's products do not depend on which of them the CPU has."""
+    AVX2's (madd), AVX-512's and VNNI's (dpwssd) agree to the bit, and AMX hands fewer than 16 rows
+    to VNNI's (more may take its tiles, whose 16-bit codes stop at 32639): a server's decode steps
+    do not depend on which of them the CPU has."""
     ext = gk.extension()
     rng = np.random.default_rng(rows)
     w, _ = table(t, 64, 1024, rng)
@@ -261,7 +262,7 @@ def test_a_packed_weight_gives_the_same_floats_on_every_isa_that_takes_it(t, row
     x = mx.array(rng.standard_normal((rows, 1024)).astype(np.float32))
     outs = {}
     try:
-        for name in ("avx2", "avx512", "avx512vnni", "amx"):
+        for name in ("avx2", "avx512", "avx512vnni") + (("amx",) if rows < 16 else ()):
             if ext.set_isa(name) == name and ext.packs(t):
                 outs[name] = np.array(gk.matmul(x, packed, PACKABLE[t], 64, 1024))
     finally:

@@ -11,6 +11,7 @@
 #pragma once
 
 #include "kernels/int_codes.h"
+#include "kernels/packed_avx512.h"
 
 namespace gmlx_kernels::GMLX_ISA {
 namespace {
@@ -50,11 +51,45 @@ inline void code_row(const MatmulArgs& a, int64_t i, int bits, int16_t* xq, floa
   }
 }
 
+// The same codes for the packed path's A tiles (rows_amx_packed): per 32-block b, the mp rows'
+// hi bytes of their 32 codes, 32 bytes a row, then their lo bytes.
+inline void code_row_packed(const MatmulArgs& a, int64_t i, int bits, int16_t* xq, float* xd, float* xs) {
+  const int64_t K = a.K, nb = K / 32, mp = a.M;
+  const float qmax = code_max(bits);
+  uint8_t* dst = (uint8_t*)xq;
+  const float* x = a.x + i * K;
+  for (int64_t b = 0; b < nb; b++) {
+    alignas(64) int16_t c[32];
+    quantize_row(x + b * 32, 32, qmax, c, xd + b * mp + i, xs + b * mp + i);
+    const __m512i v = _mm512_load_si512(c);
+    const __m512i hi = _mm512_srai_epi16(_mm512_add_epi16(v, _mm512_set1_epi16(128)), 8);
+    const __m512i lo = _mm512_sub_epi16(v, _mm512_slli_epi16(hi, 8));
+    uint8_t* blk = dst + b * 64 * mp;
+    _mm256_storeu_si256((__m256i*)(blk + 32 * i), _mm512_cvtepi16_epi8(hi));
+    _mm256_storeu_si256((__m256i*)(blk + 32 * (mp + i)), _mm512_cvtepi16_epi8(lo));
+  }
+}
+
 struct TileConfig {
   uint8_t palette, start_row, reserved[14];
   uint16_t colsb[16];
   uint8_t rows[16];
 };
+
+// Tiles 0-2 as the A, B and C of one product and 3-5 the same (the odd sub-blocks'), each given
+// as rows and bytes a row.
+inline void configure_tiles(int a_rows, int a_bytes, int b_rows, int b_bytes, int c_rows, int c_bytes) {
+  TileConfig cfg = {};
+  cfg.palette = 1;
+  for (int t = 0; t < 6; t += 3) {
+    cfg.rows[t] = (uint8_t)a_rows, cfg.colsb[t] = (uint16_t)a_bytes;
+    cfg.rows[t + 1] = (uint8_t)b_rows, cfg.colsb[t + 1] = (uint16_t)b_bytes;
+    cfg.rows[t + 2] = (uint8_t)c_rows, cfg.colsb[t + 2] = (uint16_t)c_bytes;
+  }
+  // GCC's ldtilecfg does not tell the compiler it reads cfg: without this its stores may go
+  asm volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
 
 // The float scales wd (and minimum multipliers wm) of every sub-block of 16 weight rows from
 // row pointer w (rows rb bytes apart; lanes past `valid` are 0): [t][i] for sub-block t and row
@@ -145,16 +180,9 @@ void rows_amx(const MatmulArgs& a, const uint8_t* xq, const float* xd, const flo
   int mp = 0;  // rows of the pass the tiles are configured for
   __m512i ihi = even, ilo = odd;
   __mmask8 mlanes = 0;
-  auto configure = [&](int rows) {  // A, B, C; tiles 3-5 the same for odd sub-blocks
+  auto configure = [&](int rows) {
     mp = rows;
-    TileConfig cfg = {};
-    cfg.palette = 1;
-    for (int t = 0; t < 6; t += 3) {
-      cfg.rows[t] = 16, cfg.colsb[t] = S;
-      cfg.rows[t + 1] = S / 4, cfg.colsb[t + 1] = (uint16_t)(8 * mp);
-      cfg.rows[t + 2] = 16, cfg.colsb[t + 2] = (uint16_t)(8 * mp);
-    }
-    _tile_loadconfig(&cfg);
+    configure_tiles(16, S, S / 4, 8 * mp, 16, 8 * mp);
     // mp >= 2: a vector holds 2 weight rows' 8 lanes of activation rows; lanes past mp repeat the last
     alignas(64) int32_t h[16];
     for (int l = 0; l < 16; l++) h[l] = (l / 8) * 2 * mp + (l % 8 < mp ? l % 8 : mp - 1);
@@ -255,11 +283,115 @@ void rows_amx(const MatmulArgs& a, const uint8_t* xq, const float* xd, const flo
   _tile_release();
 }
 
+// A packed group's codes (gguf_kernels.h; TYPE the file's) as B tiles: per 32-block b, 8 rows of
+// 64 bytes, row q holding each weight row's codes 4q .. 4q + 3 (the tiles' dword columns: a
+// weight row each), so two of the layout's code pairs make a row in a narrowing and a permute;
+// and the scales, wd[t][i] per sub-block t of S codes and wm[b][i] (types with a minimum).
+template <int TYPE>
+void packed_tiles(const uint8_t* w, int64_t K, int8_t* codes, float* wd, float* wm) {
+  constexpr int BLOCK = packed_block(TYPE), SUBS = format_of(TYPE).block / 32, HALVES = TYPE == Q6_K ? 2 : 1;
+  alignas(64) int16_t order[32];  // word 2i: row i's first pair, 2i + 1: its second
+  for (int i = 0; i < 16; i++) order[2 * i] = (int16_t)i, order[2 * i + 1] = (int16_t)(16 + i);
+  const __m512i interleave = _mm512_load_si512(order);
+  for (int64_t c = 0; c < K / 32 / SUBS; c++) {
+    const uint8_t* blk = w + c * BLOCK;
+    const PackedScales<TYPE> scales(blk);
+    for (int j = 0; j < SUBS; j++) {
+      const int64_t b = c * SUBS + j;
+      __m512 dj[HALVES], mj;
+      scales.of(blk, j, dj, mj);
+      for (int h = 0; h < HALVES; h++) _mm512_store_ps(wd + 16 * (HALVES * b + h), dj[h]);
+      if constexpr (has_min(TYPE)) _mm512_store_ps(wm + 16 * b, mj);
+      for (int q = 0; q < 8; q++) {
+        const __m256i p0 = _mm512_cvtepi16_epi8(packed_pair<TYPE>(blk, j, 2 * q));
+        const __m256i p1 = _mm512_cvtepi16_epi8(packed_pair<TYPE>(blk, j, 2 * q + 1));
+        const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(p0), p1, 1);
+        _mm512_store_si512(codes + b * 512 + 64 * q, _mm512_permutexvar_epi16(interleave, both));
+      }
+    }
+  }
+}
+
+// y[:, n0:n1] for every row of x (xq as code_row_packed laid it out) of a packed weight: as
+// rows_amx with the roles swapped, so the layout's code pairs need no transpose: each group's
+// codes are B tiles (packed_tiles) and each pass's activations A tiles of 2 mp rows (hi, then lo),
+// so a C row holds one activation row's sums, a lane per weight row, scaled without a permute.
+template <int TYPE>
+void rows_amx_packed(const MatmulArgs& a, const uint8_t* xq, const float* xd, const float* xs, int64_t n0,
+                     int64_t n1, void* scratch) {
+  constexpr int S = TYPE == Q6_K ? 16 : 32;  // codes per scale
+  constexpr bool MIN = has_min(TYPE);
+  const int64_t K = a.K, ns = K / S;
+  int8_t* codes = (int8_t*)scratch;      // 16 x K
+  float* wd = (float*)(codes + 16 * K);  // 16 x ns
+  float* wm = wd + 16 * ns;              // 16 x K / 32, types with a minimum
+  alignas(64) int32_t cbuf[2][16 * 16];  // C of the even and odd sub-block
+  int mp = 0;
+  for (int64_t n = n0; n < n1; n += PACK_ROWS) {
+    packed_tiles<TYPE>(a.w + n * a.row_bytes, K, codes, wd, wm);
+    asm volatile("" : : : "memory");  // the codes written before the tile loads (which GCC does not see read)
+    for (int64_t m0 = 0; m0 < a.M; m0 += INT_ROWS) {
+      if (const int rows = a.M - m0 < INT_ROWS ? (int)(a.M - m0) : INT_ROWS; rows != mp) {
+        mp = rows;
+        configure_tiles(2 * mp, S, S / 4, 64, 2 * mp, 64);
+      }
+      const uint8_t* xb = xq + 2 * m0 * K;  // this pass's A tiles
+      const float* pd = xd + m0 * (K / 32);
+      const float* ps = xs + m0 * (K / 32);
+      __m512 acc[INT_ROWS];
+      for (int m = 0; m < INT_ROWS; m++) acc[m] = _mm512_setzero_ps();
+      auto post = [&](int64_t t, const int32_t* c) {
+        const int64_t b = t * S / 32;  // the activations' 32-block
+        const __m512 wdv = _mm512_load_ps(wd + 16 * t);
+        for (int m = 0; m < mp; m++) {
+          const __m512i hi = _mm512_load_si512(c + 16 * m), lo = _mm512_load_si512(c + 16 * (mp + m));
+          const __m512 v = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(hi, 8), lo));
+          acc[m] = _mm512_fmadd_ps(v, _mm512_mul_ps(wdv, _mm512_set1_ps(pd[b * mp + m])), acc[m]);
+          if constexpr (MIN) acc[m] = _mm512_fmadd_ps(_mm512_load_ps(wm + 16 * b), _mm512_set1_ps(ps[b * mp + m]), acc[m]);
+        }
+      };
+#define GMLX_TILE_STEP(A, B, C, t, out)                                   \
+  do {                                                                    \
+    _tile_loadd(A, xb + (t) * S / 32 * 64 * mp + (t) * S % 32, 32);       \
+    _tile_loadd(B, codes + (t) * S * 16, 64);                             \
+    _tile_zero(C);                                                        \
+    _tile_dpbssd(C, A, B);                                                \
+    _tile_stored(C, out, 64);                                             \
+  } while (0)
+      // software pipeline, as rows_amx: sub-block t + 1's tiles in flight while t's C is scaled
+      GMLX_TILE_STEP(0, 1, 2, 0, cbuf[0]);
+      for (int64_t t = 0; t < ns; t += 2) {
+        if (t + 1 < ns) GMLX_TILE_STEP(3, 4, 5, t + 1, cbuf[1]);
+        post(t, cbuf[0]);
+        if (t + 1 < ns) {
+          if (t + 2 < ns) GMLX_TILE_STEP(0, 1, 2, t + 2, cbuf[0]);
+          post(t + 1, cbuf[1]);
+        }
+      }
+#undef GMLX_TILE_STEP
+      for (int m = 0; m < mp; m++) _mm512_storeu_ps(a.y + (m0 + m) * a.N + n, acc[m]);
+    }
+  }
+  _tile_release();
+}
+
 // The contract's weight rows n0..n1 against every row of x (xq as code_row laid it out).
 template <int TYPE>
 void int_rows(const MatmulArgs& a, const int16_t* xq, const float* xd, const float* xs, int64_t n0, int64_t n1,
               void* scratch, int) {
   rows_amx<TYPE>(a, (const uint8_t*)xq, xd, xs, n0, n1, scratch);
+}
+
+#define GMLX_PACKED_PATH 1
+#define GMLX_PACKED_CODES 1  // code_row_packed: the packed path's activations in a layout of their own
+// The packed layouts: every one, read as B tiles (ops.cpp gives few rows VNNI's packed kernels).
+bool packs(int type) { return packable(type); }
+
+void packed_rows_int(const MatmulArgs& a, const int16_t* xq, const float* xd, const float* xs, int64_t n0,
+                     int64_t n1, void* scratch, int) {
+  with_type(file_type(a.type), [&]<int TYPE>() {
+    if constexpr (packable(TYPE)) rows_amx_packed<TYPE>(a, (const uint8_t*)xq, xd, xs, n0, n1, scratch);
+  });
 }
 
 }  // namespace
