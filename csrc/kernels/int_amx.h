@@ -7,7 +7,9 @@
 // low sums, so the activations keep the int16 path's precision at int8 speed. Scales differ
 // per block, so each block's C is stored and scaled in float: a few vector instructions per 16
 // outputs, where the int16 path spends three per output and block. Q8_0's A tiles are the
-// file's bytes read in place (stride: the row); other types are unpacked to int8 first.
+// file's bytes read in place (stride: the row); other types are unpacked to int8 first. The
+// packed layouts (gguf_kernels.h) take the roles the other way round (rows_amx_packed): their
+// code pairs, a lane per weight row, are B tiles after a narrowing and a permute.
 #pragma once
 
 #include "kernels/int_codes.h"
