@@ -23,7 +23,7 @@ go through OpenBLAS's sgemm on dequantized panels, or without it dequantize 16 w
 time to float for a register-blocked FMA micro-kernel. Where the CPU has AMX's int8 tiles (Intel
 Sapphire Rapids on) and Linux grants them, every batch takes the integer path as tile products:
 the same 16-bit codes split into two int8 halves, 16 weight rows' blocks against 8 rows of x;
-packed weights (see packs) take AVX-512 VNNI's kernels there, faster at decode's few rows.
+packed weights (see packs) take AVX-512 VNNI's kernels there at decode's few rows, the tiles for prompts.
 Knobs, for tests and benchmarks:
 GMLX_KERNELS_THREADS (default: each CPU the process may run on),
 GMLX_KERNELS_ISA (generic, avx2, avx512, avx512vnni, amx),
