@@ -29,7 +29,8 @@ NB_MODULE(_ext, m) {
   m.def("gguf_embed", &gk::gguf_embed, "w"_a, "ids"_a, "type"_a, "k"_a, nb::kw_only(), "stream"_a = nb::none(),
         "Rows ids of GGUF block weights w (uint8 (rows, row_bytes)) as float32 (*ids.shape, k).");
   m.def("pack", &gk::pack, "w"_a, "type"_a,
-        "Q4_0, Q8_0, Q5_0, Q4_K, Q5_K or Q6_K bytes (rows, row_bytes) in gmlx's packed layout of that type (PACKED + type).");
+        "Q4_0, Q8_0, Q5_0, Q4_K, Q5_K or Q6_K bytes (rows, row_bytes) in gmlx's packed layout of that type "
+        "(PACKED + type).");
   m.def("in_huge_pages", &gk::in_huge_pages, "arrays"_a,
         "The arrays as views of buffers advised for transparent huge pages (Linux; elsewhere as given).");
   m.def("place_rows", &gk::place_rows, "sources"_a, "rows"_a, "ats"_a, "shape"_a, "dtype"_a, nb::kw_only(),

@@ -103,6 +103,11 @@ static constexpr int q5k_fifth_at(int j, int p) { return 256 + 320 * j + 256 + 4
 static constexpr int q6k_scales_at(int j, int h) { return 32 + 32 * j + 16 * h; }
 static constexpr int q6k_low_at(int j, int p) { return 288 + 256 * j + 16 * p; }
 static constexpr int q6k_high_at(int j, int p) { return 2336 + 128 * j + 8 * p; }
+// The low 4 bits of sub-block j's code pair p in a packed block of a file type with 4-bit ones.
+static constexpr int packed_nibbles_at(int type, int j, int p) {
+  return type == Q4_K ? q4k_pairs_at(j, p) : type == Q5_K ? q5k_pairs_at(j, p) : type == Q6_K ? q6k_low_at(j, p)
+                                                                                                  : q5_nibbles_at(p);
+}
 // Bytes of a group's block in the packed layout of file type TYPE: the file's 16 blocks.
 consteval int packed_block(int type) { return PACK_ROWS * format_of(type).bytes; }
 

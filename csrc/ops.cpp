@@ -211,7 +211,8 @@ void run_matmuls_on(const Impl* impl, const MatmulArgs* parts, int n_parts) {
   float* xs = tl_xs.data();
   const int64_t nb_row = a.K / 32, passes = (a.M + INT_ROWS - 1) / INT_ROWS;
   const int coders = a.M * a.K < (int64_t)1 << 16 ? 1 : n_threads();  // a prompt's rows coded in parallel
-  const auto quantize = packed ? impl->quantize_packed : impl->quantize_x;  // run_matmuls: never both kinds apart
+  // a call of packed and file weights has one coding for both (run_matmuls splits it otherwise)
+  const auto quantize = packed ? impl->quantize_packed : impl->quantize_x;
   parallel_chunks(coders, passes, [&](int64_t p) {
     MatmulArgs rows = a;
     rows.x += p * INT_ROWS * a.K;
@@ -708,10 +709,7 @@ static void pack_block(const uint8_t* rows, int64_t stride, uint8_t* out) {
       if constexpr (TYPE == Q8_0) {
         for (int i = 0; i < PACK_ROWS; i++) memcpy(out + packed_code_at(i, 2 * p), &code[i][2 * p], 2);
       } else {
-        const int at = TYPE == Q5_0 || TYPE == Q4_0 ? q5_nibbles_at(p)
-                       : TYPE == Q4_K             ? q4k_pairs_at(j, p)
-                       : TYPE == Q5_K             ? q5k_pairs_at(j, p)
-                                                  : q6k_low_at(j, p);
+        const int at = packed_nibbles_at(TYPE, j, p);
         for (int i = 0; i < PACK_ROWS; i++)
           out[at + i] = (uint8_t)((code[i][2 * p] & 15) | (code[i][2 * p + 1] & 15) << 4);
       }

@@ -98,8 +98,8 @@ inline __m256i packed_half(const uint8_t* blk, int j, int p, int h) {
     return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(blk + packed_pairs_at(p) + 16 * h)));
   } else {
     static_assert(TYPE == Q4_0 || TYPE == Q5_0 || TYPE == Q4_K);
-    const int at = TYPE == Q4_K ? q4k_pairs_at(j, p) : q5_nibbles_at(p);
-    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(blk + at + 8 * h)));
+    const uint8_t* nibbles = blk + packed_nibbles_at(TYPE, j, p) + 8 * h;
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)nibbles));
     const __m256i v = _mm256_and_si256(_mm256_or_si256(b, _mm256_slli_epi32(b, 12)), _mm256_set1_epi32(0x000F000F));
     if constexpr (TYPE == Q4_K) return v;
     if constexpr (TYPE == Q4_0) return _mm256_sub_epi16(v, _mm256_set1_epi16(8));

@@ -349,7 +349,8 @@ void rows_amx_packed(const MatmulArgs& a, const uint8_t* xq, const float* xd, co
           const __m512i hi = _mm512_load_si512(c + 16 * m), lo = _mm512_load_si512(c + 16 * (mp + m));
           const __m512 v = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(hi, 8), lo));
           acc[m] = _mm512_fmadd_ps(v, _mm512_mul_ps(wdv, _mm512_set1_ps(pd[b * mp + m])), acc[m]);
-          if constexpr (MIN) acc[m] = _mm512_fmadd_ps(_mm512_load_ps(wm + 16 * b), _mm512_set1_ps(ps[b * mp + m]), acc[m]);
+          if constexpr (MIN)
+            acc[m] = _mm512_fmadd_ps(_mm512_load_ps(wm + 16 * b), _mm512_set1_ps(ps[b * mp + m]), acc[m]);
         }
       };
 #define GMLX_TILE_STEP(A, B, C, t, out)                                   \

@@ -17,11 +17,7 @@ inline __m512i packed_pair(const uint8_t* blk, int j, int p) {
   if constexpr (TYPE == Q8_0) {
     return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(blk + packed_pairs_at(p))));
   } else {
-    const int at = TYPE == Q5_0 || TYPE == Q4_0 ? q5_nibbles_at(p)
-                   : TYPE == Q4_K             ? q4k_pairs_at(j, p)
-                   : TYPE == Q5_K             ? q5k_pairs_at(j, p)
-                                              : q6k_low_at(j, p);
-    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + at)));
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + packed_nibbles_at(TYPE, j, p))));
     const __m512i v = _mm512_ternarylogic_epi32(b, _mm512_slli_epi32(b, 12), _mm512_set1_epi32(0x000F000F), 0xA8);
     if constexpr (TYPE == Q4_K) {
       return v;  // (b | b << 12) & mask above
@@ -69,7 +65,8 @@ struct PackedScales {
   __m512 d, minus_dmin = _mm512_setzero_ps();
   explicit PackedScales(const uint8_t* blk) : d(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)blk))) {
     if constexpr (has_min(TYPE))
-      minus_dmin = _mm512_sub_ps(minus_dmin, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + q4k_dmin_at(0)))));
+      minus_dmin = _mm512_sub_ps(minus_dmin,
+                                 _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + q4k_dmin_at(0)))));
   }
   void of(const uint8_t* blk, int j, __m512* dj, __m512& mj) const {
     dj[0] = d, mj = minus_dmin;
