@@ -28,29 +28,23 @@ constexpr int64_t INT_MAX_ROWS = INT64_MAX;
 
 inline float code_max(int bits) { return bits == 8 ? 127.f : AMX_QMAX16; }
 
-// A 32-block of x coded (quantize_row: its scale to d, its codes' sum to s), each code as two
-// int8 halves: code = 256 hi + lo.
-inline void code_halves(const float* x, float qmax, float* d, float* s, __m256i& hi, __m256i& lo) {
-  alignas(64) int16_t c[32];
-  quantize_row(x, 32, qmax, c, d, s);
-  const __m512i v = _mm512_load_si512(c);
-  const __m512i h = _mm512_srai_epi16(_mm512_add_epi16(v, _mm512_set1_epi16(128)), 8);
-  hi = _mm512_cvtepi16_epi8(h);
-  lo = _mm512_cvtepi16_epi8(_mm512_sub_epi16(v, _mm512_slli_epi16(h, 8)));
-}
-
 // Row i of one pass of mp = a.M <= INT_ROWS activation rows (mp * K int16 worth of bytes at xq):
 // per 32-block b, the 8 rows of its B tile, row r holding the mp rows' hi bytes of codes
 // 4r..4r+3, then their lo bytes (the tile's dword columns: mp hi sums, then mp lo). xd and xs: [b][m].
 inline void code_row(const MatmulArgs& a, int64_t i, int bits, int16_t* xq, float* xd, float* xs) {
   const int64_t K = a.K, nb = K / 32, mp = a.M;
+  const float qmax = code_max(bits);
   uint8_t* dst = (uint8_t*)xq;
+  const float* x = a.x + i * K;
   for (int64_t b = 0; b < nb; b++) {
-    __m256i hi, lo;
-    code_halves(a.x + i * K + b * 32, code_max(bits), xd + b * mp + i, xs + b * mp + i, hi, lo);
+    alignas(64) int16_t c[32];
+    quantize_row(x + b * 32, 32, qmax, c, xd + b * mp + i, xs + b * mp + i);
+    const __m512i v = _mm512_load_si512(c);
+    const __m512i hi = _mm512_srai_epi16(_mm512_add_epi16(v, _mm512_set1_epi16(128)), 8);
+    const __m512i lo = _mm512_sub_epi16(v, _mm512_slli_epi16(hi, 8));
     alignas(32) uint8_t h[32], l[32];
-    _mm256_store_si256((__m256i*)h, hi);
-    _mm256_store_si256((__m256i*)l, lo);
+    _mm256_store_si256((__m256i*)h, _mm512_cvtepi16_epi8(hi));
+    _mm256_store_si256((__m256i*)l, _mm512_cvtepi16_epi8(lo));
     uint8_t* blk = dst + b * 64 * mp;
     for (int r = 0; r < 8; r++) {
       memcpy(blk + r * 8 * mp + 4 * i, h + 4 * r, 4);
@@ -63,13 +57,18 @@ inline void code_row(const MatmulArgs& a, int64_t i, int bits, int16_t* xq, floa
 // hi bytes of their 32 codes, 32 bytes a row, then their lo bytes.
 inline void code_row_packed(const MatmulArgs& a, int64_t i, int bits, int16_t* xq, float* xd, float* xs) {
   const int64_t K = a.K, nb = K / 32, mp = a.M;
+  const float qmax = code_max(bits);
   uint8_t* dst = (uint8_t*)xq;
+  const float* x = a.x + i * K;
   for (int64_t b = 0; b < nb; b++) {
-    __m256i hi, lo;
-    code_halves(a.x + i * K + b * 32, code_max(bits), xd + b * mp + i, xs + b * mp + i, hi, lo);
+    alignas(64) int16_t c[32];
+    quantize_row(x + b * 32, 32, qmax, c, xd + b * mp + i, xs + b * mp + i);
+    const __m512i v = _mm512_load_si512(c);
+    const __m512i hi = _mm512_srai_epi16(_mm512_add_epi16(v, _mm512_set1_epi16(128)), 8);
+    const __m512i lo = _mm512_sub_epi16(v, _mm512_slli_epi16(hi, 8));
     uint8_t* blk = dst + b * 64 * mp;
-    _mm256_storeu_si256((__m256i*)(blk + 32 * i), hi);
-    _mm256_storeu_si256((__m256i*)(blk + 32 * (mp + i)), lo);
+    _mm256_storeu_si256((__m256i*)(blk + 32 * i), _mm512_cvtepi16_epi8(hi));
+    _mm256_storeu_si256((__m256i*)(blk + 32 * (mp + i)), _mm512_cvtepi16_epi8(lo));
   }
 }
 
@@ -92,33 +91,6 @@ inline void configure_tiles(int a_rows, int a_bytes, int b_rows, int b_bytes, in
   // GCC's ldtilecfg does not tell the compiler it reads cfg: without this its stores may go
   asm volatile("" : : "r"(&cfg) : "memory");
   _tile_loadconfig(&cfg);
-}
-
-// One tile product: A and B loaded, C = A B stored to out. The tile numbers must be literals
-// (GCC's tile intrinsics paste them into the assembly).
-#define GMLX_TILE_PRODUCT(A, B, C, a_src, a_stride, b_src, b_stride, out, c_stride) \
-  do {                                                                             \
-    _tile_loadd(A, a_src, a_stride);                                               \
-    _tile_loadd(B, b_src, b_stride);                                               \
-    _tile_zero(C);                                                                 \
-    _tile_dpbssd(C, A, B);                                                         \
-    _tile_stored(C, out, c_stride);                                                \
-  } while (0)
-
-// The ns sub-blocks' tile products, software-pipelined: sub-block t + 1's tiles are in flight
-// while t's C is scaled. even(t, c0) and odd(t, c1) run sub-block t's product (in tiles 0-2 and
-// 3-5), post(t, c) scales it.
-template <class Even, class Odd, class Post>
-inline void pipeline(int64_t ns, int32_t* c0, int32_t* c1, Even&& even, Odd&& odd, Post&& post) {
-  even(0, c0);
-  for (int64_t t = 0; t < ns; t += 2) {
-    if (t + 1 < ns) odd(t + 1, c1);
-    post(t, c0);
-    if (t + 1 < ns) {
-      if (t + 2 < ns) even(t + 2, c0);
-      post(t + 1, c1);
-    }
-  }
 }
 
 // The float scales wd (and minimum multipliers wm) of every sub-block of 16 weight rows from
@@ -277,13 +249,28 @@ void rows_amx(const MatmulArgs& a, const uint8_t* xq, const float* xd, const flo
             acc[j] = _mm512_fmadd_ps(xsv, _mm512_permutexvar_ps(pair[j], _mm512_load_ps(wm + 16 * b)), acc[j]);
         }
       };
-      // GCC's tile loads do not tell the compiler they read memory; the store after each (which
-      // does) is what keeps the codes written to scratch before them.
-      pipeline(
-          ns, cbuf[0], cbuf[1],
-          [&](int64_t t, int32_t* out) { GMLX_TILE_PRODUCT(0, 1, 2, asrc(t), astride, bsrc(t), 8 * mp, out, 8 * mp); },
-          [&](int64_t t, int32_t* out) { GMLX_TILE_PRODUCT(3, 4, 5, asrc(t), astride, bsrc(t), 8 * mp, out, 8 * mp); },
-          post);
+      // tiles A, B, C for sub-block t, its C stored to out (tile numbers must be literals). GCC's
+      // tile loads do not tell the compiler they read memory; the store after each (which does)
+      // is what keeps the codes written to scratch before them.
+#define GMLX_TILE_STEP(A, B, C, t, out)            \
+  do {                                             \
+    _tile_loadd(A, asrc(t), astride);              \
+    _tile_loadd(B, bsrc(t), 8 * mp);               \
+    _tile_zero(C);                                 \
+    _tile_dpbssd(C, A, B);                         \
+    _tile_stored(C, out, 8 * mp);                  \
+  } while (0)
+      // software pipeline: sub-block t + 1's tiles are in flight while t's C is scaled
+      GMLX_TILE_STEP(0, 1, 2, 0, cbuf[0]);
+      for (int64_t t = 0; t < ns; t += 2) {
+        if (t + 1 < ns) GMLX_TILE_STEP(3, 4, 5, t + 1, cbuf[1]);
+        post(t, cbuf[0]);
+        if (t + 1 < ns) {
+          if (t + 2 < ns) GMLX_TILE_STEP(0, 1, 2, t + 2, cbuf[0]);
+          post(t + 1, cbuf[1]);
+        }
+      }
+#undef GMLX_TILE_STEP
       float* y = a.y + m0 * a.N + n;
       if (mp == 1) {
         _mm512_mask_storeu_ps(y, (__mmask16)((1u << valid) - 1), acc1);
@@ -366,12 +353,26 @@ void rows_amx_packed(const MatmulArgs& a, const uint8_t* xq, const float* xd, co
             acc[m] = _mm512_fmadd_ps(_mm512_load_ps(wm + 16 * b), _mm512_set1_ps(ps[b * mp + m]), acc[m]);
         }
       };
-      auto asrc = [&](int64_t t) { return xb + t * S / 32 * 64 * mp + t * S % 32; };
-      auto bsrc = [&](int64_t t) { return codes + t * S * 16; };
-      pipeline(
-          ns, cbuf[0], cbuf[1],
-          [&](int64_t t, int32_t* out) { GMLX_TILE_PRODUCT(0, 1, 2, asrc(t), 32, bsrc(t), 64, out, 64); },
-          [&](int64_t t, int32_t* out) { GMLX_TILE_PRODUCT(3, 4, 5, asrc(t), 32, bsrc(t), 64, out, 64); }, post);
+#define GMLX_TILE_STEP(A, B, C, t, out)                                   \
+  do {                                                                    \
+    _tile_loadd(A, xb + (t) * S / 32 * 64 * mp + (t) * S % 32, 32);       \
+    _tile_loadd(B, codes + (t) * S * 16, 64);                             \
+    _tile_zero(C);                                                        \
+    _tile_dpbssd(C, A, B);                                                \
+    _tile_stored(C, out, 64);                                             \
+  } while (0)
+      // software pipeline, as rows_amx: sub-block t + 1's tiles in flight while t's C is scaled
+      // (written out in each: a shared function taking the steps as lambdas was 3-5 % slower)
+      GMLX_TILE_STEP(0, 1, 2, 0, cbuf[0]);
+      for (int64_t t = 0; t < ns; t += 2) {
+        if (t + 1 < ns) GMLX_TILE_STEP(3, 4, 5, t + 1, cbuf[1]);
+        post(t, cbuf[0]);
+        if (t + 1 < ns) {
+          if (t + 2 < ns) GMLX_TILE_STEP(0, 1, 2, t + 2, cbuf[0]);
+          post(t + 1, cbuf[1]);
+        }
+      }
+#undef GMLX_TILE_STEP
       for (int m = 0; m < mp; m++) _mm512_storeu_ps(a.y + (m0 + m) * a.N + n, acc[m]);
     }
   }
@@ -396,8 +397,6 @@ void packed_rows_int(const MatmulArgs& a, const int16_t* xq, const float* xd, co
     if constexpr (packable(TYPE)) rows_amx_packed<TYPE>(a, (const uint8_t*)xq, xd, xs, n0, n1, scratch);
   });
 }
-
-#undef GMLX_TILE_PRODUCT
 
 }  // namespace
 }  // namespace gmlx_kernels::GMLX_ISA
