@@ -28,23 +28,30 @@ constexpr int64_t INT_MAX_ROWS = INT64_MAX;
 
 inline float code_max(int bits) { return bits == 8 ? 127.f : AMX_QMAX16; }
 
+// A 32-block of x coded (quantize_row: its scale to d, its codes' sum to s), each code as two
+// int8 halves: code = 256 hi + lo.
+[[gnu::always_inline]] inline void code_halves(const float* x, float qmax, float* d, float* s, __m256i& hi,
+                                               __m256i& lo) {
+  alignas(64) int16_t c[32];
+  quantize_row(x, 32, qmax, c, d, s);
+  const __m512i v = _mm512_load_si512(c);
+  const __m512i h = _mm512_srai_epi16(_mm512_add_epi16(v, _mm512_set1_epi16(128)), 8);
+  hi = _mm512_cvtepi16_epi8(h);
+  lo = _mm512_cvtepi16_epi8(_mm512_sub_epi16(v, _mm512_slli_epi16(h, 8)));
+}
+
 // Row i of one pass of mp = a.M <= INT_ROWS activation rows (mp * K int16 worth of bytes at xq):
 // per 32-block b, the 8 rows of its B tile, row r holding the mp rows' hi bytes of codes
 // 4r..4r+3, then their lo bytes (the tile's dword columns: mp hi sums, then mp lo). xd and xs: [b][m].
 inline void code_row(const MatmulArgs& a, int64_t i, int bits, int16_t* xq, float* xd, float* xs) {
   const int64_t K = a.K, nb = K / 32, mp = a.M;
-  const float qmax = code_max(bits);
   uint8_t* dst = (uint8_t*)xq;
-  const float* x = a.x + i * K;
   for (int64_t b = 0; b < nb; b++) {
-    alignas(64) int16_t c[32];
-    quantize_row(x + b * 32, 32, qmax, c, xd + b * mp + i, xs + b * mp + i);
-    const __m512i v = _mm512_load_si512(c);
-    const __m512i hi = _mm512_srai_epi16(_mm512_add_epi16(v, _mm512_set1_epi16(128)), 8);
-    const __m512i lo = _mm512_sub_epi16(v, _mm512_slli_epi16(hi, 8));
+    __m256i hi, lo;
+    code_halves(a.x + i * K + b * 32, code_max(bits), xd + b * mp + i, xs + b * mp + i, hi, lo);
     alignas(32) uint8_t h[32], l[32];
-    _mm256_store_si256((__m256i*)h, _mm512_cvtepi16_epi8(hi));
-    _mm256_store_si256((__m256i*)l, _mm512_cvtepi16_epi8(lo));
+    _mm256_store_si256((__m256i*)h, hi);
+    _mm256_store_si256((__m256i*)l, lo);
     uint8_t* blk = dst + b * 64 * mp;
     for (int r = 0; r < 8; r++) {
       memcpy(blk + r * 8 * mp + 4 * i, h + 4 * r, 4);
@@ -57,20 +64,34 @@ inline void code_row(const MatmulArgs& a, int64_t i, int bits, int16_t* xq, floa
 // hi bytes of their 32 codes, 32 bytes a row, then their lo bytes.
 inline void code_row_packed(const MatmulArgs& a, int64_t i, int bits, int16_t* xq, float* xd, float* xs) {
   const int64_t K = a.K, nb = K / 32, mp = a.M;
-  const float qmax = code_max(bits);
   uint8_t* dst = (uint8_t*)xq;
-  const float* x = a.x + i * K;
   for (int64_t b = 0; b < nb; b++) {
-    alignas(64) int16_t c[32];
-    quantize_row(x + b * 32, 32, qmax, c, xd + b * mp + i, xs + b * mp + i);
-    const __m512i v = _mm512_load_si512(c);
-    const __m512i hi = _mm512_srai_epi16(_mm512_add_epi16(v, _mm512_set1_epi16(128)), 8);
-    const __m512i lo = _mm512_sub_epi16(v, _mm512_slli_epi16(hi, 8));
+    __m256i hi, lo;
+    code_halves(a.x + i * K + b * 32, code_max(bits), xd + b * mp + i, xs + b * mp + i, hi, lo);
     uint8_t* blk = dst + b * 64 * mp;
-    _mm256_storeu_si256((__m256i*)(blk + 32 * i), _mm512_cvtepi16_epi8(hi));
-    _mm256_storeu_si256((__m256i*)(blk + 32 * (mp + i)), _mm512_cvtepi16_epi8(lo));
+    _mm256_storeu_si256((__m256i*)(blk + 32 * i), hi);
+    _mm256_storeu_si256((__m256i*)(blk + 32 * (mp + i)), lo);
   }
 }
+
+// The ns sub-blocks' tile products of one pass, software-pipelined: sub-block t + 1's tiles are
+// in flight while t's C is scaled by post(t, C). GMLX_TILE_STEP(A, B, C, t, out), which each path
+// defines for its own operands, runs sub-block t's product in tiles A, B, C (even sub-blocks 0-2,
+// odd 3-5) and stores C to out, one of the two buffers of cbuf. A macro, as the tile numbers must
+// be literals (GCC's tile intrinsics paste them into the assembly); a function taking the steps
+// as lambdas made the tiles 3-5 % slower at 512 rows.
+#define GMLX_TILE_PIPELINE(ns, cbuf, post)                         \
+  do {                                                             \
+    GMLX_TILE_STEP(0, 1, 2, 0, cbuf[0]);                           \
+    for (int64_t t = 0; t < (ns); t += 2) {                        \
+      if (t + 1 < (ns)) GMLX_TILE_STEP(3, 4, 5, t + 1, cbuf[1]);   \
+      post(t, cbuf[0]);                                            \
+      if (t + 1 < (ns)) {                                          \
+        if (t + 2 < (ns)) GMLX_TILE_STEP(0, 1, 2, t + 2, cbuf[0]); \
+        post(t + 1, cbuf[1]);                                      \
+      }                                                            \
+    }                                                              \
+  } while (0)
 
 struct TileConfig {
   uint8_t palette, start_row, reserved[14];
@@ -260,16 +281,7 @@ void rows_amx(const MatmulArgs& a, const uint8_t* xq, const float* xd, const flo
     _tile_dpbssd(C, A, B);                         \
     _tile_stored(C, out, 8 * mp);                  \
   } while (0)
-      // software pipeline: sub-block t + 1's tiles are in flight while t's C is scaled
-      GMLX_TILE_STEP(0, 1, 2, 0, cbuf[0]);
-      for (int64_t t = 0; t < ns; t += 2) {
-        if (t + 1 < ns) GMLX_TILE_STEP(3, 4, 5, t + 1, cbuf[1]);
-        post(t, cbuf[0]);
-        if (t + 1 < ns) {
-          if (t + 2 < ns) GMLX_TILE_STEP(0, 1, 2, t + 2, cbuf[0]);
-          post(t + 1, cbuf[1]);
-        }
-      }
+      GMLX_TILE_PIPELINE(ns, cbuf, post);
 #undef GMLX_TILE_STEP
       float* y = a.y + m0 * a.N + n;
       if (mp == 1) {
@@ -361,17 +373,7 @@ void rows_amx_packed(const MatmulArgs& a, const uint8_t* xq, const float* xd, co
     _tile_dpbssd(C, A, B);                                                \
     _tile_stored(C, out, 64);                                             \
   } while (0)
-      // software pipeline, as rows_amx: sub-block t + 1's tiles in flight while t's C is scaled
-      // (written out in each: a shared function taking the steps as lambdas was 3-5 % slower)
-      GMLX_TILE_STEP(0, 1, 2, 0, cbuf[0]);
-      for (int64_t t = 0; t < ns; t += 2) {
-        if (t + 1 < ns) GMLX_TILE_STEP(3, 4, 5, t + 1, cbuf[1]);
-        post(t, cbuf[0]);
-        if (t + 1 < ns) {
-          if (t + 2 < ns) GMLX_TILE_STEP(0, 1, 2, t + 2, cbuf[0]);
-          post(t + 1, cbuf[1]);
-        }
-      }
+      GMLX_TILE_PIPELINE(ns, cbuf, post);
 #undef GMLX_TILE_STEP
       for (int m = 0; m < mp; m++) _mm512_storeu_ps(a.y + (m0 + m) * a.N + n, acc[m]);
     }
@@ -397,6 +399,8 @@ void packed_rows_int(const MatmulArgs& a, const int16_t* xq, const float* xd, co
     if constexpr (packable(TYPE)) rows_amx_packed<TYPE>(a, (const uint8_t*)xq, xd, xs, n0, n1, scratch);
   });
 }
+
+#undef GMLX_TILE_PIPELINE
 
 }  // namespace
 }  // namespace gmlx_kernels::GMLX_ISA
