@@ -830,8 +830,7 @@ class Engine:
             for r in generation_responses:
                 if (stream := self._active.get(r.uid)) is not None and stream.req.speculative is not None:
                     stream.req.speculative.batched = True
-        if generation_responses:
-            st.decode_tokens += len(generation_responses)
+        if generation_responses:  # their tokens were counted as they were handed out
             st.decode_seconds += s.decode_time
             st.recent_steps.append((now, len(generation_responses)))
 
@@ -857,7 +856,9 @@ class Engine:
         self._hand_out(gen, responses)
 
     def _hand_out(self, gen: BatchGenerator, responses: list) -> None:
-        """Hand each response's token to its request."""
+        """Hand each response's token to its request, counted first: a client that reads the
+        metrics once its request ends finds its tokens in them."""
+        self.stats.decode_tokens += len(responses)
         now = time.monotonic()
         for r in responses:
             if (stream := self._active.get(r.uid)) is not None:
