@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -27,6 +28,14 @@ from gmlx.tui.app import HelpScreen, TopApp
 from gmlx.tui.client import HISTORY_S, Poller, Status
 
 DATA = Path(__file__).parent / "data" / "top"
+
+
+class QuietServer(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that hangs up mid-answer (the dashboard quitting while a poll is in flight) is
+        no error of the server's; anything else is printed as socketserver does."""
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
 
 class FakeServer:
@@ -68,7 +77,7 @@ class FakeServer:
             def log_message(self, *args: Any) -> None:
                 pass
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self.httpd = QuietServer(("127.0.0.1", self.port), Handler)
         self.port = self.httpd.server_address[1]
         threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True).start()
 
