@@ -32,7 +32,7 @@ import psutil
 
 import gmlx
 from bench import llama_build
-from bench.harness import Plan, bench_peers, log
+from bench.harness import SCHEMA, Plan, bench_peers, log
 from bench.peers import PEERS, Missing, Peer, cores, peer
 from gmlx.default_model import resolve_model
 from gmlx.gguf.header import read_header
@@ -196,6 +196,8 @@ def serve(args: argparse.Namespace) -> None:
     plan = QUICK if args.quick else FULL
     if args.temperature > 0:
         plan = replace(plan, sampling=(("temperature", args.temperature), ("top_p", args.top_p)))
+    if args.json_schema:
+        plan = replace(plan, schema=SCHEMA)
     names = [n.strip() for n in args.peers.split(",") if n.strip()]
     if unknown := set(names) - set(PEERS):
         sys.exit(f"unknown peers {sorted(unknown)} (known: {', '.join(PEERS)})")
@@ -230,7 +232,7 @@ def serve(args: argparse.Namespace) -> None:
         "plan": {
             **plan.__dict__,
             "quick": args.quick,
-            "endpoint": "/v1/completions",
+            "endpoint": "/v1/chat/completions" if plan.schema else "/v1/completions",
             "sampling": dict(plan.sampling),
             "llama_context_per_slot": context,
         },
@@ -238,7 +240,7 @@ def serve(args: argparse.Namespace) -> None:
     }
     results["ratios"] = ratios(peers)
     sampled = f"-t{args.temperature:g}-p{args.top_p:g}" if args.temperature > 0 else ""
-    stem = args.out / f"serve-{model.stem}{sampled}"
+    stem = args.out / f"serve-{model.stem}{sampled}{'-json-schema' if plan.schema else ''}"
     Path(f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
     plot(results, Path(f"{stem}.png"))
     print(table(results))
@@ -276,6 +278,11 @@ def main() -> None:
     s.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON, PNG and server logs")
     s.add_argument("--temperature", type=float, default=0.0, help="decode requests' temperature (0: greedy)")
     s.add_argument("--top-p", type=float, default=1.0, help="decode requests' top_p, with --temperature")
+    s.add_argument(
+        "--json-schema",
+        action="store_true",
+        help="decode requests through chat completions, each output held to a JSON schema (response_format)",
+    )
     s.set_defaults(run=serve)
     b = sub.add_parser(
         "build-llama",

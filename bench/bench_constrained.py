@@ -24,6 +24,7 @@ import mlx.core as mx
 
 from bench.__main__ import load_average, machine
 from bench.bench_engine import engine_round
+from bench.harness import SCHEMA
 from gmlx.default_model import resolve_model
 from gmlx.engine.grammar import GrammarProcessor, json_schema_constraint
 from gmlx.engine.processors import Decoding
@@ -31,17 +32,6 @@ from gmlx.engine.sampling import SamplingParams
 from gmlx.deployment import Deployment
 from gmlx.server.build import build_engine
 from gmlx.settings import resolve_settings
-
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "title": {"type": "string", "maxLength": 60},
-        "year": {"type": "integer", "minimum": 0, "maximum": 3000},
-        "story": {"type": "string", "minLength": 2000},
-    },
-    "required": ["title", "year", "story"],
-    "additionalProperties": False,
-}
 
 
 def mask_ms(decoding: Decoding, vocab: int, steps: int = 64) -> float:

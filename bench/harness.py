@@ -1,9 +1,11 @@
 """One server under load: start to ready, decode at each width, TTFT per prompt length, memory.
 
 Every request goes to `/v1/completions` with a raw prompt, so no server's chat template changes
-the prompt length; every prompt is unique, so no prompt cache can serve it. Token counts are the
-server's own `usage` (streamed with `stream_options.include_usage`), or a recount of the returned
-text with the model's tokenizer when a server sends none, never `max_tokens`.
+the prompt length; every prompt is unique, so no prompt cache can serve it. A plan with a `schema`
+sends its decode requests to `/v1/chat/completions` instead, the prompt as the user's message,
+each asking for JSON of that schema (`response_format`). Token counts are the server's own `usage`
+(streamed with `stream_options.include_usage`), or a recount of the returned text with the model's
+tokenizer when a server sends none, never `max_tokens`.
 """
 
 from __future__ import annotations
@@ -39,6 +41,20 @@ class Plan:
     ttft_repeats: int  # a round's samples of each prompt length
     rounds: int  # every width and length measured on every peer once a round, the peers alternating
     sampling: tuple[tuple[str, float], ...] = (("temperature", 0.0),)  # the decode requests' sampling fields
+    schema: dict | None = None  # the JSON schema the decode requests' output must follow (chat's response_format)
+
+
+# A schema whose long required string keeps every row decoding to max_tokens.
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 60},
+        "year": {"type": "integer", "minimum": 0, "maximum": 3000},
+        "story": {"type": "string", "minLength": 2000},
+    },
+    "required": ["title", "year", "story"],
+    "additionalProperties": False,
+}
 
 
 def story_prompt() -> str:
@@ -132,20 +148,26 @@ async def stream_once(
     prompt: str,
     max_tokens: int,
     sampling: tuple[tuple[str, float], ...] = (("temperature", 0.0),),
+    schema: dict | None = None,
 ) -> dict[str, Any]:
     body = {
-        "prompt": prompt,
         "max_tokens": max_tokens,
         **dict(sampling),
         "stream": True,
         "stream_options": {"include_usage": True},
         **peer.body,
     }
+    if schema is None:
+        path, body["prompt"] = "/v1/completions", prompt
+    else:
+        path = "/v1/chat/completions"
+        body["messages"] = [{"role": "user", "content": f"{prompt} (Tell it as JSON.)"}]
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "story", "schema": schema}}
     start = time.perf_counter()
     first = last = None
     usage: dict[str, int] = {}
     text = []
-    async with client.stream("POST", "/v1/completions", json=body) as r:
+    async with client.stream("POST", path, json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -153,8 +175,9 @@ async def stream_once(
             event = json.loads(line[6:])
             if event.get("usage"):
                 usage = event["usage"]
-            if event.get("choices") and event["choices"][0].get("text"):
-                text.append(event["choices"][0]["text"])
+            choice = event["choices"][0] if event.get("choices") else {}
+            if piece := choice.get("text") or (choice.get("delta") or {}).get("content"):
+                text.append(piece)
                 last = time.perf_counter()
                 first = first or last
     end = time.perf_counter()
@@ -178,7 +201,9 @@ async def run_width(server: Server, tokenizer: TokenizerWrapper, width: int, pla
 
     async def client_loop(client: httpx.AsyncClient) -> list[dict[str, Any]]:
         return [
-            await stream_once(client, server.peer, tokenizer, story_prompt(), plan.max_tokens, plan.sampling)
+            await stream_once(
+                client, server.peer, tokenizer, story_prompt(), plan.max_tokens, plan.sampling, plan.schema
+            )
             for _ in range(plan.requests_per_client)
         ]
 
