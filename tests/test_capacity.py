@@ -26,6 +26,7 @@ from gmlx.capacity.memory import (
     layer_bytes_per_token,
     outgrown_bytes,
     rotating_prefill_bytes,
+    sliding_prefill_bytes,
     store_cast_bytes,
     stream_bytes,
     warmup_per_token,
@@ -321,9 +322,9 @@ def test_capacity_table_composes_budget_and_table() -> None:
         context_length=8192,
     )
     # The chunk sees the server's window, not the GGUF's, and grows the sliding caches.
-    # Once per batch, MLX's buffer cache holds about one stream's sliding-window transient more.
+    # Once per batch, MLX's buffer cache holds about one stream's replaced sliding buffers more.
     transient = rotating_prefill_bytes(GEMMA3, 512, FP32)
-    prefill = prefill_working_bytes(GEMMA3, 512, 8192) + transient
+    prefill = prefill_working_bytes(GEMMA3, 512, 8192) + sliding_prefill_bytes(GEMMA3, 512, FP32)
     assert t.budget == MemoryBudget(8 * GiB, GiB, prefill, 0, 0.2, batch_bytes=transient)
     assert t.budget.kv_bytes == 8 * GiB - GiB - int(0.2 * 8 * GiB) - prefill - transient
     assert (t.context_length, t.decode_batch, t.kv, t.prefill_step) == (8192, 4, FP32, 512)
@@ -342,10 +343,13 @@ def test_streams_arriving_together_each_bring_a_chunk_and_what_their_caches_outg
         context_length=8192,
     )
     # The full-attention layers' buffers before the last 512-token chunk of 2000 tokens: 1536 slots.
+    # Each stream holds the one of the layer running its chunk; MLX's cache, once, every layer's.
     outgrown = outgrown_bytes(GEMMA3, 2000, 512, FP32)
     full = [k for k in kv_layer_kinds(GEMMA3, FP32) if k.window is None]
     assert outgrown == sum(k.bytes_per_token for k in full) * 1536 > 0
-    per_stream = t.stream_bytes(2000) + t.budget.prefill_bytes + outgrown
+    layer = outgrown_bytes(GEMMA3, 2000, 512, FP32, one_layer=True)
+    assert layer == outgrown // 3  # gemma3's 18 layers: 3 of full attention
+    per_stream = t.stream_bytes(2000) + t.budget.prefill_bytes + layer
     for width in (1, 4, 8):
         assert t.streams_bytes(width, 2000) == width * per_stream + t.budget.batch_bytes + outgrown
     # A prompt no longer than a chunk outgrows nothing.
@@ -357,16 +361,19 @@ def test_rotating_caches_while_a_chunk_runs() -> None:
     assert rotating_prefill_bytes(GEMMA3, 512) == GEMMA_SLIDING_TOKEN * (512 - 1 + 512)
     assert rotating_prefill_bytes(GEMMA3, 512, FP32) == 2 * GEMMA_SLIDING_TOKEN * 1023
     assert rotating_prefill_bytes(LLAMA, 512) == 0
+    # A stream holds each sliding layer's chunk beyond its window, and one layer's buffer from before.
+    layer = GEMMA_SLIDING_TOKEN / 15  # gemma3's 18 layers: 15 slide
+    assert sliding_prefill_bytes(GEMMA3, 512) == round(GEMMA_SLIDING_TOKEN * 511 + layer * 1023)
+    assert sliding_prefill_bytes(LLAMA, 512) == 0
 
 
 def test_a_float16_store_counts_the_chunks_keys_and_values_cast() -> None:
-    # Every layer's keys and values of the chunk, at the store's width; nothing cast into float32.
-    per_token = sum(k.bytes_per_token for k in kv_layer_kinds(GEMMA3, FP16))
-    assert store_cast_bytes(GEMMA3, 512) == 512 * per_token == 512 * 18 * (256 + 256) * 2
+    # One layer's keys and values of the chunk at a time, at the store's width; nothing cast into float32.
+    assert store_cast_bytes(GEMMA3, 512) == 512 * (256 + 256) * 2
     assert store_cast_bytes(GEMMA3, 512, KVFormat(bits=4, float_bytes=2)) == store_cast_bytes(GEMMA3, 512)
     assert store_cast_bytes(GEMMA3, 512, FP32) == 0
     t = capacity_table(GEMMA3, weight_bytes=GiB, decode_batch=4, prefill_step=512, memory=8 * GiB, kv=FP16)
-    assert t.budget.prefill_bytes == prefill_working_bytes(GEMMA3, 512, 32768) + rotating_prefill_bytes(
+    assert t.budget.prefill_bytes == prefill_working_bytes(GEMMA3, 512, 32768) + sliding_prefill_bytes(
         GEMMA3, 512
     ) + store_cast_bytes(GEMMA3, 512)
 

@@ -1,6 +1,7 @@
 """Prediction against measurement for a fan-out: W prompts of 2,000 tokens arriving together at
 the server's engine (prefilled as one batch, then decoding) peak within 10% of what the capacity
-table counts for W streams of that depth, and the process's resident size stays within it too."""
+table counts for W streams of that depth (at a longer chunk, at most 10% over it), and the
+process's resident size stays within it too."""
 
 from __future__ import annotations
 
@@ -76,8 +77,9 @@ def fan_out(engine: Engine, width: int, salt: int) -> list[Event]:
 
 
 @pytest.mark.slow
-def test_a_fan_out_peaks_where_the_capacity_table_says(default_model: Path) -> None:
-    settings = resolve_settings({"decode_batch": 8}, env={})
+@pytest.mark.parametrize("prefill_step", [512, 1024])  # the default, and a chunk MLX once ran layers ahead in
+def test_a_fan_out_peaks_where_the_capacity_table_says(default_model: Path, prefill_step: int) -> None:
+    settings = resolve_settings({"decode_batch": 8, "prefill_step": prefill_step}, env={})
     model = ModelState(Deployment(default_model.stem, default_model, settings), Histograms())
     engine = build_engine(model.deployment)
     model.attach(engine, others_bytes=0)
@@ -94,7 +96,8 @@ def test_a_fan_out_peaks_where_the_capacity_table_says(default_model: Path) -> N
                 ends = fan_out(engine, width, salt=width)
             assert all(isinstance(e, Finished) and e.finish_reason == "length" for e in ends), ends
             planned = table.streams_bytes(width, PROMPT_TOKENS + MAX_TOKENS)
-            assert abs(peak.mlx - planned) <= 0.10 * planned, (width, peak.mlx, planned)
-            assert peak.rss <= 1.10 * planned, (width, peak.rss, planned)
+            assert peak.mlx <= 1.10 * planned and peak.rss <= 1.10 * planned, (width, peak.mlx, peak.rss, planned)
+            if prefill_step == 512:  # and at the default chunk, the plan sets no more aside than it needs
+                assert peak.mlx >= 0.90 * planned, (width, peak.mlx, planned)
     finally:
         engine.stop(30)

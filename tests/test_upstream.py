@@ -347,3 +347,36 @@ def test_rows_joining_free_slots_see_what_they_see_in_mlx_lms_generator(
             np.testing.assert_allclose(a, b, **LOGPROB_TOL)
         for a, b in zip(ours_left[i], theirs_left[i], strict=True):
             np.testing.assert_allclose(a, b, **KV_TOL)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+def test_a_chunk_run_layer_by_layer_evaluates_each_layer_in_turn_and_computes_the_same(
+    tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch, arch: str
+) -> None:
+    """layer_by_layer evaluates every layer's output but the last as the layer returns (so a
+    prefill chunk holds one layer's activations, as the capacity table counts), gives the model's
+    own logits, and hands the model its layers back, also when the call fails."""
+    import numpy as np
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from gmlx.models.loader import load
+
+    model = load(tiny_models[arch], "float").model
+    layers = list(model.model.layers)
+    inputs = mx.array([[1] + [7 + (i * 13) % 90 for i in range(40)]])
+    plain = model(inputs, cache=make_prompt_cache(model))
+    mx.eval(plain)
+
+    evaluated: list[int] = []
+    real_eval = mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *a: (evaluated.append(len(evaluated)), real_eval(*a))[1])
+    with upstream.layer_by_layer(model):
+        chunked = model(inputs, cache=make_prompt_cache(model))
+    monkeypatch.setattr(mx, "eval", real_eval)
+    assert len(evaluated) == len(layers) - 1
+    np.testing.assert_allclose(np.array(chunked), np.array(plain), atol=1e-5)
+    assert model.model.layers == layers
+
+    with pytest.raises(ValueError), upstream.layer_by_layer(model):
+        raise ValueError("a chunk that fails")
+    assert model.model.layers == layers

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import functools
 import signal
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from types import MethodType
 from typing import TYPE_CHECKING, Any
 
@@ -89,6 +90,8 @@ def own_steps(
       (`_step_on_logits`, `_slotted_batch`); next() still returns them;
     - a prompt's first token sampled from its last prefill chunk, and no prompt's chunk longer
       than what the prompt ending soonest has left, or `least_chunk` (`_next_first_token_in_prefill`);
+    - each prefill chunk run layer by layer, so it holds one layer's activations at a time, as
+      the capacity table counts (`_prefill`, `layer_by_layer`);
     - a decode batch whose rows keep their slots, so a row joining or leaving moves only its own
       KV cache (`_slotted_batch`).
     """
@@ -335,7 +338,8 @@ def _answered_in_prefill(ended: PromptProcessingBatch, sampled: mx.array, kept: 
 
 def _prefill(batch: PromptProcessingBatch, chunks: list[list[int]], ending: list[int]) -> mx.array | None:
     """PromptProcessingBatch.prompt for one chunk a row (right-padded to the longest, as mlx_lm
-    pads), returning the logits at the last token of each row in `ending` (None if none)."""
+    pads), returning the logits at the last token of each row in `ending` (None if none); the
+    chunk runs layer by layer (`layer_by_layer`)."""
     import mlx.core as mx
 
     for history, chunk in zip(batch.tokens, chunks):
@@ -347,11 +351,12 @@ def _prefill(batch: PromptProcessingBatch, chunks: list[list[int]], ending: list
         for c in batch.prompt_cache:
             c.prepare(lengths=lengths, right_padding=padding)
     inputs = mx.array([c + [0] * p for c, p in zip(chunks, padding)])
-    if ending:
-        logits = logits_at(batch.model, inputs, batch.prompt_cache, ending, [lengths[i] - 1 for i in ending])
-    else:
-        batch.model(inputs, cache=batch.prompt_cache)
-        logits = None
+    with layer_by_layer(batch.model):
+        if ending:
+            logits = logits_at(batch.model, inputs, batch.prompt_cache, ending, [lengths[i] - 1 for i in ending])
+        else:
+            batch.model(inputs, cache=batch.prompt_cache)
+            logits = None
     mx.eval([c.state for c in batch.prompt_cache], logits)
     if max(padding) > 0:
         for c in batch.prompt_cache:
@@ -671,6 +676,42 @@ def _trim_front(caches: list, rows: list[int]) -> None:
             c.keys, c.values = c.keys[..., cut:, :], c.values[..., cut:, :]
             c._idx -= cut
             c.left_padding = c.left_padding - cut
+
+
+class _Evaluated:
+    """A layer whose output is evaluated as soon as its graph is built; it is the layer otherwise."""
+
+    def __init__(self, inner: Any):
+        self._inner = inner
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        import mlx.core as mx
+
+        out = self._inner(*args, **kwargs)
+        mx.eval(out)
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+@contextmanager
+def layer_by_layer(model: Any) -> Iterator[None]:
+    """Within the block, each of the model's layers runs to its end before the next is queued.
+
+    MLX allocates a node's output when it queues the node, and queues about 100 nodes ahead of
+    the ones running: over a prefill chunk that is several layers' activations at once, more
+    the longer the chunk, where the capacity table counts one layer's (docs/ARCHITECTURE.md,
+    "Memory model"). mlx_lm's models run `model.model.layers` in a loop; their entries are
+    swapped for the block's length.
+    """
+    layers = model.model.layers
+    inner = list(layers)
+    layers[:-1] = [_Evaluated(layer) for layer in inner[:-1]]
+    try:
+        yield
+    finally:
+        layers[:] = inner
 
 
 class _AtPositions:

@@ -212,28 +212,44 @@ def kv_layer_kinds(g: ModelGeometry, kv: KVFormat = FP16) -> list[LayerKind]:
 
 def store_cast_bytes(g: ModelGeometry, chunk_tokens: int, kv: KVFormat = FP16) -> int:
     """A prefill chunk's keys and values cast to a float store narrower than the float32 the model
-    computes in (float16 where the kernels run attention), every layer's: MLX allocates a node's
-    output as it queues it, ahead of the chunk's evaluation. Measured (the default model, 8 prompts
-    of 2,000 tokens arriving together): the peak stood 12 MB a stream above the plan without it."""
+    computes in (float16 where the kernels run attention), the widest layer's: the chunk runs
+    layer by layer (upstream.layer_by_layer), so one layer's cast is alive at a time."""
     if kv.float_bytes >= FLOAT32_BYTES:
         return 0
     plain = KVFormat(float_bytes=kv.float_bytes)
-    return round(chunk_tokens * sum(layer_bytes_per_token(g, i, plain) for i in range(g.n_layers)))
+    return round(chunk_tokens * max(layer_bytes_per_token(g, i, plain) for i in range(g.n_layers)))
 
 
 def rotating_prefill_bytes(g: ModelGeometry, chunk_tokens: int, kv: KVFormat = FP16) -> int:
-    """What one stream's sliding-window caches take on top of their window while a prefill chunk
-    runs: a RotatingKVCache concatenates the chunk to the window - 1 tokens it keeps, and the
-    window it held stays alive until the new buffer is made."""
+    """The buffers one stream's sliding-window caches replace in a prefill chunk: a RotatingKVCache
+    concatenates the chunk to the window - 1 tokens it keeps into a new buffer, every layer's."""
     return round(sum(k.bytes_per_token * (k.window - 1 + chunk_tokens) for k in kv_layer_kinds(g, kv) if k.window))
 
 
-def outgrown_bytes(g: ModelGeometry, depth: int, chunk_tokens: int, kv: KVFormat = FP16) -> int:
+def sliding_prefill_bytes(g: ModelGeometry, chunk_tokens: int, kv: KVFormat = FP16) -> int:
+    """What one stream's sliding-window caches hold beyond their window while its prompt is
+    prefilled: each keeps its window - 1 tokens and the last chunk (mlx_lm cuts it back as
+    decoding starts), and the layer running its chunk holds its buffer from before as well."""
+    sliding = [k for k in kv_layer_kinds(g, kv) if k.window]
+    if not sliding:
+        return 0
+    return round(
+        sum(k.bytes_per_token * (chunk_tokens - 1) for k in sliding)
+        + max(k.bytes_per_token / k.layers * (k.window - 1 + chunk_tokens) for k in sliding)
+    )
+
+
+def outgrown_bytes(
+    g: ModelGeometry, depth: int, chunk_tokens: int, kv: KVFormat = FP16, one_layer: bool = False
+) -> int:
     """What one stream's full-attention caches outgrew in the last prefill chunk of a `depth`-token
     prompt: a KVCache grows by concatenation, and the buffer it had before that chunk stays in
-    MLX's buffer cache until the chunk ends (mlx_lm clears the cache after each chunk)."""
+    MLX's buffer cache until the chunk ends (mlx_lm clears the cache after each chunk). With
+    `one_layer`, a layer's: what the stream holds itself, its buffer from before alive only while
+    its layer runs (upstream.layer_by_layer)."""
     before = allocated_tokens(max(0, depth - chunk_tokens))
-    return round(sum(k.bytes_per_token * before for k in kv_layer_kinds(g, kv) if not k.window))
+    full = [k.bytes_per_token / (k.layers if one_layer else 1) for k in kv_layer_kinds(g, kv) if not k.window]
+    return round(max(full, default=0) * before)
 
 
 def kv_bytes_after_prefill(g: ModelGeometry, depth: int, kv: KVFormat = FP16) -> int:

@@ -24,6 +24,7 @@ from gmlx.capacity.memory import (
     outgrown_bytes,
     profile_bytes,
     rotating_prefill_bytes,
+    sliding_prefill_bytes,
     store_cast_bytes,
 )
 from gmlx.gguf.header import GGUFHeader, ModelGeometry
@@ -64,14 +65,16 @@ class CapacityTable:
         """One stream's cache as allocated, plus what it holds to decode (see memory.stream_bytes)."""
         return profile_bytes(self._profile, depth, True) + self._overhead
 
-    def _outgrown(self, depth: int) -> int:
-        return 0 if self.prefill_step is None else outgrown_bytes(self.geometry, depth, self.prefill_step, self.kv)
+    def _outgrown(self, depth: int, one_layer: bool = False) -> int:
+        if self.prefill_step is None:
+            return 0
+        return outgrown_bytes(self.geometry, depth, self.prefill_step, self.kv, one_layer)
 
     def _per_stream(self, depth: int) -> int:
         """What each stream of `depth` tokens takes at the peak of a fan-out's prefill: the streams
         arrive together and mlx_lm prefills up to decode_batch prompts as one batch, so each
-        brings its own chunk, and what its caches outgrew in their last chunk."""
-        return self.stream_bytes(depth) + self.budget.prefill_bytes + self._outgrown(depth)
+        brings its own chunk, and the buffer the layer running it outgrows."""
+        return self.stream_bytes(depth) + self.budget.prefill_bytes + self._outgrown(depth, one_layer=True)
 
     def _per_batch(self, depth: int) -> int:
         """What MLX's buffer cache holds beside them while a chunk runs, whatever the width: about
@@ -185,7 +188,9 @@ def capacity_table(
     chunk = min(prefill_step, window)
     transient = rotating_prefill_bytes(g, chunk, kv)
     prefill = (
-        prefill_working_bytes(g, prefill_step, window, tiled_attention) + transient + store_cast_bytes(g, chunk, kv)
+        prefill_working_bytes(g, prefill_step, window, tiled_attention)
+        + sliding_prefill_bytes(g, chunk, kv)
+        + store_cast_bytes(g, chunk, kv)
     )
     budget = MemoryBudget(
         memory,

@@ -19,6 +19,7 @@ import mlx.core as mx
 
 from gmlx.gguf.header import GGUFHeader
 from gmlx.models.loader import LoadedModel
+from gmlx.upstream import layer_by_layer
 
 POOLINGS = ("mean", "cls", "last")
 _GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}  # llama_pooling_type; 0 is none, 4 rank (a reranker's)
@@ -63,7 +64,8 @@ def embed(
     cache = make_cache(loaded.model)
     total = first = last = None
     for start in range(0, len(ids), step):
-        hidden = decoder(mx.array([ids[start : start + step]]), cache=cache)[0].astype(mx.float32)
+        with layer_by_layer(loaded.model):
+            hidden = decoder(mx.array([ids[start : start + step]]), cache=cache)[0].astype(mx.float32)
         if pooling == "mean":
             total = hidden.sum(axis=0) if total is None else total + hidden.sum(axis=0)
             mx.eval(total)

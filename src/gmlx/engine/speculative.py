@@ -27,6 +27,7 @@ from mlx import nn
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache, trim_prompt_cache
 
 from gmlx.engine.sampling import Sampler, greedy
+from gmlx.upstream import layer_by_layer
 
 DEFAULT_NUM_DRAFT = 3
 
@@ -214,7 +215,8 @@ class SpeculativeStream:
         """Feed tokens through a model in prefill-sized chunks; the last position's logits."""
         tokens = list(tokens)
         while len(tokens) > self.prefill_step:
-            model(mx.array(tokens[: self.prefill_step])[None], cache=cache)
+            with layer_by_layer(model):
+                model(mx.array(tokens[: self.prefill_step])[None], cache=cache)
             mx.eval([c.state for c in cache])
             tokens = tokens[self.prefill_step :]
         return model(mx.array(tokens)[None], cache=cache)[:, -1, :]
