@@ -697,13 +697,15 @@ class _Evaluated:
 
 @contextmanager
 def layer_by_layer(model: Any) -> Iterator[None]:
-    """Within the block, each of the model's layers runs to its end before the next is queued.
+    """Within the block, each of the model's layers but the last runs to its end before the next
+    is queued (docs/ARCHITECTURE.md, decision 37).
 
     MLX allocates a node's output when it queues the node, and queues about 100 nodes ahead of
     the ones running: over a prefill chunk that is several layers' activations at once, more
-    the longer the chunk, where the capacity table counts one layer's (docs/ARCHITECTURE.md,
-    "Memory model"). mlx_lm's models run `model.model.layers` in a loop; their entries are
-    swapped for the block's length.
+    the longer the chunk, where the capacity table counts one layer's. The last layer's output
+    is left to the caller: a chunk that does not end a prompt evaluates only its caches, and so
+    never computes that layer's attention output or MLP. mlx_lm's models run
+    `model.model.layers` in a loop; their entries are swapped for the block's length.
     """
     layers = model.model.layers
     inner = list(layers)

@@ -228,8 +228,8 @@ def rotating_prefill_bytes(g: ModelGeometry, chunk_tokens: int, kv: KVFormat = F
 
 def sliding_prefill_bytes(g: ModelGeometry, chunk_tokens: int, kv: KVFormat = FP16) -> int:
     """What one stream's sliding-window caches hold beyond their window while its prompt is
-    prefilled: each keeps its window - 1 tokens and the last chunk (mlx_lm cuts it back as
-    decoding starts), and the layer running its chunk holds its buffer from before as well."""
+    prefilled: each keeps its window - 1 tokens and the last chunk until the prompt ends, and the
+    layer running its chunk holds its buffer from before as well."""
     sliding = [k for k in kv_layer_kinds(g, kv) if k.window]
     if not sliding:
         return 0
