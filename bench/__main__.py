@@ -32,7 +32,7 @@ import psutil
 
 import gmlx
 from bench import llama_build
-from bench.harness import SCHEMA, Plan, bench_peers, log
+from bench.harness import SCHEMA, Plan, bench_peers, endpoint, log
 from bench.peers import PEERS, Missing, Peer, cores, peer
 from gmlx.default_model import resolve_model
 from gmlx.gguf.header import read_header
@@ -232,7 +232,7 @@ def serve(args: argparse.Namespace) -> None:
         "plan": {
             **plan.__dict__,
             "quick": args.quick,
-            "endpoint": "/v1/chat/completions" if plan.schema else "/v1/completions",
+            "endpoint": endpoint(plan.schema),
             "sampling": dict(plan.sampling),
             "llama_context_per_slot": context,
         },

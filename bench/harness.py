@@ -57,6 +57,11 @@ SCHEMA = {
 }
 
 
+def endpoint(schema: dict | None) -> str:
+    """Where a plan's decode requests go: chat completions where they carry a schema."""
+    return "/v1/completions" if schema is None else "/v1/chat/completions"
+
+
 def story_prompt() -> str:
     k = next(_uid)
     return f"Chapter {k}. The keeper of lighthouse number {k} climbed the stairs at dusk and"
@@ -158,16 +163,15 @@ async def stream_once(
         **peer.body,
     }
     if schema is None:
-        path, body["prompt"] = "/v1/completions", prompt
+        body["prompt"] = prompt
     else:
-        path = "/v1/chat/completions"
         body["messages"] = [{"role": "user", "content": f"{prompt} (Tell it as JSON.)"}]
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "story", "schema": schema}}
     start = time.perf_counter()
     first = last = None
     usage: dict[str, int] = {}
     text = []
-    async with client.stream("POST", path, json=body) as r:
+    async with client.stream("POST", endpoint(schema), json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":

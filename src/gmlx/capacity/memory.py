@@ -198,6 +198,10 @@ class LayerKind:
     bytes_per_token: int  # all layers of this kind together
     window: int | None  # tokens a sliding layer keeps; None for full attention
 
+    @property
+    def layer_bytes_per_token(self) -> float:
+        return self.bytes_per_token / self.layers
+
 
 def kv_layer_kinds(g: ModelGeometry, kv: KVFormat = FP16) -> list[LayerKind]:
     """KV-cache bytes per token by layer kind: sliding layers stop growing at their window."""
@@ -208,6 +212,11 @@ def kv_layer_kinds(g: ModelGeometry, kv: KVFormat = FP16) -> list[LayerKind]:
             per_token = round(sum(layer_bytes_per_token(g, i, kv) for i in idx))
             kinds.append(LayerKind(kind, len(idx), per_token, g.sliding_window if sliding else None))
     return kinds
+
+
+def _kind(g: ModelGeometry, kv: KVFormat, sliding: bool) -> LayerKind | None:
+    """The model's sliding-window layers, or its full-attention ones; None if it has none."""
+    return next((k for k in kv_layer_kinds(g, kv) if bool(k.window) == sliding), None)
 
 
 def store_cast_bytes(g: ModelGeometry, chunk_tokens: int, kv: KVFormat = FP16) -> int:
@@ -230,12 +239,13 @@ def sliding_prefill_bytes(g: ModelGeometry, chunk_tokens: int, kv: KVFormat = FP
     """What one stream's sliding-window caches hold beyond their window while its prompt is
     prefilled: each keeps its window - 1 tokens and the last chunk until the prompt ends, and the
     layer running its chunk holds its buffer from before as well."""
-    sliding = [k for k in kv_layer_kinds(g, kv) if k.window]
-    if not sliding:
+    sliding = _kind(g, kv, sliding=True)
+    if sliding is None:
         return 0
+    assert sliding.window is not None
     return round(
-        sum(k.bytes_per_token * (chunk_tokens - 1) for k in sliding)
-        + max(k.bytes_per_token / k.layers * (k.window - 1 + chunk_tokens) for k in sliding)
+        sliding.bytes_per_token * (chunk_tokens - 1)
+        + sliding.layer_bytes_per_token * (sliding.window - 1 + chunk_tokens)
     )
 
 
@@ -247,9 +257,11 @@ def outgrown_bytes(
     MLX's buffer cache until the chunk ends (mlx_lm clears the cache after each chunk). With
     `one_layer`, a layer's: what the stream holds itself, its buffer from before alive only while
     its layer runs (upstream.layer_by_layer)."""
-    before = allocated_tokens(max(0, depth - chunk_tokens))
-    full = [k.bytes_per_token / (k.layers if one_layer else 1) for k in kv_layer_kinds(g, kv) if not k.window]
-    return round(max(full, default=0) * before)
+    full = _kind(g, kv, sliding=False)
+    if full is None:
+        return 0
+    per_token = full.layer_bytes_per_token if one_layer else full.bytes_per_token
+    return round(per_token * allocated_tokens(max(0, depth - chunk_tokens)))
 
 
 def kv_bytes_after_prefill(g: ModelGeometry, depth: int, kv: KVFormat = FP16) -> int:
