@@ -253,8 +253,11 @@ def offline_table(
     decode_batch: int = 4,
     context_length: int | None = None,
     prompt_cache_bytes: int | None = None,
+    growth=None,
 ):
-    """The table a float-weights server with these settings builds for the file (the server's defaults otherwise)."""
+    """The table a float-weights server with these settings builds for the file (the server's defaults
+    otherwise), given what its warm-up measured of a prefill chunk (`growth`, see `warm_up_growth`);
+    without it, the table `gmlx plan` builds offline."""
     from gmlx.capacity.budget import default_prompt_cache_bytes
     from gmlx.capacity.memory import KVFormat
     from gmlx.capacity.table import capacity_table
@@ -275,6 +278,24 @@ def offline_table(
         context_length=context_length,
         prompt_cache_bytes=default_prompt_cache_bytes(memory) if prompt_cache_bytes is None else prompt_cache_bytes,
         tiled_attention=fast.enabled(),
+        growth=growth,
+    )
+
+
+def warm_up_growth(path: Path):
+    """What a float-weights server's warm-up measures of the file's prefill chunks
+    (capacity.table.PrefillGrowth): the tiny models' blocks hold more a token than derived."""
+    from gmlx.capacity.memory import KVFormat
+    from gmlx.capacity.table import prefill_growth
+    from gmlx.engine.engine import warm_up
+    from gmlx.kernels import fast
+    from gmlx.models.loader import load
+
+    loaded = load(path, "float")
+    m = warm_up(loaded)
+    kv = KVFormat(float_bytes=m.kv_dtype_bytes)
+    return prefill_growth(
+        loaded.geometry, kv, fast.enabled(), m.tokens, m.prefill_peak_bytes, m.doubled_prefill_peak_bytes
     )
 
 
@@ -296,7 +317,7 @@ def small_memory_model(tmp_path: Path) -> tuple[Path, int]:
     from gmlx.capacity.budget import PROMPT_CACHE_SHARE
 
     path = write_model(tmp_path / "cap.gguf", "llama", context=4096)
-    probe = offline_table(path, 10**12)
+    probe = offline_table(path, 10**12, growth=warm_up_growth(path))
     kv_per_token = probe.stream_bytes(256) // 256
     budget = probe.budget
     # The prompt cache's default share of memory comes off the top too.

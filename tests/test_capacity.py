@@ -32,7 +32,15 @@ from gmlx.capacity.memory import (
     warmup_per_token,
 )
 from gmlx.capacity.plan import LiveState, plan
-from gmlx.capacity.table import CapacityTable, build_table, capacity_table, depth_grid, governor_terms
+from gmlx.capacity.table import (
+    CapacityTable,
+    build_table,
+    capacity_table,
+    depth_grid,
+    governor_terms,
+    prefill_bytes,
+    prefill_growth,
+)
 from gmlx.gguf.header import ModelGeometry
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
@@ -376,6 +384,26 @@ def test_a_float16_store_counts_the_chunks_keys_and_values_cast() -> None:
     assert t.budget.prefill_bytes == prefill_working_bytes(GEMMA3, 512, 32768) + sliding_prefill_bytes(
         GEMMA3, 512
     ) + store_cast_bytes(GEMMA3, 512)
+
+
+def test_a_warm_up_that_measures_more_per_chunk_token_than_derived_raises_the_set_aside() -> None:
+    # The warm-up's prefills of 32 and 64 tokens: the peaks' difference per token against the
+    # derivation's, the set-aside raised by the excess for each token of a chunk.
+    derived = (prefill_bytes(GEMMA3, 64, 64, FP16, True) - prefill_bytes(GEMMA3, 32, 32, FP16, True)) / 32
+    more = prefill_growth(GEMMA3, FP16, True, 32, 3 * MiB, 3 * MiB + round(32 * (derived + 10_000)))
+    assert more.predicted == derived and more.unplanned == pytest.approx(10_000)
+    assert more.to_json() == {
+        "prefill_bytes_per_token_predicted": round(derived, 1),
+        "prefill_bytes_per_token_measured": round(derived + 10_000, 1),
+    }
+    table = dict(weight_bytes=GiB, decode_batch=8, prefill_step=512, memory=2 * GiB, tiled_attention=True)
+    plain, raised = capacity_table(GEMMA3, **table), capacity_table(GEMMA3, **table, growth=more)
+    assert plain.budget.prefill_bytes == prefill_bytes(GEMMA3, 512, 32768, FP16, True)
+    assert raised.budget.prefill_bytes == pytest.approx(plain.budget.prefill_bytes + 512 * 10_000, abs=1)
+    assert raised.max_context_at_width(8) < plain.max_context_at_width(8)
+    # Blocks that hold less than derived keep the derivation: the fan-out's peak was measured against it.
+    less = prefill_growth(GEMMA3, FP16, True, 32, 3 * MiB, 3 * MiB + round(32 * derived / 2))
+    assert less.unplanned == 0 and capacity_table(GEMMA3, **table, growth=less).budget == plain.budget
 
 
 def test_the_budget_counts_what_the_governor_counts() -> None:

@@ -29,8 +29,8 @@ FIELDS = [
 
 def test_plan_fields_and_memory_answer(small_memory_model: tuple[Path, int]) -> None:
     path, memory = small_memory_model
-    expected = offline_table(path, memory)
     with LiveServer(path, memory=memory, governor=False) as server, server.client() as c:
+        expected = offline_table(path, memory, growth=server.model.prefill_growth())
         fits = c.get(PLAN, params={"width": 1, "depth": 512}).json()
         assert list(fits) == FIELDS
         assert fits["ok"] is True and fits["admit_now"] is True and fits["reason"] == "ok"
@@ -75,10 +75,10 @@ def test_max_kv_size_caps_the_window(tmp_path: Path) -> None:
     from tiny_models import write_model
 
     path, memory, cap = write_model(tmp_path / "long.gguf", "llama", context=4096), 8 * 2**30, 300
-    expected = offline_table(path, memory, context_length=cap)
     with LiveServer(path, memory=memory, max_kv_size=cap, governor=False) as server, server.client() as c:
         model = c.get("/v1/models").json()["data"][0]
         served = server.model.table()
+        expected = offline_table(path, memory, context_length=cap, growth=server.model.prefill_growth())
         too_deep = c.get(PLAN, params={"width": 1, "depth": cap + 1}).json()
         long = {"messages": [{"role": "user", "content": "word " * 400}]}
         est = c.post("/v1/estimate", json=long).json()

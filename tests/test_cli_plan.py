@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import LiveServer, MiB, invoke, invoke_json, kv_float_bytes
+from conftest import LiveServer, MiB, invoke, invoke_json, kv_float_bytes, offline_table
 
 pytestmark = pytest.mark.usefixtures("no_settings_env")
 PLAN_FIELDS = [
@@ -117,35 +117,24 @@ def test_plan_errors_exit_2(tiny_models: dict[str, Path], tmp_path: Path) -> Non
 
 
 def test_plan_url_matches_offline(small_memory_model: tuple[Path, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--url` answers with the server's table: the arithmetic `gmlx plan` runs offline, plus what
+    the server's warm-up measured of a prefill chunk (the tiny model's blocks hold more than derived)."""
     path, memory = small_memory_model
     monkeypatch.setenv("GMLX_GOVERNOR", "0")  # the server runs without a governor: plan offline as it does
-    queries = [(1, 512), (4, 1024), (1, 1000), (1, 5000)]  # 2 streams bring 2 prefill chunks: no room for them
-    offline = {
-        q: invoke_json(
-            "plan",
-            path,
-            "--width",
-            q[0],
-            "--depth",
-            q[1],
-            "--memory",
-            memory,
-            "--weights",
-            "float",
-            "--decode-batch",
-            4,
-            code=None,
-        )["plan"]
-        for q in queries
-    }
-    assert [offline[q]["ok"] for q in queries] == [True, False, True, False]
+    queries = {(1, 512): True, (4, 1024): False, (1, 1000): True, (1, 5000): False}  # 4 streams bring 4 chunks
     with LiveServer(path, memory=memory, governor=False) as server:
-        for (width, depth), expected in offline.items():
+        growth = server.model.prefill_growth()
+        expected = offline_table(path, memory, growth=growth)
+        for (width, depth), ok in queries.items():
             r = invoke("plan", "--url", server.url, "--width", width, "--depth", depth, "--json")
-            assert r.exit_code == (0 if expected["ok"] else 1), r.output
+            assert r.exit_code == (0 if ok else 1), r.output
             out = json.loads(r.stdout)
-            assert {k: out["plan"][k] for k in SAME_AS_SERVER} == {k: expected[k] for k in SAME_AS_SERVER}
-            assert out["plan"]["model"] == expected["model"] == "cap"
+            assert {k: out["plan"][k] for k in SAME_AS_SERVER} == {
+                "ok": ok,
+                "max_context_at_width": expected.max_context_at_width(width),
+                "max_width_at_depth": expected.max_width_at_depth(depth),
+            }
+            assert out["plan"]["model"] == "cap"
             assert out["assumptions"] == {"source": "server", "url": server.url}
         r = invoke("plan", "--url", server.url, "--width", 1, "--depth", 512)
         assert r.exit_code == 0 and f"figures from the server at {server.url}" in r.stdout
@@ -153,9 +142,11 @@ def test_plan_url_matches_offline(small_memory_model: tuple[Path, int], monkeypa
         served = invoke_json("plan", "--url", server.url, "--table")
         shown = invoke("plan", "--url", server.url, "--table")
     assert served == {"table": held, "assumptions": {"source": "server", "url": server.url}}
-    # The same budget offline builds the same table.
+    assert held == expected.to_json()
+    # Offline, the same budget without the measurement: more room than the server found.
     built = invoke_json("plan", path, "--table", "--memory", memory, "--weights", "float", "--decode-batch", 4)
-    assert built["table"] == held
+    assert built["table"] == offline_table(path, memory).to_json()
+    assert growth is not None and growth.unplanned > 0 and built["table"]["widths"]["1"] > held["widths"]["1"]
     assert shown.exit_code == 0, shown.output
     assert held["headline"] in shown.stdout and f"figures from the server at {server.url}" in shown.stdout
     for width, context in held["widths"].items():
@@ -178,8 +169,12 @@ def test_estimate_offline_matches_server(tiny_models: dict[str, Path], tmp_path:
     with LiveServer(tiny_models["llama"], memory=memory, governor=False) as server, server.client() as c:
         served = c.post("/v1/estimate", json=body).json()
         by_url = invoke_json("estimate", "--url", server.url, "--body", tmp_path / "request.json")
-    for key in ("prompt_tokens", "need_bytes", "context_ok", "context_limit", "fits_drained", "model"):
+        table = server.model.table()
+    for key in ("prompt_tokens", "context_ok", "context_limit", "fits_drained", "model"):
         assert est[key] == served[key], key
+    # The server's need adds what its warm-up measured a chunk to hold beyond the derivation.
+    measured = table.budget.prefill_bytes - offline_table(tiny_models["llama"], memory).budget.prefill_bytes
+    assert measured > 0 and served["need_bytes"] == est["need_bytes"] + measured
     assert by_url["estimate"]["prompt_tokens"] == served["prompt_tokens"] and by_url["estimate"]["resident"] is True
     assert by_url["assumptions"] == {"source": "server", "url": server.url}
 

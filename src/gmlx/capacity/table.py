@@ -157,6 +157,55 @@ def build_table(
     return CapacityTable(g, budget, kv, decode_batch, window, prefill_step)
 
 
+def prefill_bytes(g: ModelGeometry, chunk_tokens: int, window: int, kv: KVFormat, tiled_attention: bool) -> int:
+    """One stream's prefill set-aside, derived, for chunks of `chunk_tokens` in a `window`: the
+    chunk's working set attending across the window (its scores whole, unless `tiled_attention`:
+    gmlx's CPU kernels), what it adds to its sliding-window caches, and its keys and values cast
+    to a float16 store."""
+    chunk = min(chunk_tokens, window)
+    return (
+        prefill_working_bytes(g, chunk, window, tiled_attention)
+        + sliding_prefill_bytes(g, chunk, kv)
+        + store_cast_bytes(g, chunk, kv)
+    )
+
+
+@dataclass(frozen=True)
+class PrefillGrowth:
+    """What each token of a prefill chunk adds to the prefill's memory, as `prefill_bytes` derives
+    it and as a server's warm-up measures it (`prefill_growth`)."""
+
+    predicted: float
+    measured: float
+
+    @property
+    def unplanned(self) -> float:
+        """Bytes a token that the derivation leaves out: its blocks hold more than it counts (mlx_lm's
+        own blocks, on a backend the derivation was not measured on), 0 where it counts enough."""
+        return max(0.0, self.measured - self.predicted)
+
+    def to_json(self) -> dict:
+        return {
+            "prefill_bytes_per_token_predicted": round(self.predicted, 1),
+            "prefill_bytes_per_token_measured": round(self.measured, 1),
+        }
+
+
+def prefill_growth(
+    g: ModelGeometry, kv: KVFormat, tiled_attention: bool, tokens: int, peak_bytes: int, doubled_peak_bytes: int
+) -> PrefillGrowth:
+    """From the warm-up's two prefills of an empty cache, `tokens` and twice as many, which peaked
+    `peak_bytes` and `doubled_peak_bytes` above their caches; the prediction is the same difference
+    of `prefill_bytes`. A difference, so what does not grow with the chunk (the one position's
+    logits, one-time buffers) drops out. From an empty cache no sliding-window buffer is replaced,
+    which `prefill_bytes` counts: the measured growth falls short of a chunk's deep in a prompt, and
+    what it exceeds the prediction by is a lower bound of what the set-aside misses."""
+    predicted = prefill_bytes(g, 2 * tokens, 2 * tokens, kv, tiled_attention) - prefill_bytes(
+        g, tokens, tokens, kv, tiled_attention
+    )
+    return PrefillGrowth(predicted / tokens, (doubled_peak_bytes - peak_bytes) / tokens)
+
+
 def capacity_table(
     g: ModelGeometry,
     *,
@@ -172,26 +221,22 @@ def capacity_table(
     tiled_attention: bool = False,
     governor: GovernorTerms | None = None,
     others_bytes: int = 0,
+    growth: PrefillGrowth | None = None,
 ) -> CapacityTable:
     """The table the server builds at start and `gmlx plan` builds offline, from the same budget arithmetic.
 
-    A prompt's prefill holds the working set of a `prefill_step` chunk attending across the
-    whole window (its scores whole, unless `tiled_attention`: gmlx's CPU kernels) and what the
-    chunk adds to its sliding-window caches, and its keys and values cast to a float16 store;
-    once per batch, MLX's buffer cache holds about one
-    stream's sliding-window transient more (`batch_bytes`). With a `governor`, the budget also
-    counts what the governor counts (GovernorTerms): the process's memory outside MLX comes off,
-    and the table fills only up to where orange starts. `others_bytes`: the weights of the other
-    models resident beside it.
+    A prompt's prefill holds `prefill_bytes`: a server adds, for each token of a chunk, what its
+    warm-up measured beyond that (`growth`: PrefillGrowth.unplanned). Once per batch, MLX's buffer
+    cache holds about one stream's sliding-window transient more (`batch_bytes`). With a
+    `governor`, the budget also counts what the governor counts (GovernorTerms): the process's
+    memory outside MLX comes off, and the table fills only up to where orange starts.
+    `others_bytes`: the weights of the other models resident beside it.
     """
     window = g.context_length if context_length is None else min(context_length, g.context_length)
     chunk = min(prefill_step, window)
-    transient = rotating_prefill_bytes(g, chunk, kv)
-    prefill = (
-        prefill_working_bytes(g, prefill_step, window, tiled_attention)
-        + sliding_prefill_bytes(g, chunk, kv)
-        + store_cast_bytes(g, chunk, kv)
-    )
+    prefill = prefill_bytes(g, chunk, window, kv, tiled_attention)
+    if growth is not None:
+        prefill += round(growth.unplanned * chunk)
     budget = MemoryBudget(
         memory,
         weight_bytes,
@@ -199,7 +244,7 @@ def capacity_table(
         reserve_floor,
         reserve_fraction,
         prompt_cache_bytes,
-        batch_bytes=transient,
+        batch_bytes=rotating_prefill_bytes(g, chunk, kv),
         others_bytes=others_bytes,
     )
     if governor is not None:

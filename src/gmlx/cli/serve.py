@@ -318,11 +318,15 @@ def _serve(settings: Settings) -> int:
         table, measured = preloaded.table(), engine.measured
         if table is not None and measured is not None:
             predicted = kv_bytes_after_prefill(m.geometry, measured.tokens, table.kv)
+            growth = preloaded.prefill_growth()
             log.info(
-                "%s (KV at warm-up: measured %s, predicted %s; prefill %.0f tok/s, decode %.1f tok/s)",
+                "%s (KV at warm-up: measured %s, predicted %s; a prefill token's working memory: measured %s, "
+                "predicted %s; prefill %.0f tok/s, decode %.1f tok/s)",
                 table.headline(),
                 human_bytes(measured.kv_bytes),
                 human_bytes(predicted),
+                human_bytes(growth.measured if growth else None),
+                human_bytes(growth.predicted if growth else None),
                 measured.prefill_tok_s,
                 measured.decode_tok_s,
             )

@@ -272,7 +272,11 @@ class Measured:
     kv_dtype_bytes: int  # the cache's float element size (its store, a quantized cache's scales)
     prefill_tok_s: float
     decode_tok_s: float
-    prefill_peak_bytes: int  # working memory above the cache while prefilling
+    # Working memory above the cache at the peak of a prefill from an empty cache, run as the
+    # engine runs a chunk: of `tokens` tokens, and of twice as many (what each token adds:
+    # capacity.table.prefill_growth).
+    prefill_peak_bytes: int
+    doubled_prefill_peak_bytes: int
     # Resident memory outside MLX's buffers once the warm-up is done and the heap trimmed: the
     # interpreter, libraries and tokenizer. Where MLX's buffers live on a device (CUDA) it is no
     # figure of the budget's (capacity.table.governor_terms).
@@ -293,6 +297,26 @@ def _float_bytes(cache: list) -> int:
     return max((a.dtype.size for a in arrays if mx.issubdtype(a.dtype, mx.floating)), default=4)
 
 
+def _measured_prefill(model: object, make_cache: CacheFactory, token: int, tokens: int) -> tuple[list, int, int, float]:
+    """A fresh cache prefilled with `tokens` copies of `token` as the engine prefills a chunk (layer
+    by layer, the logits of the last position alone): the cache, the bytes it took, the working
+    memory above them at the peak, and the seconds it took."""
+    mx.synchronize()
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()  # to 0, not to `before`: subtract it below
+    cache = make_cache(model)
+    start = time.perf_counter()
+    with upstream.layer_by_layer(model):
+        logits = upstream.logits_at(model, mx.array([[token] * tokens]), cache, [0], [tokens - 1])
+    mx.eval(logits, [c.state for c in cache])
+    seconds = time.perf_counter() - start
+    del logits
+    mx.clear_cache()
+    kv = mx.get_active_memory() - before
+    return cache, kv, max(0, mx.get_peak_memory() - before - kv), seconds
+
+
 def warm_up(
     loaded: LoadedModel,
     tokens: int = WARMUP_TOKENS,
@@ -300,36 +324,33 @@ def warm_up(
     make_cache: CacheFactory = make_prompt_cache,
 ) -> Measured:
     """Prefill a few tokens and decode a few more on one stream: times both, and measures the
-    cache's bytes. Short on purpose: MLX's quantized CPU kernels prefill at a few tok/s."""
-    tokens = max(1, min(tokens, loaded.context_length - decode_steps - 1))
-    prompt = mx.array([[loaded.tokenizer.bos_token_id or 0] * tokens])
+    cache's bytes and the prefill's working memory, then the working memory of a prefill twice as
+    long. Short on purpose: MLX's quantized CPU kernels prefill at a few tok/s."""
+    tokens = max(1, min(tokens, (loaded.context_length - decode_steps - 1) // 2))
+    model, token = loaded.model, loaded.tokenizer.bos_token_id or 0
     # A model's first forward pass keeps one-time buffers (constants built lazily, kernel scratch):
     # pay for them before measuring, or they count as KV.
-    mx.eval(loaded.model(prompt[:, :1], cache=make_cache(loaded.model)))
-    mx.synchronize()
-    mx.clear_cache()
-    before = mx.get_active_memory()
-    mx.reset_peak_memory()  # to 0, not to `before`: subtract it below
-    cache = make_cache(loaded.model)
-    start = time.perf_counter()
-    logits = loaded.model(prompt, cache=cache)
-    mx.eval(logits[:, -1], [c.state for c in cache])
-    prefill_s = time.perf_counter() - start
+    mx.eval(model(mx.array([[token]]), cache=make_cache(model)))
+    cache, kv, peak, prefill_s = _measured_prefill(model, make_cache, token, tokens)
     dtype_bytes = _float_bytes(cache)
-    del logits
-    mx.clear_cache()
-    kv = mx.get_active_memory() - before
-    peak = mx.get_peak_memory() - before - kv
-    token = mx.array([[prompt[0, 0].item()]])
+    step = mx.array([[token]])
     start = time.perf_counter()
     for _ in range(decode_steps):
-        mx.eval(loaded.model(token, cache=cache))
+        mx.eval(model(step, cache=cache))
     decode_s = time.perf_counter() - start
     del cache
+    doubled_peak = _measured_prefill(model, make_cache, token, 2 * tokens)[2]
     mx.clear_cache()
     trim_heap()  # what loading freed is no part of what the process keeps
     return Measured(
-        tokens, kv, dtype_bytes, tokens / prefill_s, decode_steps / decode_s, max(0, peak), memory_outside_mlx()
+        tokens,
+        kv,
+        dtype_bytes,
+        tokens / prefill_s,
+        decode_steps / decode_s,
+        peak,
+        doubled_peak,
+        memory_outside_mlx(),
     )
 
 

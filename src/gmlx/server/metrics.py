@@ -98,6 +98,7 @@ def _model_capacity(m: ModelState) -> dict | None:
             "decode_tok_s_measured": round(measured.decode_tok_s, 2),
             # The warm-up prompt is short, so its peak sits well under one full chunk's prediction.
             "prefill_peak_bytes_measured": measured.prefill_peak_bytes,
+            **(growth.to_json() if (growth := m.prefill_growth()) else {}),
             "prefill_bytes_predicted_per_chunk": table.budget.prefill_bytes,
         }
     return out

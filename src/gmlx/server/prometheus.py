@@ -148,6 +148,16 @@ _WARMUP = (  # measured once at start
     ("decode_tok_s_measured", "gmlx_capacity_warmup_decode_tokens_per_second_measured", "The warm-up's decode rate"),
     ("prefill_peak_bytes_measured", "gmlx_capacity_warmup_prefill_peak_bytes_measured", "The warm-up prefill's peak"),
     (
+        "prefill_bytes_per_token_predicted",
+        "gmlx_capacity_warmup_prefill_bytes_per_token_predicted",
+        "What a prefill chunk's token adds to its memory, derived",
+    ),
+    (
+        "prefill_bytes_per_token_measured",
+        "gmlx_capacity_warmup_prefill_bytes_per_token_measured",
+        "What a prefill chunk's token adds to its memory, measured at the warm-up",
+    ),
+    (
         "prefill_bytes_predicted_per_chunk",
         "gmlx_capacity_warmup_prefill_bytes_predicted_per_chunk",
         "What the table predicts for one full prefill chunk",

@@ -10,7 +10,14 @@ from typing import TYPE_CHECKING, Literal
 
 from gmlx import platform
 from gmlx.capacity.memory import KVFormat
-from gmlx.capacity.table import CapacityTable, attention_in_tiles, capacity_table, governor_terms
+from gmlx.capacity.table import (
+    CapacityTable,
+    PrefillGrowth,
+    attention_in_tiles,
+    capacity_table,
+    governor_terms,
+    prefill_growth,
+)
 from gmlx.deployment import Deployment
 from gmlx.engine.engine import Engine, EngineStats
 from gmlx.gguf.vocab import token_bytes
@@ -169,11 +176,30 @@ class ModelState:
                 reserve_floor=s.reserve_floor,
                 context_length=loaded.context_length,
                 prompt_cache_bytes=s.prompt_cache_limit(d.memory),
-                tiled_attention=attention_in_tiles(kernels_fast.installed(), getattr(engine, "kv_quant", None)),
+                tiled_attention=self._tiled_attention(),
                 governor=governor_terms(s, measured.host_bytes, platform.backend() != "cuda"),
                 others_bytes=self.others_bytes,
+                growth=self.prefill_growth(),
             )
         return self._table
+
+    def prefill_growth(self) -> PrefillGrowth | None:
+        """What a prefill chunk's token adds to its memory, predicted and measured at the warm-up
+        (None before it)."""
+        engine = self.engine
+        if engine is None or engine.loaded is None or (m := engine.measured) is None:
+            return None
+        return prefill_growth(
+            engine.loaded.geometry,
+            self.kv_format(m.kv_dtype_bytes),
+            self._tiled_attention(),
+            m.tokens,
+            m.prefill_peak_bytes,
+            m.doubled_prefill_peak_bytes,
+        )
+
+    def _tiled_attention(self) -> bool:
+        return attention_in_tiles(kernels_fast.installed(), getattr(self.engine, "kv_quant", None))
 
     def table_json(self) -> dict | None:
         """The table as JSON, made once per table (its binary searches cost more than a snapshot's
