@@ -147,7 +147,8 @@ def offline(
         "prefill_bytes": {
             "value": table.budget.prefill_bytes,
             "from": "one chunk's activations"
-            + (", attention in tiles (gmlx's CPU kernels)" if tiled else " and one layer's attention scores"),
+            + (", attention in tiles (gmlx's CPU kernels)" if tiled else " and one layer's attention scores")
+            + ", derived (a server measures a chunk at start and sets more aside where it holds more)",
         },
         "reserve_bytes": {
             "value": table.budget.reserve_bytes,
