@@ -113,7 +113,6 @@ def test_a_fan_out_peaks_where_the_capacity_table_says(default_model: Path, pref
         for width in (8, 1):  # the widest first: what it touches once is no part of the narrower one
             peak = measure(engine, width)
             planned = table.streams_bytes(width, PROMPT_TOKENS + MAX_TOKENS)
-            print("PEAK", prefill_step, width, peak.mlx / planned, peak.rss / planned)
             assert peak.mlx <= 1.10 * planned, (width, peak.mlx, planned)
             # The resident size counts the kernels' scratch too, which keeps its high-water mark: what a
             # fan-out adds depends on what ran in the process before (docs/ARCHITECTURE.md, "Memory
