@@ -86,6 +86,11 @@ NB_MODULE(_ext, m) {
       },
       "rows"_a, "Whether a matmul of this many activation rows takes the active ISA's integer path "
       "(with activation bits other than 0).");
+  m.def(
+      "scratch_bytes", [] { return gk::g_scratch_bytes.load(std::memory_order_relaxed); },
+      "Bytes the kernels' threads keep as scratch from one call to the next, outside MLX's buffers.");
+  m.def("release_scratch", &gk::release_scratch,
+        "Have each thread free its scratch at its next use of it, keeping only what that use needs.");
   m.def("blas", &gk::blas_name, "The library whose cblas_sgemm prefill uses ('' = own kernel).");
   m.def("block_size", &gk::block_size, "type"_a);
   m.def("type_size", &gk::type_size, "type"_a);

@@ -30,13 +30,10 @@ constexpr int64_t ATTN_BLOCK = 64;
 constexpr int64_t ATTN_PARTS_PER_THREAD = 2;
 constexpr int64_t ATTN_PART_KEYS = 64;
 
-thread_local std::vector<float> tl_a, tl_b, tl_c, tl_d, tl_work, tl_parts;
-thread_local std::vector<uint16_t> tl_hb, tl_hc;  // float16 keys and values copied row-major
+thread_local Scratch<float> tl_a, tl_b, tl_c, tl_d, tl_work, tl_parts;
+thread_local Scratch<uint16_t> tl_hb, tl_hc;  // float16 keys and values copied row-major
 
-float* work_buffer(size_t n) {
-  if (tl_work.size() < n) tl_work.resize(n);
-  return tl_work.data();
-}
+float* work_buffer(size_t n) { return tl_work.get(n); }
 
 void check(bool ok, const char* what) {
   if (!ok) throw std::invalid_argument(what);
@@ -71,9 +68,9 @@ void row_chunks(int64_t rows, int64_t per, F&& fn) {
 }  // namespace
 
 template <class T>
-const T* row_major(const mx::array& a, std::vector<T>& buf) {
+const T* row_major(const mx::array& a, Scratch<T>& scratch) {
   if (a.flags().row_contiguous) return a.data<T>();
-  buf.resize(a.size());
+  T* buf = scratch.get(a.size());
   const auto& shape = a.shape();
   const auto& strides = a.strides();
   const int nd = a.ndim();
@@ -86,10 +83,10 @@ const T* row_major(const mx::array& a, std::vector<T>& buf) {
     for (int64_t i = 0; i < inner; i++) buf[o + i] = src[base + i * inner_stride];
     for (int d = nd - 2; d >= 0 && ++idx[d] == shape[d]; d--) idx[d] = 0;
   }
-  return buf.data();
+  return buf;
 }
 
-template const float* row_major(const mx::array&, std::vector<float>&);
+template const float* row_major(const mx::array&, Scratch<float>&);
 
 void RMSNorm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& enc = prepare(inputs, outputs);
@@ -157,8 +154,8 @@ void MaskTokens::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::
 
 namespace {
 
-thread_local std::vector<float> tl_weights;
-thread_local std::vector<int32_t> tl_index;
+thread_local Scratch<float> tl_weights;
+thread_local Scratch<int32_t> tl_index;
 
 // The first of n weights whose running sum passes target (the last with weight where rounding
 // leaves target out of reach).
@@ -230,13 +227,11 @@ uint32_t sample_row(const Impl* impl, const float* x, int64_t V, float temperatu
   if (temperature <= 0.f || top_k == 1 || !std::isfinite(m)) return (uint32_t)top;
   const float k = 1.f / temperature;
   const bool by_p = top_p > 0.f && top_p < 1.f, by_min = min_p > 0.f, by_k = top_k > 0;
-  if (tl_weights.size() < (size_t)V) tl_weights.resize(V);
-  float* w = tl_weights.data();
+  float* w = tl_weights.get(V);
   if (!by_p && !by_min && !by_k) return (uint32_t)pick(w, V, u * (double)impl->exp_sum(x, V, m, k, w));
   // What the filters keep is a prefix of x in descending order: gather the tokens that may be in
   // it, and order only as many of them as top_k and top_p look at.
-  if (tl_index.size() < (size_t)V) tl_index.resize(V);
-  int32_t* idx = tl_index.data();
+  int32_t* idx = tl_index.get(V);
   const float floor = by_min ? m + std::log(min_p) : -FLT_MAX;  // min_p's bound
   // the mass top_p measures, w[i] = e^(x[i] - m) at temperature 1 (overwritten only below)
   const double z = by_p ? impl->exp_sum(x, V, m, 1.f, w) : 0.0;
@@ -276,8 +271,7 @@ void LogprobTop::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::
       if (k == 0) return;
       // the k largest among the tokens gathered from the top until they number k (-inf ones only
       // where fewer are finite)
-      if (tl_index.size() < (size_t)V) tl_index.resize(V);
-      int32_t* idx = tl_index.data();
+      int32_t* idx = tl_index.get(V);
       const int64_t n = gather_top(impl, xr, V, m, -INFINITY, idx, [k](int64_t got) { return got >= k; });
       const int64_t kept = std::min<int64_t>(k, n);
       std::partial_sort(idx, idx + kept, idx + n,
@@ -341,7 +335,7 @@ int64_t rope_rows_per_chunk(int64_t L, int64_t D) {
   return std::max<int64_t>(L, PARALLEL_MIN_WORK / (8 * std::max<int64_t>(D, 1)));
 }
 
-thread_local std::vector<float> tl_heads;
+thread_local Scratch<float> tl_heads;
 
 }  // namespace
 
@@ -382,8 +376,7 @@ void Heads::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array
     std::vector<float> inv_freq;
     RopeArgs a{};
     if (rot.dims > 0) {
-      tl_heads.resize(out.size());
-      normed = tl_heads.data();
+      normed = tl_heads.get(out.size());
       a = rope_args(rot, normed, yp, L, D, n, freqs, offsets, inv_freq);
     }
     const Impl* impl = active_impl();
@@ -445,7 +438,7 @@ void Attention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
     // keys and values are usually a view of a KV cache's buffer: read through their strides
     // when each row is contiguous, else copy
     const bool half = k.dtype() == mx::float16;
-    auto kv_rows = [half](const mx::array& a, std::vector<float>& f, std::vector<uint16_t>& h) -> const void* {
+    auto kv_rows = [half](const mx::array& a, Scratch<float>& f, Scratch<uint16_t>& h) -> const void* {
       if (half) return a.strides()[3] == 1 ? a.data<uint16_t>() : row_major(a, h);
       return a.strides()[3] == 1 ? a.data<float>() : row_major(a, f);
     };
@@ -489,8 +482,7 @@ void Attention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
                     : std::clamp<int64_t>((ATTN_PARTS_PER_THREAD * nt + groups - 1) / groups, 1,
                                           std::max<int64_t>(1, a.T / ATTN_PART_KEYS));
     const int64_t stride = rows * (D + 2);  // a part's (m, l) pairs and its rows' outputs
-    if (tl_parts.size() < (size_t)(groups * parts * stride)) tl_parts.resize(groups * parts * stride);
-    float* part = tl_parts.data();
+    float* part = tl_parts.get(groups * parts * stride);
     parallel_chunks(nt, groups * parts, [&](int64_t c) {
       const int64_t g = c / parts, p = c % parts, h0 = g % a.Hkv * G;
       const int64_t t0 = a.T * p / parts, t1 = a.T * (p + 1) / parts;

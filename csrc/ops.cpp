@@ -108,16 +108,13 @@ const Impl* packing_impl(const Impl* impl, const MatmulArgs* parts, int n_parts)
   return impl;
 }
 
-thread_local std::vector<float> tl_scratch;
+thread_local Scratch<float> tl_scratch;
 
-float* scratch(size_t n) {
-  if (tl_scratch.size() < n) tl_scratch.resize(n);
-  return tl_scratch.data();
-}
+float* scratch(size_t n) { return tl_scratch.get(n); }
 
-thread_local std::vector<int16_t> tl_xq;
-thread_local std::vector<float> tl_xd;
-thread_local std::vector<float> tl_xs;
+thread_local Scratch<int16_t> tl_xq;
+thread_local Scratch<float> tl_xd;
+thread_local Scratch<float> tl_xs;
 
 // Prefill through an optimized BLAS already in the process (gmlx preloads OpenBLAS with
 // RTLD_GLOBAL on Linux): dequantize a panel of weight rows to float, then one sgemm. Only a
@@ -149,14 +146,13 @@ sgemm_fn blas_sgemm() {
   return g_blas.load(std::memory_order_relaxed) == 0 ? nullptr : f;
 }
 
-thread_local std::vector<float> tl_panel;
+thread_local Scratch<float> tl_panel;
 
 bool run_blas(const MatmulArgs& a) {
   sgemm_fn sgemm = blas_sgemm();
   if (!sgemm || a.M < BLAS_MIN_ROWS || a.K > (1 << 30) / BLAS_PANEL) return false;
   const Impl* impl = active_impl();
-  if (tl_panel.size() < (size_t)(BLAS_PANEL * a.K)) tl_panel.resize((size_t)(BLAS_PANEL * a.K));
-  float* panel = tl_panel.data();
+  float* panel = tl_panel.get((size_t)(BLAS_PANEL * a.K));
   for (int64_t n0 = 0; n0 < a.N; n0 += BLAS_PANEL) {
     const int64_t rows = std::min<int64_t>(BLAS_PANEL, a.N - n0);
     impl->dequant_rows(a.type, a.w + n0 * a.row_bytes, rows, a.K, a.row_bytes, panel);
@@ -204,11 +200,9 @@ void run_matmuls_on(const Impl* impl, const MatmulArgs* parts, int n_parts) {
     return;
   }
   const size_t nq = (size_t)(a.M * a.K), nb = nq / 32;
-  if (tl_xq.size() < nq) tl_xq.resize(nq);
-  if (tl_xd.size() < nb) { tl_xd.resize(nb); tl_xs.resize(nb); }
-  int16_t* xq = tl_xq.data();
-  float* xd = tl_xd.data();
-  float* xs = tl_xs.data();
+  int16_t* xq = tl_xq.get(nq);
+  float* xd = tl_xd.get(nb);
+  float* xs = tl_xs.get(nb);
   const int64_t nb_row = a.K / 32, passes = (a.M + INT_ROWS - 1) / INT_ROWS;
   const int coders = a.M * a.K < (int64_t)1 << 16 ? 1 : n_threads();  // a prompt's rows coded in parallel
   // a call of packed and file weights has one coding for both (run_matmuls splits it otherwise)
@@ -265,6 +259,11 @@ void check_type(int type) {
 
 }  // namespace
 
+std::atomic<int64_t> g_scratch_bytes{0};
+std::atomic<uint64_t> g_scratch_generation{0};
+
+void release_scratch() { g_scratch_generation.fetch_add(1, std::memory_order_relaxed); }
+
 std::atomic<const Impl*> g_impl{nullptr};
 
 const Impl* active_impl() {
@@ -317,7 +316,7 @@ std::string set_isa(const std::string& want) {
 
 namespace mx = mlx::core;
 
-thread_local std::vector<float> tl_x;
+thread_local Scratch<float> tl_x;
 
 mx::cpu::CommandEncoder& CPUPrimitive::prepare(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs,
                                                const std::vector<int>& donors) {
@@ -396,7 +395,7 @@ std::vector<mx::Shape> GGUFMatmul::output_shapes(const std::vector<mx::array>& i
   return {shape};
 }
 
-thread_local std::vector<float> tl_gu;
+thread_local Scratch<float> tl_gu;
 
 void GGUFGatedMLP::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& encoder = prepare(inputs, outputs);
@@ -406,8 +405,7 @@ void GGUFGatedMLP::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx
                     out = mx::array::unsafe_weak_copy(outputs[0]), types = types_, N = N_, K = K_, act = act_,
                     M]() mutable {
     if (M == 0) return;
-    if (tl_gu.size() < (size_t)(2 * M * N)) tl_gu.resize((size_t)(2 * M * N));
-    float* gp = tl_gu.data();
+    float* gp = tl_gu.get((size_t)(2 * M * N));
     float* up = gp + M * N;
     const float* xp = row_major(x, tl_x);
     const MatmulArgs gate_up[2] = {{types[0], g.data<uint8_t>(), (int64_t)(g.size() / N), xp, gp, M, N, K},

@@ -7,6 +7,8 @@
 #include "mlx/primitives.h"
 #include "mlx/utils.h"
 
+#include <atomic>
+#include <cstdint>
 #include <optional>
 #include <variant>
 #include <vector>
@@ -54,11 +56,52 @@ bool packs(int type);
 // The arrays copied into buffers advised for transparent huge pages (Linux; elsewhere, as given).
 std::vector<mx::array> in_huge_pages(const std::vector<mx::array>& arrays);
 
+// Bytes every thread's Scratch holds now.
+extern std::atomic<int64_t> g_scratch_bytes;
+extern std::atomic<uint64_t> g_scratch_generation;
+// Each Scratch frees what it holds at its thread's next use of it, keeping what that use needs.
+void release_scratch();
+
+// Working memory a thread keeps from one call of the kernels to the next, outside MLX's buffers
+// (a prefill chunk's gate and up rows, its activations' integer codes). It grows to what the
+// largest call since the last release_scratch needed, and is counted (scratch_bytes). Declared
+// thread_local: only its own thread frees it, so a release never pulls a buffer from under a
+// running kernel (docs/ARCHITECTURE.md, decision 39).
+template <class T>
+class Scratch {
+ public:
+  Scratch() = default;
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  ~Scratch() { add(-(int64_t)v_.capacity()); }
+  // n elements, valid until this thread's next get() of the same Scratch; their values are undefined.
+  T* get(size_t n) {
+    if (const uint64_t g = g_scratch_generation.load(std::memory_order_relaxed); g != generation_) {
+      add(-(int64_t)v_.capacity());
+      std::vector<T>().swap(v_);
+      generation_ = g;
+    }
+    if (v_.size() < n) {
+      const size_t before = v_.capacity();
+      v_.resize(n);
+      add((int64_t)(v_.capacity() - before));
+    }
+    return v_.data();
+  }
+
+ private:
+  static void add(int64_t elements) {
+    g_scratch_bytes.fetch_add(elements * (int64_t)sizeof(T), std::memory_order_relaxed);
+  }
+  std::vector<T> v_;
+  uint64_t generation_ = 0;
+};
+
 // a's elements (T float, or uint16_t for float16) in row-major order: its own buffer when already
 // so, else a copy into buf.
 template <class T>
-const T* row_major(const mx::array& a, std::vector<T>& buf);
-extern template const float* row_major(const mx::array&, std::vector<float>&);
+const T* row_major(const mx::array& a, Scratch<T>& buf);
+extern template const float* row_major(const mx::array&, Scratch<float>&);
 
 // The transformer ops MLX composes from many nodes on the CPU, as one node each (float32).
 // y = x / sqrt(mean(x^2, -1) + eps) * w, w (D,) or none.

@@ -16,6 +16,7 @@ import mlx.core as mx
 import psutil
 import pytest
 
+from gmlx import kernels
 from gmlx.deployment import Deployment
 from gmlx.engine.engine import Engine, Event, Failed, Finished, Request
 from gmlx.engine.heap import trim_heap
@@ -178,3 +179,42 @@ def test_a_fan_out_of_another_shape_peaks_within_the_plan(
             derived = planned - width * round(growth.unplanned * table.prefill_step)
             if growth.unplanned:  # the derivation alone fell short
                 assert peak.mlx > derived, (width, peak.mlx, derived)
+
+
+def test_once_a_prompt_is_prefilled_the_kernels_give_back_the_scratch_it_grew(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CPU kernels keep scratch outside MLX from one call to the next (a chunk's gate and up
+    rows, among others). Once no prompt is left to prefill, their next call frees it: a server does
+    not keep its largest chunk's for good."""
+    if not kernels.available():
+        pytest.skip(kernels.reason() or "the kernels do not run here")
+    import tiny_models
+    from gguf import GGMLQuantizationType
+
+    tokens = 1024
+    gate_up = 2 * tokens * tiny_models.FF * 4  # the fused MLP's float rows for one chunk
+    path = tiny_models.write_model(tmp_path / "m.gguf", "llama", GGMLQuantizationType.Q8_0, context=4096)
+    at_release: list[int] = []
+    release = kernels.release_scratch
+
+    def spy() -> None:
+        at_release.append(kernels.scratch_bytes())
+        release()
+
+    monkeypatch.setattr(kernels, "release_scratch", spy)
+    with serving(path, prefill_step=tokens) as (engine, _):
+        for n in (tokens, 16):  # a long prompt answered in its prefill, then a short one
+            ended = threading.Event()
+            engine.submit(
+                Request(
+                    id=f"r{n}",
+                    prompt_ids=[2] + [100 + i for i in range(n - 1)],
+                    max_tokens=1,
+                    emit=lambda e, ended=ended: isinstance(e, Finished | Failed) and ended.set(),
+                )
+            )
+            assert ended.wait(60)
+        after = kernels.scratch_bytes()
+    assert at_release and at_release[0] >= gate_up, (at_release, gate_up)  # the long prompt grew it
+    assert after <= at_release[0] - 0.9 * gate_up, (at_release, after, gate_up)

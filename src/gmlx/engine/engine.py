@@ -399,6 +399,7 @@ class Engine:
         self.prefill_step = prefill_step
         self._budget = PrefillBudget(prefill_step)
         self._decoded_last: frozenset[int] = frozenset()  # rows the last step decoded
+        self._prefilled = False  # prompt work ran since the kernels' scratch was last released
         self._early: list = []  # this step's responses handed out already (_hand_out_early)
         self.stats = EngineStats()
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
@@ -547,6 +548,7 @@ class Engine:
                     self._step(gen)
                 if self._embedding:
                     self._embed_next()
+                self._release_prompt_scratch()
             except Exception as e:  # the thread must outlive any one request's failure
                 log.exception("engine step failed; failing %d request(s) and starting afresh", len(self._active))
                 self._lane = None
@@ -557,6 +559,13 @@ class Engine:
             self._finish(stream.req, self._cancelled(stream.req))
         self._end_embeddings("the engine stopped")
         gen.close()
+
+    def _release_prompt_scratch(self) -> None:
+        """Once no prompt is left to prefill, let the kernels free the scratch the prompts grew: the
+        next step keeps what decoding needs (docs/ARCHITECTURE.md, decision 39)."""
+        if self._prefilled and not self._embedding and all(s.req.state != Phase.PREFILL for s in self._active.values()):
+            kernels.release_scratch()
+            self._prefilled = False
 
     def _cancel(self, gen: BatchGenerator, req: Request, error: Failed | None = None) -> None:
         if self._lane is not None and self._lane[0].req is req:
@@ -613,6 +622,7 @@ class Engine:
     def _embed_next(self) -> None:
         """Run the first waiting embedding's next input; answer it once its last has run."""
         job = self._embedding[0]
+        self._prefilled = True
         if not job.cancelled:
             assert self.loaded is not None and job.next_input is not None  # a finished job is gone
             try:
@@ -847,6 +857,7 @@ class Engine:
         st.prefill_seconds += s.prompt_time
         if s.prompt_tokens:
             st.recent_prefills.append((s.prompt_tokens, s.prompt_time))
+            self._prefilled = True
         if self.draft is not None and len(generation_responses) > 1:  # decoding together, without the drafter
             for r in generation_responses:
                 if (stream := self._active.get(r.uid)) is not None and stream.req.speculative is not None:

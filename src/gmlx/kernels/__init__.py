@@ -97,6 +97,20 @@ def extension() -> ModuleType | None:
     return _load()
 
 
+def scratch_bytes() -> int:
+    """Bytes the kernels' threads keep as scratch from one call to the next, outside MLX's buffers
+    (0 without the extension)."""
+    ext = _load()
+    return ext.scratch_bytes() if ext is not None else 0
+
+
+def release_scratch() -> None:
+    """Have each of the kernels' threads free its scratch at its next use of it, keeping what that
+    use needs: after a prefill, so that decoding does not keep what the prompts grew."""
+    if (ext := _load()) is not None:
+        ext.release_scratch()
+
+
 def available() -> bool:
     """True where the kernels loaded and MLX computes on the CPU (the only place they apply)."""
     return _load() is not None and mx.default_device() == mx.cpu

@@ -13,6 +13,7 @@ from typing import Any
 import mlx.core as mx
 import psutil
 
+from gmlx import kernels
 from gmlx.capacity.memory import kv_bytes_after_prefill, kv_bytes_per_token, warmup_per_token
 from gmlx.engine.engine import drafting_refused
 from gmlx.server.admission import RETRY_AFTER_FULL_S, AdmissionGate
@@ -79,6 +80,8 @@ def _memory(s: ServerState) -> dict:
         "headroom_bytes": usable - active - cache if usable is not None else None,
         "budget_bytes": table.budget.total_bytes if table else None,
         "process_rss_bytes": _PROCESS.memory_info().rss,
+        # What the CPU kernels keep outside MLX's buffers; freed once the prompts are prefilled.
+        "kernels_scratch_bytes": kernels.scratch_bytes() if kernels.available() else None,
         "system_available_bytes": vm.available,
         "system_total_bytes": vm.total,
     }

@@ -54,6 +54,7 @@ _MEMORY = (
     ("headroom_bytes", "gmlx_memory_headroom_bytes", "Usable budget left after active and cached bytes"),
     ("budget_bytes", "gmlx_memory_budget_bytes", "The memory budget the capacity table is built on"),
     ("process_rss_bytes", "gmlx_memory_process_rss_bytes", "Resident set size of this server's process"),
+    ("kernels_scratch_bytes", "gmlx_memory_kernels_scratch_bytes", "CPU kernels' scratch outside MLX"),
     ("system_available_bytes", "gmlx_memory_system_available_bytes", "Memory the OS reports available"),
     ("system_total_bytes", "gmlx_memory_system_total_bytes", "The machine's memory"),
 )
