@@ -69,8 +69,8 @@ void row_chunks(int64_t rows, int64_t per, F&& fn) {
 
 template <class T>
 const T* row_major(const mx::array& a, Scratch<T>& scratch) {
+  T* buf = scratch.get(a.flags().row_contiguous ? 0 : a.size());  // a use, needing none, frees a released one
   if (a.flags().row_contiguous) return a.data<T>();
-  T* buf = scratch.get(a.size());
   const auto& shape = a.shape();
   const auto& strides = a.strides();
   const int nd = a.ndim();
