@@ -87,8 +87,11 @@ NB_MODULE(_ext, m) {
       "rows"_a, "Whether a matmul of this many activation rows takes the active ISA's integer path "
       "(with activation bits other than 0).");
   m.def(
-      "scratch_bytes", [] { return gk::g_scratch_bytes.load(std::memory_order_relaxed); },
-      "Bytes the kernels' threads keep as scratch from one call to the next, outside MLX's buffers.");
+      "scratch_bytes",
+      [](bool used) { return (used ? gk::g_scratch_used_bytes : gk::g_scratch_bytes).load(std::memory_order_relaxed); },
+      "used"_a = false,
+      "Bytes the kernels' threads keep as scratch from one call to the next, outside MLX's buffers; used: of "
+      "the scratch used since release_scratch only.");
   m.def("release_scratch", &gk::release_scratch,
         "Have each thread free its scratch at its next use of it, keeping only what that use needs.");
   m.def("blas", &gk::blas_name, "The library whose cblas_sgemm prefill uses ('' = own kernel).");

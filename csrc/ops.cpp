@@ -259,10 +259,13 @@ void check_type(int type) {
 
 }  // namespace
 
-std::atomic<int64_t> g_scratch_bytes{0};
+std::atomic<int64_t> g_scratch_bytes{0}, g_scratch_used_bytes{0};
 std::atomic<uint64_t> g_scratch_generation{0};
 
-void release_scratch() { g_scratch_generation.fetch_add(1, std::memory_order_relaxed); }
+void release_scratch() {
+  g_scratch_generation.fetch_add(1, std::memory_order_relaxed);
+  g_scratch_used_bytes.store(0, std::memory_order_relaxed);
+}
 
 std::atomic<const Impl*> g_impl{nullptr};
 

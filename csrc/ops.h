@@ -56,10 +56,12 @@ bool packs(int type);
 // The arrays copied into buffers advised for transparent huge pages (Linux; elsewhere, as given).
 std::vector<mx::array> in_huge_pages(const std::vector<mx::array>& arrays);
 
-// Bytes every thread's Scratch holds now.
-extern std::atomic<int64_t> g_scratch_bytes;
+// Bytes every thread's Scratch holds now, and of them the bytes of those used since the last
+// release_scratch: what the calls since needed.
+extern std::atomic<int64_t> g_scratch_bytes, g_scratch_used_bytes;
 extern std::atomic<uint64_t> g_scratch_generation;
-// Each Scratch frees what it holds at its thread's next use of it, keeping what that use needs.
+// Each Scratch frees what it holds at its thread's next use of it, keeping what that use needs;
+// the used bytes count from 0 (exactly so where no kernel runs meanwhile).
 void release_scratch();
 
 // Working memory a thread keeps from one call of the kernels to the next, outside MLX's buffers
@@ -77,7 +79,7 @@ class Scratch {
   // n elements, valid until this thread's next get() of the same Scratch; their values are undefined.
   T* get(size_t n) {
     if (const uint64_t g = g_scratch_generation.load(std::memory_order_relaxed); g != generation_) {
-      add(-(int64_t)v_.capacity());
+      add(-(int64_t)v_.capacity());  // released: counted in the total only
       std::vector<T>().swap(v_);
       generation_ = g;
     }
@@ -90,8 +92,12 @@ class Scratch {
   }
 
  private:
-  static void add(int64_t elements) {
-    g_scratch_bytes.fetch_add(elements * (int64_t)sizeof(T), std::memory_order_relaxed);
+  // To the total, and to the used bytes where used since the last release.
+  void add(int64_t elements) const {
+    const int64_t bytes = elements * (int64_t)sizeof(T);
+    g_scratch_bytes.fetch_add(bytes, std::memory_order_relaxed);
+    if (generation_ == g_scratch_generation.load(std::memory_order_relaxed))
+      g_scratch_used_bytes.fetch_add(bytes, std::memory_order_relaxed);
   }
   std::vector<T> v_;
   uint64_t generation_ = 0;

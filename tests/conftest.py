@@ -295,7 +295,13 @@ def warm_up_growth(path: Path):
     m = warm_up(loaded)
     kv = KVFormat(float_bytes=m.kv_dtype_bytes)
     return prefill_growth(
-        loaded.geometry, kv, fast.enabled(), m.tokens, m.prefill_peak_bytes, m.doubled_prefill_peak_bytes
+        loaded.geometry,
+        kv,
+        fast.enabled(),
+        m.tokens,
+        m.prefill_peak_bytes,
+        m.doubled_prefill_peak_bytes,
+        m.prefill_scratch_bytes,
     )
 
 
@@ -310,8 +316,8 @@ def fast_ops() -> None:
 
 @pytest.fixture
 def small_memory_model(tmp_path: Path) -> tuple[Path, int]:
-    """A tiny model with a 4096-token window on a budget that holds about 2600 tokens of KV (a
-    1000-token stream, with what its caches outgrow in their last chunk and the batch term).
+    """A tiny model with a 4096-token window on a budget that holds, beside the batch term, about
+    2600 tokens of KV (a 1000-token stream, with what its caches outgrow in their last chunk).
     (So small a budget is below the test process's own resident memory, which would turn the
     governor red; the servers on it run without one, as these tests are about the arithmetic.)"""
     from gmlx.capacity.budget import PROMPT_CACHE_SHARE
@@ -322,7 +328,7 @@ def small_memory_model(tmp_path: Path) -> tuple[Path, int]:
     budget = probe.budget
     # The prompt cache's default share of memory comes off the top too.
     memory = int(
-        (budget.weight_bytes + budget.prefill_bytes + 512 * MiB + 2600 * kv_per_token)
+        (budget.weight_bytes + budget.prefill_bytes + budget.batch_bytes + 512 * MiB + 2600 * kv_per_token)
         / (1 - 1 / PROMPT_CACHE_SHARE)
         / 0.999
     )

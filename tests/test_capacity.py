@@ -395,6 +395,7 @@ def test_a_warm_up_that_measures_more_per_chunk_token_than_derived_raises_the_se
     assert more.to_json() == {
         "prefill_bytes_per_token_predicted": round(derived, 1),
         "prefill_bytes_per_token_measured": round(derived + 10_000, 1),
+        "prefill_scratch_bytes_per_token_measured": 0.0,
     }
     table = dict(weight_bytes=GiB, decode_batch=8, prefill_step=512, memory=2 * GiB, tiled_attention=True)
     plain, raised = capacity_table(GEMMA3, **table), capacity_table(GEMMA3, **table, growth=more)
@@ -404,6 +405,20 @@ def test_a_warm_up_that_measures_more_per_chunk_token_than_derived_raises_the_se
     # Blocks that hold less than derived keep the derivation: the fan-out's peak was measured against it.
     less = prefill_growth(GEMMA3, FP16, True, 32, 3 * MiB, 3 * MiB + round(32 * derived / 2))
     assert less.unplanned == 0 and capacity_table(GEMMA3, **table, growth=less).budget == plain.budget
+
+
+def test_the_kernels_scratch_the_warm_up_measured_is_set_aside_once_a_batch() -> None:
+    # The longer warm-up prefill (64 tokens) needed 2.25 MiB of the CPU kernels' scratch: one
+    # stream's chunk of it beside the batch, not one a stream (docs/ARCHITECTURE.md, decision 39).
+    plain = prefill_growth(GEMMA3, FP16, True, 32, 3 * MiB, 5 * MiB)
+    scratch = prefill_growth(GEMMA3, FP16, True, 32, 3 * MiB, 5 * MiB, scratch_bytes=64 * 36_000)
+    assert scratch.scratch == 36_000 and scratch.to_json()["prefill_scratch_bytes_per_token_measured"] == 36_000
+    table = dict(weight_bytes=GiB, decode_batch=8, prefill_step=512, memory=2 * GiB, tiled_attention=True)
+    without, counted = capacity_table(GEMMA3, **table, growth=plain), capacity_table(GEMMA3, **table, growth=scratch)
+    assert counted.budget.batch_bytes == without.budget.batch_bytes + 512 * 36_000
+    assert counted.budget.prefill_bytes == without.budget.prefill_bytes
+    assert counted.streams_bytes(8, 2000) - without.streams_bytes(8, 2000) == 512 * 36_000
+    assert counted.max_context_at_width(8) < without.max_context_at_width(8)
 
 
 def test_the_budget_counts_what_the_governor_counts() -> None:

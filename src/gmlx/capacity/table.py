@@ -177,6 +177,9 @@ class PrefillGrowth:
 
     predicted: float
     measured: float
+    # Bytes a chunk token holds in the CPU kernels' scratch, outside MLX's buffers (measured; 0
+    # where they do not run): counted once a batch (capacity_table).
+    scratch: float = 0.0
 
     @property
     def unplanned(self) -> float:
@@ -188,22 +191,30 @@ class PrefillGrowth:
         return {
             "prefill_bytes_per_token_predicted": round(self.predicted, 1),
             "prefill_bytes_per_token_measured": round(self.measured, 1),
+            "prefill_scratch_bytes_per_token_measured": round(self.scratch, 1),
         }
 
 
 def prefill_growth(
-    g: ModelGeometry, kv: KVFormat, tiled_attention: bool, tokens: int, peak_bytes: int, doubled_peak_bytes: int
+    g: ModelGeometry,
+    kv: KVFormat,
+    tiled_attention: bool,
+    tokens: int,
+    peak_bytes: int,
+    doubled_peak_bytes: int,
+    scratch_bytes: int = 0,
 ) -> PrefillGrowth:
     """From the warm-up's two prefills of an empty cache, `tokens` and twice as many, which peaked
-    `peak_bytes` and `doubled_peak_bytes` above their caches; the prediction is the same difference
-    of `prefill_bytes`. A difference, so what does not grow with the chunk (the one position's
+    `peak_bytes` and `doubled_peak_bytes` above their caches in MLX's buffers, the second needing
+    `scratch_bytes` of the kernels' scratch; the prediction is the same difference of
+    `prefill_bytes`. A difference, so what does not grow with the chunk (the one position's
     logits, one-time buffers) drops out. From an empty cache no sliding-window buffer is replaced,
     which `prefill_bytes` counts: the measured growth falls short of a chunk's deep in a prompt, and
     what it exceeds the prediction by is a lower bound of what the set-aside misses."""
     predicted = prefill_bytes(g, 2 * tokens, 2 * tokens, kv, tiled_attention) - prefill_bytes(
         g, tokens, tokens, kv, tiled_attention
     )
-    return PrefillGrowth(predicted / tokens, (doubled_peak_bytes - peak_bytes) / tokens)
+    return PrefillGrowth(predicted / tokens, (doubled_peak_bytes - peak_bytes) / tokens, scratch_bytes / (2 * tokens))
 
 
 def capacity_table(
@@ -227,9 +238,12 @@ def capacity_table(
 
     A prompt's prefill holds `prefill_bytes`: a server adds, for each token of a chunk, what its
     warm-up measured beyond that (`growth`: PrefillGrowth.unplanned). Once per batch, MLX's buffer
-    cache holds about one stream's sliding-window transient more (`batch_bytes`). With a
-    `governor`, the budget also counts what the governor counts (GovernorTerms): the process's
-    memory outside MLX comes off, and the table fills only up to where orange starts.
+    cache holds about one stream's sliding-window transient more (`batch_bytes`), and the process
+    one stream's chunk of the CPU kernels' scratch (`growth`: PrefillGrowth.scratch; not one a
+    stream: beside W streams MLX's figure counts buffers whose pages are not written yet,
+    docs/ARCHITECTURE.md, decision 39). With a `governor`, the budget also counts what the
+    governor counts (GovernorTerms): the process's memory outside MLX comes off, and the table
+    fills only up to where orange starts.
     `others_bytes`: the weights of the other models resident beside it.
     """
     window = g.context_length if context_length is None else min(context_length, g.context_length)
@@ -244,7 +258,7 @@ def capacity_table(
         reserve_floor,
         reserve_fraction,
         prompt_cache_bytes,
-        batch_bytes=rotating_prefill_bytes(g, chunk, kv),
+        batch_bytes=rotating_prefill_bytes(g, chunk, kv) + (round(growth.scratch * chunk) if growth else 0),
         others_bytes=others_bytes,
     )
     if governor is not None:

@@ -321,12 +321,13 @@ def _serve(settings: Settings) -> int:
             growth = preloaded.prefill_growth()
             log.info(
                 "%s (KV at warm-up: measured %s, predicted %s; a prefill token's working memory: measured %s, "
-                "predicted %s; prefill %.0f tok/s, decode %.1f tok/s)",
+                "predicted %s, the kernels' scratch %s; prefill %.0f tok/s, decode %.1f tok/s)",
                 table.headline(),
                 human_bytes(measured.kv_bytes),
                 human_bytes(predicted),
                 human_bytes(growth.measured if growth else None),
                 human_bytes(growth.predicted if growth else None),
+                human_bytes(growth.scratch if growth else None),
                 measured.prefill_tok_s,
                 measured.decode_tok_s,
             )

@@ -277,6 +277,9 @@ class Measured:
     # capacity.table.prefill_growth).
     prefill_peak_bytes: int
     doubled_prefill_peak_bytes: int
+    # What the longer prefill needed of the CPU kernels' scratch, outside MLX's buffers (0 where
+    # they do not run).
+    prefill_scratch_bytes: int
     # Resident memory outside MLX's buffers once the warm-up is done and the heap trimmed: the
     # interpreter, libraries and tokenizer. Where MLX's buffers live on a device (CUDA) it is no
     # figure of the budget's (capacity.table.governor_terms).
@@ -297,12 +300,16 @@ def _float_bytes(cache: list) -> int:
     return max((a.dtype.size for a in arrays if mx.issubdtype(a.dtype, mx.floating)), default=4)
 
 
-def _measured_prefill(model: object, make_cache: CacheFactory, token: int, tokens: int) -> tuple[list, int, int, float]:
+def _measured_prefill(
+    model: object, make_cache: CacheFactory, token: int, tokens: int
+) -> tuple[list, int, int, float, int]:
     """A fresh cache prefilled with `tokens` copies of `token` as the engine prefills a chunk (layer
     by layer, the logits of the last position alone): the cache, the bytes it took, the working
-    memory above them at the peak, and the seconds it took."""
+    memory above them at the peak in MLX's buffers, the seconds it took, and the scratch it needed
+    of the CPU kernels'."""
     mx.synchronize()
     mx.clear_cache()
+    kernels.release_scratch()
     before = mx.get_active_memory()
     mx.reset_peak_memory()  # to 0, not to `before`: subtract it below
     cache = make_cache(model)
@@ -314,7 +321,7 @@ def _measured_prefill(model: object, make_cache: CacheFactory, token: int, token
     del logits
     mx.clear_cache()
     kv = mx.get_active_memory() - before
-    return cache, kv, max(0, mx.get_peak_memory() - before - kv), seconds
+    return cache, kv, max(0, mx.get_peak_memory() - before - kv), seconds, kernels.scratch_bytes(used=True)
 
 
 def warm_up(
@@ -331,7 +338,7 @@ def warm_up(
     # A model's first forward pass keeps one-time buffers (constants built lazily, kernel scratch):
     # pay for them before measuring, or they count as KV.
     mx.eval(model(mx.array([[token]]), cache=make_cache(model)))
-    cache, kv, peak, prefill_s = _measured_prefill(model, make_cache, token, tokens)
+    cache, kv, peak, prefill_s, _ = _measured_prefill(model, make_cache, token, tokens)
     dtype_bytes = _float_bytes(cache)
     step = mx.array([[token]])
     start = time.perf_counter()
@@ -339,7 +346,7 @@ def warm_up(
         mx.eval(model(step, cache=cache))
     decode_s = time.perf_counter() - start
     del cache
-    doubled_peak = _measured_prefill(model, make_cache, token, 2 * tokens)[2]
+    _, _, doubled_peak, _, scratch = _measured_prefill(model, make_cache, token, 2 * tokens)
     mx.clear_cache()
     trim_heap()  # what loading freed is no part of what the process keeps
     return Measured(
@@ -350,6 +357,7 @@ def warm_up(
         decode_steps / decode_s,
         peak,
         doubled_peak,
+        scratch,
         memory_outside_mlx(),
     )
 

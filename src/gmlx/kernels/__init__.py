@@ -97,11 +97,11 @@ def extension() -> ModuleType | None:
     return _load()
 
 
-def scratch_bytes() -> int:
+def scratch_bytes(used: bool = False) -> int:
     """Bytes the kernels' threads keep as scratch from one call to the next, outside MLX's buffers
-    (0 without the extension)."""
+    (0 without the extension); `used`: of the scratch used since `release_scratch` only."""
     ext = _load()
-    return ext.scratch_bytes() if ext is not None else 0
+    return ext.scratch_bytes(used=used) if ext is not None else 0
 
 
 def release_scratch() -> None:

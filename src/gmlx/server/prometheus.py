@@ -159,6 +159,11 @@ _WARMUP = (  # measured once at start
         "What a prefill chunk's token adds to its memory, measured at the warm-up",
     ),
     (
+        "prefill_scratch_bytes_per_token_measured",
+        "gmlx_capacity_warmup_prefill_scratch_bytes_per_token_measured",
+        "What a prefill chunk's token holds in the CPU kernels' scratch, measured at the warm-up",
+    ),
+    (
         "prefill_bytes_predicted_per_chunk",
         "gmlx_capacity_warmup_prefill_bytes_predicted_per_chunk",
         "What the table predicts for one full prefill chunk",

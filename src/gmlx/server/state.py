@@ -196,6 +196,7 @@ class ModelState:
             m.tokens,
             m.prefill_peak_bytes,
             m.doubled_prefill_peak_bytes,
+            m.prefill_scratch_bytes,
         )
 
     def _tiled_attention(self) -> bool:
