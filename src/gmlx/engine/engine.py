@@ -21,6 +21,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import NamedTuple
 
 import mlx.core as mx
 import psutil
@@ -300,13 +301,18 @@ def _float_bytes(cache: list) -> int:
     return max((a.dtype.size for a in arrays if mx.issubdtype(a.dtype, mx.floating)), default=4)
 
 
-def _measured_prefill(
-    model: object, make_cache: CacheFactory, token: int, tokens: int
-) -> tuple[list, int, int, float, int]:
+class _Prefill(NamedTuple):
+    """What `_measured_prefill` measured."""
+
+    kv_bytes: int  # what the cache took
+    peak_bytes: int  # the working memory above it at the peak, in MLX's buffers
+    seconds: float
+    scratch_bytes: int  # what it needed of the CPU kernels' scratch
+
+
+def _measured_prefill(model: object, make_cache: CacheFactory, token: int, tokens: int) -> tuple[list, _Prefill]:
     """A fresh cache prefilled with `tokens` copies of `token` as the engine prefills a chunk (layer
-    by layer, the logits of the last position alone): the cache, the bytes it took, the working
-    memory above them at the peak in MLX's buffers, the seconds it took, and the scratch it needed
-    of the CPU kernels'."""
+    by layer, the logits of the last position alone), and what that measured."""
     mx.synchronize()
     mx.clear_cache()
     kernels.release_scratch()
@@ -321,7 +327,7 @@ def _measured_prefill(
     del logits
     mx.clear_cache()
     kv = mx.get_active_memory() - before
-    return cache, kv, max(0, mx.get_peak_memory() - before - kv), seconds, kernels.scratch_bytes(used=True)
+    return cache, _Prefill(kv, max(0, mx.get_peak_memory() - before - kv), seconds, kernels.scratch_bytes(used=True))
 
 
 def warm_up(
@@ -338,7 +344,7 @@ def warm_up(
     # A model's first forward pass keeps one-time buffers (constants built lazily, kernel scratch):
     # pay for them before measuring, or they count as KV.
     mx.eval(model(mx.array([[token]]), cache=make_cache(model)))
-    cache, kv, peak, prefill_s, _ = _measured_prefill(model, make_cache, token, tokens)
+    cache, short = _measured_prefill(model, make_cache, token, tokens)
     dtype_bytes = _float_bytes(cache)
     step = mx.array([[token]])
     start = time.perf_counter()
@@ -346,18 +352,18 @@ def warm_up(
         mx.eval(model(step, cache=cache))
     decode_s = time.perf_counter() - start
     del cache
-    _, _, doubled_peak, _, scratch = _measured_prefill(model, make_cache, token, 2 * tokens)
+    doubled = _measured_prefill(model, make_cache, token, 2 * tokens)[1]
     mx.clear_cache()
     trim_heap()  # what loading freed is no part of what the process keeps
     return Measured(
         tokens,
-        kv,
+        short.kv_bytes,
         dtype_bytes,
-        tokens / prefill_s,
+        tokens / short.seconds,
         decode_steps / decode_s,
-        peak,
-        doubled_peak,
-        scratch,
+        short.peak_bytes,
+        doubled.peak_bytes,
+        doubled.scratch_bytes,
         memory_outside_mlx(),
     )
 
