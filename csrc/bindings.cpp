@@ -92,8 +92,10 @@ NB_MODULE(_ext, m) {
       "used"_a = false,
       "Bytes the kernels' threads keep as scratch from one call to the next, outside MLX's buffers; used: of "
       "the scratch used since release_scratch only.");
-  m.def("release_scratch", &gk::release_scratch,
-        "Have each thread free its scratch at its next use of it, keeping only what that use needs.");
+  m.def("release_scratch", &gk::release_scratch, "streams"_a = std::vector<mlx::core::Stream>{},
+        "Have each thread free its scratch at its next use of it, keeping only what that use needs, or "
+        "sooner where it runs no kernel: the calling thread's now, the threads of these CPU streams (none: the "
+        "calling thread's default) once their queued work is done, the pool's workers' between regions.");
   m.def("blas", &gk::blas_name, "The library whose cblas_sgemm prefill uses ('' = own kernel).");
   m.def("block_size", &gk::block_size, "type"_a);
   m.def("type_size", &gk::type_size, "type"_a);

@@ -25,6 +25,7 @@
 
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/allocator.h"
+#include "mlx/scheduler.h"
 #include "mlx/transforms.h"
 
 namespace gmlx_kernels {
@@ -262,9 +263,20 @@ void check_type(int type) {
 std::atomic<int64_t> g_scratch_bytes{0}, g_scratch_used_bytes{0};
 std::atomic<uint64_t> g_scratch_generation{0};
 
-void release_scratch() {
+void release_scratch(const std::vector<mx::Stream>& streams) {
   g_scratch_generation.fetch_add(1, std::memory_order_relaxed);
   g_scratch_used_bytes.store(0, std::memory_order_relaxed);
+  // Where the threads go idle next (a prompt answered in its prefill, an embedding batch), no
+  // kernel's next call would free them until the next prompt.
+  drop_released_buffers();
+  auto on = streams;
+  if (on.empty())
+    if (const auto s = mx::peek_default_stream(mx::Device::cpu)) on.push_back(*s);
+  for (const mx::Stream& s : on) {
+    if (s.device != mx::Device::cpu) throw std::invalid_argument("release_scratch: the streams must be CPU streams");
+    mx::scheduler::enqueue(s, [] { drop_released_buffers(); });  // after the kernels queued before it
+  }
+  drop_released_in_workers();
 }
 
 std::atomic<const Impl*> g_impl{nullptr};

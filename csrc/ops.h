@@ -2,6 +2,7 @@
 #pragma once
 
 #include "gguf_kernels.h"
+#include "parallel.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
@@ -60,9 +61,12 @@ std::vector<mx::array> in_huge_pages(const std::vector<mx::array>& arrays);
 // release_scratch: what the calls since needed.
 extern std::atomic<int64_t> g_scratch_bytes, g_scratch_used_bytes;
 extern std::atomic<uint64_t> g_scratch_generation;
-// Each Scratch frees what it holds at its thread's next use of it, keeping what that use needs;
-// the used bytes count from 0 (exactly so where no kernel runs meanwhile).
-void release_scratch();
+// Each Scratch frees what it holds at its thread's next use of it, keeping what that use needs, or
+// sooner where its thread runs no kernel: the calling thread's now, the threads of `streams` (CPU
+// streams; none: the calling thread's default) once the work queued on them is done, the pool's
+// workers' outside their regions. The used bytes count from 0 (exactly so where no kernel runs
+// meanwhile).
+void release_scratch(const std::vector<mx::Stream>& streams = {});
 
 // Working memory a thread keeps from one call of the kernels to the next, outside MLX's buffers
 // (a prefill chunk's gate and up rows, its activations' integer codes). It grows to what the
@@ -70,25 +74,28 @@ void release_scratch();
 // thread_local: only its own thread frees it, so a release never pulls a buffer from under a
 // running kernel (docs/ARCHITECTURE.md, decision 39).
 template <class T>
-class Scratch {
+class Scratch final : public ThreadBuffer {
  public:
   Scratch() = default;
-  Scratch(const Scratch&) = delete;
-  Scratch& operator=(const Scratch&) = delete;
   ~Scratch() { add(-(int64_t)v_.capacity()); }
-  // n elements, valid until this thread's next get() of the same Scratch; their values are undefined.
+  // n elements, valid until this thread's next get() of the same Scratch or drop_released_buffers();
+  // their values are undefined.
   T* get(size_t n) {
-    if (const uint64_t g = g_scratch_generation.load(std::memory_order_relaxed); g != generation_) {
-      add(-(int64_t)v_.capacity());  // released: counted in the total only
-      std::vector<T>().swap(v_);
-      generation_ = g;
-    }
+    drop_if_released();
     if (v_.size() < n) {
       const size_t before = v_.capacity();
       v_.resize(n);
       add((int64_t)(v_.capacity() - before));
     }
     return v_.data();
+  }
+
+  void drop_if_released() override {
+    if (const uint64_t g = g_scratch_generation.load(std::memory_order_relaxed); g != generation_) {
+      add(-(int64_t)v_.capacity());  // released: counted in the total only
+      std::vector<T>().swap(v_);
+      generation_ = g;
+    }
   }
 
  private:

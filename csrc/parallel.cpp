@@ -107,6 +107,7 @@ struct Pool {
   std::mutex sleep_mutex;
   std::condition_variable wake;
   std::atomic<int> sleepers{0};
+  std::atomic<uint64_t> drops{0};  // drop_released_in_workers calls so far
   std::vector<std::thread> workers;
 
   void take_chunks() {
@@ -115,7 +116,7 @@ struct Pool {
 
   void work(int index) {
     pin_member(index);
-    uint64_t seen = 0;
+    uint64_t seen = 0, dropped = 0;
     for (;;) {
       const auto start = std::chrono::steady_clock::now();
       for (int spins = 0; generation.load(std::memory_order_acquire) == seen; spins++) {
@@ -124,8 +125,13 @@ struct Pool {
         if ((spins & 31) == 31 && std::chrono::steady_clock::now() - start > spin_budget()) {
           std::unique_lock lock(sleep_mutex);
           sleepers.fetch_add(1);
-          wake.wait(lock, [&] { return generation.load() != seen; });
+          wake.wait(lock, [&] { return generation.load() != seen || drops.load() != dropped; });
           sleepers.fetch_sub(1);
+          if (const uint64_t d = drops.load(); d != dropped) {
+            lock.unlock();
+            dropped = d;
+            drop_released_buffers();  // between regions: none of this thread's buffers is in use
+          }
         }
       }
       seen = generation.load(std::memory_order_acquire);
@@ -165,7 +171,30 @@ Pool& pool() {
   return *p;
 }
 
+std::vector<ThreadBuffer*>& this_thread_buffers() {
+  thread_local std::vector<ThreadBuffer*> buffers;
+  return buffers;
+}
+
 }  // namespace
+
+// The list is constructed before the first buffer registers, so it outlives them all.
+ThreadBuffer::ThreadBuffer() { this_thread_buffers().push_back(this); }
+
+ThreadBuffer::~ThreadBuffer() { std::erase(this_thread_buffers(), this); }
+
+void drop_released_buffers() {
+  for (ThreadBuffer* b : this_thread_buffers()) b->drop_if_released();
+}
+
+void drop_released_in_workers() {
+  Pool& p = pool();
+  {
+    std::lock_guard lock(p.sleep_mutex);  // a worker between its check and its wait sees it
+    p.drops.fetch_add(1);
+  }
+  p.wake.notify_all();  // a worker that is not asleep drops when it next sleeps
+}
 
 int n_threads() {
   static int n = [] {

@@ -701,3 +701,37 @@ def test_parallel_regions_from_several_streams_at_once_each_get_their_own_produc
         t.join(timeout=120)
     assert not any(t.is_alive() for t in threads), "a caller never returned"
     assert failures == []
+
+
+def _settled_scratch_bytes() -> int:
+    """The scratch count once the pool's workers have dropped what they were woken to drop."""
+    import time
+
+    last, deadline = gk.scratch_bytes(), time.monotonic() + 30
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        if (now := gk.scratch_bytes()) == last:
+            break
+        last = now
+    return last
+
+
+def test_released_scratch_is_freed_by_the_threads_that_run_no_kernel_after():
+    """A prompt-sized matmul grows the scratch of the threads that run it (the stream's thread and
+    the pool's workers). Released, it is freed once the work queued on the stream is done, though
+    no kernel runs after it: an engine left idle after a prompt keeps none (decision 39)."""
+    rng = np.random.default_rng(3)
+    n, k, rows = 2048, 512, 256
+    w = mx.array(quantize(rng.standard_normal((n, k)).astype(np.float32), T.Q8_0))
+    x = mx.array(rng.standard_normal((rows, k)).astype(np.float32))
+    stream = mx.new_stream(mx.cpu)
+    gk.release_scratch([stream])
+    mx.synchronize(stream)
+    before = _settled_scratch_bytes()
+    with mx.stream(stream):
+        mx.eval(gk.matmul(x, w, T.Q8_0, n, k))
+    grown = gk.scratch_bytes() - before
+    assert grown >= rows * k, grown  # at least the activations' codes or a float panel
+    gk.release_scratch([stream])
+    mx.synchronize(stream)
+    assert _settled_scratch_bytes() <= before, (before, grown, gk.scratch_bytes())

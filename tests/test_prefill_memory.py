@@ -63,7 +63,9 @@ class Peak:
         self._thread.join()
 
 
-def fan_out(engine: Engine, width: int, salt: int, tokens: int = PROMPT_TOKENS) -> list[Event]:
+def fan_out(
+    engine: Engine, width: int, salt: int, tokens: int = PROMPT_TOKENS, max_tokens: int = MAX_TOKENS
+) -> list[Event]:
     """`width` distinct prompts of `tokens` submitted at once; their final events once all have ended."""
     ends: list[Event] = []
     done = threading.Event()
@@ -76,7 +78,7 @@ def fan_out(engine: Engine, width: int, salt: int, tokens: int = PROMPT_TOKENS) 
 
     for i in range(width):  # token ids unlike any other prompt's, so the prompt cache supplies none
         ids = [2] + [100 + (7919 * salt + 37 * (i * tokens + j)) % 200_000 for j in range(tokens - 1)]
-        request = Request(id=f"fan-{salt}-{i}", prompt_ids=ids, max_tokens=MAX_TOKENS, emit=emit, sampling=GREEDY)
+        request = Request(id=f"fan-{salt}-{i}", prompt_ids=ids, max_tokens=max_tokens, emit=emit, sampling=GREEDY)
         engine.submit(request)
     assert done.wait(600), "the fan-out did not end"
     # Greedy, so that a run repeats. What is measured is the prefill: a prompt whose first token is a
@@ -209,9 +211,9 @@ def test_once_a_prompt_is_prefilled_the_kernels_give_back_the_scratch_it_grew(
     at_release: list[int] = []
     release = kernels.release_scratch
 
-    def spy() -> None:
+    def spy(streams: list[mx.Stream]) -> None:
         at_release.append(kernels.scratch_bytes())
-        release()
+        release(streams)
 
     with serving(path, prefill_step=tokens) as (engine, _):
         monkeypatch.setattr(kernels, "release_scratch", spy)  # after the warm-up's own
@@ -220,3 +222,25 @@ def test_once_a_prompt_is_prefilled_the_kernels_give_back_the_scratch_it_grew(
         after = kernels.scratch_bytes()
     assert at_release and at_release[0] >= gate_up, (at_release, gate_up)  # the long prompt grew it
     assert after <= at_release[0] - 0.9 * gate_up, (at_release, after, gate_up)
+
+
+def test_an_engine_left_idle_after_a_prompt_answered_in_its_prefill_keeps_none_of_its_scratch(
+    tmp_path: Path,
+) -> None:
+    """A prompt whose first token is its last (a score, a classification) leaves no decoding to
+    free what its prefill grew; the threads that ran it free it as they go idle."""
+    if not kernels.available():
+        pytest.skip(kernels.reason() or "the kernels do not run here")
+    import tiny_models
+    from gguf import GGMLQuantizationType
+
+    tokens = 1024
+    gate_up = 2 * tokens * tiny_models.FF * 4  # the fused MLP's float rows for one chunk
+    path = tiny_models.write_model(tmp_path / "m.gguf", "llama", GGMLQuantizationType.Q8_0, context=4096)
+    with serving(path, prefill_step=tokens) as (engine, _):
+        before = kernels.scratch_bytes()
+        fan_out(engine, 1, salt=1, tokens=tokens, max_tokens=1)
+        deadline = time.monotonic() + 30  # the engine releases after its step; the threads then drop
+        while (held := kernels.scratch_bytes()) > before + 0.1 * gate_up and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert held <= before + 0.1 * gate_up, (before, held, gate_up)

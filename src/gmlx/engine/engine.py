@@ -26,7 +26,7 @@ from typing import NamedTuple
 import mlx.core as mx
 import psutil
 from mlx.utils import tree_flatten
-from mlx_lm.generate import BatchGenerator
+from mlx_lm.generate import BatchGenerator, generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import StreamingDetokenizer
 
@@ -368,6 +368,17 @@ def warm_up(
     )
 
 
+def _kernel_streams() -> list[mx.Stream]:
+    """The calling thread's CPU streams the kernels run on (none where they do not run): its
+    default (the warm-up, embeddings) and mlx_lm's generation stream (the batch)."""
+    if not kernels.available():
+        return []
+    default = mx.default_stream(mx.cpu)
+    with mx.stream(generation_stream):
+        generation = mx.default_stream(mx.cpu)
+    return [default] if generation == default else [default, generation]
+
+
 def _release_thread_state() -> None:
     """Free what MLX keeps for the calling thread (its streams, its random key, its mx.compile
     cache) while Python can still free the Python objects among them: the engine thread's last act
@@ -576,9 +587,10 @@ class Engine:
 
     def _release_prompt_scratch(self) -> None:
         """Once no prompt is left to prefill, let the kernels free the scratch the prompts grew: the
-        next step keeps what decoding needs (docs/ARCHITECTURE.md, decision 39)."""
+        next step keeps what decoding needs, and an engine left idle keeps none (docs/ARCHITECTURE.md,
+        decision 39)."""
         if self._prefilled and not self._embedding and all(s.req.state != Phase.PREFILL for s in self._active.values()):
-            kernels.release_scratch()
+            kernels.release_scratch(_kernel_streams())
             self._prefilled = False
 
     def _cancel(self, gen: BatchGenerator, req: Request, error: Failed | None = None) -> None:

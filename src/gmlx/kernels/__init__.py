@@ -43,6 +43,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from collections.abc import Sequence
 from functools import cache
 from types import ModuleType
 
@@ -104,11 +105,14 @@ def scratch_bytes(used: bool = False) -> int:
     return ext.scratch_bytes(used=used) if ext is not None else 0
 
 
-def release_scratch() -> None:
+def release_scratch(streams: Sequence[mx.Stream] = ()) -> None:
     """Have each of the kernels' threads free its scratch at its next use of it, keeping what that
-    use needs: after a prefill, so that decoding does not keep what the prompts grew."""
+    use needs: after a prefill, so that decoding does not keep what the prompts grew. Threads that
+    run no kernel meanwhile free theirs sooner: the calling thread now, the threads of `streams`
+    (the CPU streams the kernels ran on; none: the calling thread's default) once the work queued
+    on them is done, the pool's workers between regions."""
     if (ext := _load()) is not None:
-        ext.release_scratch()
+        ext.release_scratch(list(streams))
 
 
 def available() -> bool:
