@@ -264,18 +264,17 @@ std::atomic<int64_t> g_scratch_bytes{0}, g_scratch_used_bytes{0};
 std::atomic<uint64_t> g_scratch_generation{0};
 
 void release_scratch(const std::vector<mx::Stream>& streams) {
+  auto on = streams;
+  if (on.empty())
+    if (const auto s = mx::peek_default_stream(mx::Device::cpu)) on.push_back(*s);
+  for (const mx::Stream& s : on)
+    if (s.device != mx::Device::cpu) throw std::invalid_argument("release_scratch: the streams must be CPU streams");
   g_scratch_generation.fetch_add(1, std::memory_order_relaxed);
   g_scratch_used_bytes.store(0, std::memory_order_relaxed);
   // Where the threads go idle next (a prompt answered in its prefill, an embedding batch), no
   // kernel's next call would free them until the next prompt.
   drop_released_buffers();
-  auto on = streams;
-  if (on.empty())
-    if (const auto s = mx::peek_default_stream(mx::Device::cpu)) on.push_back(*s);
-  for (const mx::Stream& s : on) {
-    if (s.device != mx::Device::cpu) throw std::invalid_argument("release_scratch: the streams must be CPU streams");
-    mx::scheduler::enqueue(s, [] { drop_released_buffers(); });  // after the kernels queued before it
-  }
+  for (const mx::Stream& s : on) mx::scheduler::enqueue(s, [] { drop_released_buffers(); });  // behind its kernels
   drop_released_in_workers();
 }
 
