@@ -790,16 +790,21 @@ std::vector<mx::array> in_huge_pages(const std::vector<mx::array>& arrays) {
   }
   const size_t words = (bytes + HUGE_PAGE) / WORD;  // room to start at a huge page
   if (words > size_t(INT32_MAX)) throw std::invalid_argument("in_huge_pages: more than 16 GiB at once");
-  // MLX's own allocation, so its memory counts stay whole. glibc maps a block this size fresh, so
-  // advising it before the copy lets each 2 MiB fault in as one page (where the kernel has none
-  // free, khugepaged merges the small pages it gave later).
+  // MLX's own allocation, so its memory counts stay whole. Its 2 MiB pages are collapsed into huge
+  // pages once the copy is in (Linux 6.1 on; 0.08 s for 256 MiB here), which changes nothing about
+  // the range after: the buffer may be the C heap's (glibc serves a request from free heap space
+  // whatever its size), and advice would outlive it there, giving whatever the heap put in the
+  // range later 2 MiB pages. Where the kernel cannot collapse (older, or no huge page free), the
+  // range is advised instead, so that khugepaged collapses it later.
   mx::array buffer(mx::allocator::malloc(words * WORD), {(int)words}, mx::uint64);
   const uintptr_t start = reinterpret_cast<uintptr_t>(buffer.data<uint8_t>());
   const uintptr_t base = (start + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE;
   const size_t span = bytes / HUGE_PAGE * HUGE_PAGE;
-  if (span) madvise(reinterpret_cast<void*>(base), span, MADV_HUGEPAGE);
   for (size_t i = 0; i < src.size(); i++)
     std::memcpy(reinterpret_cast<uint8_t*>(base) + at[i], src[i].data<uint8_t>(), src[i].nbytes());
+  constexpr int COLLAPSE = 25;  // MADV_COLLAPSE, which older C headers lack
+  if (span && madvise(reinterpret_cast<void*>(base), span, COLLAPSE) != 0)
+    madvise(reinterpret_cast<void*>(base), span, MADV_HUGEPAGE);
   std::vector<mx::array> out;
   const size_t skip = (base - start) / WORD;
   for (size_t i = 0; i < src.size(); i++) {

@@ -1,4 +1,4 @@
-"""engine/heap.py's shed_stale_buffers: after buffers no step asks for again filled MLX's cache,
+"""gmlx/heap.py's shed_stale_buffers: after buffers no step asks for again filled MLX's cache,
 a step's own buffers come back from it instead of being mapped and faulted in afresh each step."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from gmlx.engine.heap import cache_limit, map_large_buffers, shed_stale_buffers
+from gmlx.heap import cache_limit, shed_stale_buffers
 
 
 def faults_over_steps(shed: bool, steps: int = 8) -> int:
@@ -39,7 +39,6 @@ def faults_over_steps(shed: bool, steps: int = 8) -> int:
 def measure() -> dict[str, int]:
     """Both ways, in a process of their own (the page faults are the whole process's, and a test
     process may still have other tests' engines about)."""
-    map_large_buffers()  # as an engine's start does: a buffer MLX does not keep leaves the process
     alone, shed = faults_over_steps(False), faults_over_steps(True)
     return {"limit": cache_limit(), "alone": alone, "shed": shed, "shed_empty": shed_stale_buffers()}
 

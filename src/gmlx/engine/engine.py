@@ -33,7 +33,6 @@ from mlx_lm.tokenizer_utils import StreamingDetokenizer
 from gmlx import kernels, upstream
 from gmlx.engine.budget import PrefillBudget
 from gmlx.engine.embeddings import EmbedJob, embed
-from gmlx.engine.heap import map_large_buffers, shed_stale_buffers, trim_heap
 from gmlx.engine.logprobs import Scored, TokenLogprob, score_rows, token_logprob
 from gmlx.engine.processors import Decoding, LogitsProcessor
 from gmlx.engine.prompt_cache import MISS, Hit, PromptCache
@@ -41,6 +40,7 @@ from gmlx.engine.sampling import Sampler, SamplingParams, greedy, make_sampler, 
 from gmlx.engine.speculative import SpeculativeCounters, SpeculativeStream, can_speculate
 from gmlx.engine.stops import StopMatcher
 from gmlx.gguf.detokenizer import continuation_detokenizer
+from gmlx.heap import shed_stale_buffers, trim_heap
 from gmlx.kernels import fast as kernels_fast
 from gmlx.models.loader import LoadedModel
 
@@ -441,10 +441,9 @@ class Engine:
     # --- called from any thread -------------------------------------------------------
 
     def start(self) -> None:
-        """Start the engine thread, first setting what it needs process-wide: large buffers freed
-        straight back to the system (engine/heap.py), and MLX's fast ops as gmlx's CPU kernels
-        (gmlx.kernels.fast; nothing off the CPU or without the extension)."""
-        map_large_buffers()
+        """Start the engine thread, first setting what it needs process-wide: MLX's fast ops as
+        gmlx's CPU kernels (gmlx.kernels.fast; nothing off the CPU or without the extension). Large
+        buffers go straight back to the system from gmlx's import on (gmlx/heap.py)."""
         kernels_fast.install()
         self._thread.start()
 

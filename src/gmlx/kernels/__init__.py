@@ -34,7 +34,7 @@ GMLX_KERNELS_SPIN_US (how long an idle thread waits for the next parallel region
 GMLX_KERNELS_PACK (0 keeps Q4_0, Q8_0, Q5_0, Q4_K, Q5_K and Q6_K weights in the file's layout; by default,
 where the kernels have an int16 path (AVX2, AVX-512; beside AMX, VNNI's), they are packed for them: see packs),
 GMLX_KERNELS_HUGE_PAGES (0 leaves the weights where they were loaded; by default, on Linux unless its
-transparent huge pages are `never`, they are moved into memory advised for them: see in_huge_pages),
+transparent huge pages are `never`, they are moved into huge pages: see in_huge_pages),
 GMLX_KERNELS_EXT (load the extension from another build).
 """
 
@@ -144,7 +144,7 @@ def _huge_pages_allowed() -> bool:
 
 def in_huge_pages(model: nn.Module, group_bytes: int = 256 << 20) -> int:
     """Move the model's parameters, where the kernels run, into buffers whose 2 MiB pages are
-    advised for transparent huge pages (docs/ARCHITECTURE.md, decision 33); returns the bytes
+    collapsed into transparent huge pages (docs/ARCHITECTURE.md, decision 33); returns the bytes
     moved. Each decode step reads every weight: in 4 KiB pages that is a TLB miss every 4 KiB
     of a stream the kernel threads read at memory bandwidth. Moved `group_bytes` at a time, each
     group's old buffers freed before the next, so loading never holds the weights twice: the

@@ -62,7 +62,7 @@ import psutil
 from gmlx import platform
 from gmlx.capacity.bands import BANDS, Thresholds, bytes_to_release, next_band
 from gmlx.engine.engine import Failed
-from gmlx.engine.heap import trim_heap
+from gmlx.heap import trim_heap
 
 if TYPE_CHECKING:
     from gmlx.capacity.table import CapacityTable

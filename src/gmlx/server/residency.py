@@ -24,8 +24,8 @@ from typing import Any
 
 from gmlx.deployment import Deployment
 from gmlx.engine.engine import Engine
-from gmlx.engine.heap import trim_heap
 from gmlx.gguf.header import GGUFError
+from gmlx.heap import trim_heap
 from gmlx.server.errors import APIError
 from gmlx.server.state import LOADING_RETRY_AFTER_S, ModelState, ServerState
 from gmlx.server.system import models_dir_files
@@ -246,7 +246,7 @@ class Residency:
 
 def _release(engine: Engine) -> None:
     """Stop an engine and give its memory back: its thread ends, the last references to its
-    arrays go, and MLX's buffer cache and the heap return the pages (engine/heap.py)."""
+    arrays go, and MLX's buffer cache and the heap return the pages (gmlx/heap.py)."""
     import mlx.core as mx
 
     engine.stop(_UNLOAD_TIMEOUT_S)

@@ -6,8 +6,13 @@ and unmaps it on free, but after the first such free it raises its mapping thres
 size (up to 32 MiB), so later buffers come from the heap and what they free stays resident
 until the heap is trimmed. A prefill chunk's activations are such buffers: four prompts of
 2,000 tokens prefilled together left the process 1.1-1.3x what MLX itself held
-(docs/ARCHITECTURE.md, "Memory model"). Fixing the threshold keeps every large buffer mapped on its
-own, so the resident size follows MLX's allocations and the capacity table's arithmetic.
+(docs/ARCHITECTURE.md, "Memory model"). gmlx's bring-up fixes the threshold as it is first imported,
+before the process allocates much, so every large buffer that finds no room in the heap is mapped
+on its own: the resident size follows MLX's allocations and the capacity table's arithmetic.
+glibc still serves a request from free heap space where it has room, so nothing may advise heap
+memory for huge pages: the advice would outlive the buffer and give whatever the heap put there
+later 2 MiB pages. NumPy advises its arrays of 4 MiB and more; the bring-up turns that off.
+Imports MLX lazily: the bring-up runs before it.
 Elsewhere (macOS, musl; CUDA and Metal buffers are not malloc's) the heap's two calls do nothing.
 What MLX keeps of its freed buffers for reuse, it keeps in its own cache: `shed_stale_buffers`.
 """
@@ -15,11 +20,11 @@ What MLX keeps of its freed buffers for reuse, it keeps in its own cache: `shed_
 from __future__ import annotations
 
 import ctypes
+import os
+import sys
 import threading
 from collections.abc import Callable
 from functools import cache
-
-import mlx.core as mx
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 # glibc's own default: buffers from 128 KiB get their own mapping. Setting it turns the dynamic
@@ -44,6 +49,15 @@ def map_large_buffers() -> bool:
     return _mallopt is not None and _mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
 
 
+def keep_numpy_off_huge_pages() -> None:
+    """Have NumPy advise none of its arrays for huge pages (gmlx's NumPy arrays are transient: loading,
+    tests), so that no freed one leaves advised heap memory behind."""
+    os.environ.setdefault("NUMPY_MADVISE_HUGEPAGE", "0")  # read as NumPy is imported
+    if (numpy := sys.modules.get("numpy")) is not None:
+        core = getattr(numpy, "_core", None) or numpy.core  # NumPy 2, NumPy 1
+        core.multiarray._set_madvise_hugepage(False)
+
+
 def trim_heap() -> None:
     """Give the heap's free pages back to the system (what smaller buffers freed)."""
     if _malloc_trim is not None:
@@ -59,6 +73,8 @@ _limit_lock = threading.Lock()
 def cache_limit() -> int:
     """What MLX keeps of its freed buffers at most: 32 MiB on the CPU (MLX 0.32); Metal's and
     CUDA's start at their memory limit. Read once, by raising it, which frees nothing."""
+    import mlx.core as mx
+
     with _limit_lock:
         limit = mx.set_cache_limit(2**62)
         mx.set_cache_limit(limit)
@@ -78,6 +94,8 @@ def shed_stale_buffers() -> bool:
     ago. Setting the limit waits for MLX's CPU stream, so it is done only then (9 times in
     4,096 tokens at width 8). What MLX holds never exceeds its own limit, so the capacity table's
     arithmetic is unchanged."""
+    import mlx.core as mx
+
     limit = cache_limit()
     if mx.get_cache_memory() <= limit * 3 // 4:
         return False
