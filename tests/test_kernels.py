@@ -389,8 +389,8 @@ class _Weights(nn.Module):
 
 
 @pytest.mark.skipif(not gk._huge_pages_allowed(), reason="no transparent huge pages here (not Linux, or `never`)")
-def test_weights_move_unchanged_into_memory_advised_for_huge_pages_a_group_at_a_time(monkeypatch, tmp_path):
-    """The loader moves every parameter into buffers advised for transparent huge pages (a
+def test_weights_move_unchanged_into_huge_pages_a_group_at_a_time(monkeypatch, tmp_path):
+    """The loader moves every parameter into buffers in transparent huge pages (a
     decode step streams them all); the values stay, each old buffer is freed a group at a time,
     so the move never holds the weights twice; GMLX_KERNELS_HUGE_PAGES=0 leaves them, as does a
     kernel whose setting is `never`."""
