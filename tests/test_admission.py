@@ -18,6 +18,28 @@ def test_retry_after_follows_the_drain_rate() -> None:
     assert AdmissionGate(1, 4, 10).retry_after(10) == 10  # no finished request yet: the fallback
 
 
+def test_a_refusal_waits_for_those_ahead_and_one_more_to_finish() -> None:
+    """Every slot is busy: a request that timed out first in the queue, or is refused by a full
+    queue, can be admitted once those ahead of it and one more have finished, not sooner (it
+    was told 1 s, the queue ahead of it being empty once it left it)."""
+
+    async def run() -> None:
+        gate = AdmissionGate(1, 1, 0.05, drain=lambda: (100.0, 20.0))  # a request finishes every 5 s
+        await gate.acquire()
+        with pytest.raises(APIError) as late:
+            await gate.acquire()
+        assert late.value.code == "queue_timeout" and late.value.retry_after == 5
+        waiter = asyncio.create_task(gate.acquire())
+        await asyncio.sleep(0)
+        with pytest.raises(APIError) as full:
+            await gate.acquire()
+        assert full.value.code == "queue_full" and full.value.retry_after == 10
+        waiter.cancel()
+        await asyncio.gather(waiter, return_exceptions=True)
+
+    asyncio.run(run())
+
+
 def test_slots_queue_and_handover() -> None:
     async def run() -> None:
         gate = AdmissionGate(1, 1, 10)

@@ -47,11 +47,12 @@ class AdmissionGate:
         return len(self._waiters)
 
     def retry_after(self, fallback: int = RETRY_AFTER_FULL_S, waiting: int | None = None) -> int:
-        """Seconds until the queue ahead would drain: waiting x mean tokens / decode rate."""
+        """Seconds until `waiting` more requests finish (by default everyone queued and one more, the
+        slot a request arriving now would take): waiting x mean tokens / decode rate."""
         mean, rate = self._drain()
         if not mean or not rate:
             return fallback
-        ahead = self.waiting if waiting is None else waiting
+        ahead = self.waiting + 1 if waiting is None else waiting
         return min(RETRY_AFTER_MAX_S, max(1, math.ceil(ahead * mean / rate)))
 
     async def acquire(self, slots: int = 1) -> None:
@@ -74,9 +75,11 @@ class AdmissionGate:
         except TimeoutError:
             if _granted(slot):  # handed its slots just as the time ran out: keep them
                 return
+            position = self._waiters.index(place) + 1  # its own turn: those ahead of it, then itself
             self._waiters.remove(place)
             message = f"waited {self.timeout_s:g} s for a slot"
-            raise self._reject("queue_timeout", message, self.retry_after(RETRY_AFTER_TIMEOUT_S)) from None
+            retry = self.retry_after(RETRY_AFTER_TIMEOUT_S, waiting=position)
+            raise self._reject("queue_timeout", message, retry) from None
         except asyncio.CancelledError:
             if _granted(slot):
                 self.release(slots)

@@ -167,7 +167,7 @@ def _not_ready(state: ServerState, m: ModelState) -> tuple[str, int] | None:
     if gate.waiting:
         return "queue", gate.retry_after()
     if gate.running >= gate.width:
-        return "busy", gate.retry_after(waiting=1)
+        return "busy", gate.retry_after()
     return None
 
 
