@@ -109,6 +109,24 @@ def test_streamed_events(client, server: LiveServer, scripted: Script) -> None:
     assert (final.content[1].name, final.content[1].input) == ("get_weather", {"city": "Paris"})
 
 
+def test_a_streamed_answer_counts_its_cached_prompt_as_a_plain_one_does(client, server: LiveServer) -> None:
+    """The prompt cache is read after message_start goes out; message_delta's usage, cumulative,
+    then says what it held, and the SDK's accumulator takes it (it read 0 cached before)."""
+    args = {
+        "model": server.model_id,
+        "max_tokens": 4,
+        "extra_body": {"temperature": 0},
+        "messages": [{"role": "user", "content": "Tell me a story about a lighthouse keeper and the sea."}],
+    }
+    client.messages.create(**args)  # its prompt is in the cache from now on
+    plain = client.messages.create(**args).usage
+    with client.messages.stream(**args) as stream:
+        streamed = stream.get_final_message().usage
+    assert plain.cache_read_input_tokens > 0
+    counts = ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens", "output_tokens")
+    assert [getattr(streamed, k) for k in counts] == [getattr(plain, k) for k in counts]
+
+
 def test_refusals(server: LiveServer) -> None:
     with server.client(headers={"Authorization": f"Bearer {KEY}"}) as c:
 
@@ -130,6 +148,8 @@ def test_refusals(server: LiveServer) -> None:
             error({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]})["param"] == "messages"
         )
         assert error({"messages": [{"role": "system", "content": "x"}]})["param"] == "messages"
+        stops = error({"messages": hi, "stop_sequences": [1]})  # checked as chat's stop
+        assert stops["param"] == "stop_sequences" and "'stop_sequences'" in stops["message"]
         assert c.post("/v1/messages", json={"model": server.model_id, "messages": hi}).status_code == 400  # max_tokens
 
 

@@ -151,4 +151,6 @@ def test_refusals(server: LiveServer) -> None:
         assert error({"input": [{"role": "user", "content": [{"type": "input_image"}]}]})["param"] == "input"
         assert error({"instructions": "x"})["param"] == "input"
         assert error({"input": "x", "whatever": 1})["code"] == "unsupported_parameter"
+        too_few = error({"input": "x", "max_output_tokens": 0})  # checked as chat's max_completion_tokens
+        assert too_few["param"] == "max_output_tokens" and "'max_output_tokens'" in too_few["message"]
         assert c.post("/responses", json={"input": "x", "max_output_tokens": 2}).status_code == 200  # the bare alias

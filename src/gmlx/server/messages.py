@@ -185,7 +185,7 @@ async def messages(request: Request) -> Response:
     arrived = time.monotonic()
     state: ServerState = request.app.state.gmlx
     body = await read_json(request, state)
-    gen = await admit(request, state, openai_api.parse(chat_body(body), chat=True), arrived)
+    gen = await admit(request, state, openai_api.parse_chat_of(chat_body(body), {"stop": "stop_sequences"}), arrived)
     if isinstance(gen, Response):
         return gen
     mid = "msg_" + uuid.uuid4().hex[:24]
@@ -244,7 +244,13 @@ async def _events(gen: Generation, mid: str, model: str) -> AsyncIterator[str]:
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": {"input_tokens": prompt_tokens, "output_tokens": 0},
+            # Before the prompt cache is read: message_delta's usage, cumulative, says what was cached.
+            "usage": {
+                "input_tokens": prompt_tokens,
+                "cache_creation_input_tokens": 0,
+                "cache_read_input_tokens": 0,
+                "output_tokens": 0,
+            },
         },
     )
     kind = None  # of the open block: text or tool_use
@@ -286,6 +292,6 @@ async def _events(gen: Generation, mid: str, model: str) -> AsyncIterator[str]:
     yield event(
         "message_delta",
         delta={"stop_reason": _STOP_REASONS.get(finish, "end_turn"), "stop_sequence": None},
-        usage={"output_tokens": usage["output_tokens"] if usage else 0},
+        usage=usage or {"output_tokens": 0},
     )
     yield event("message_stop")

@@ -13,7 +13,7 @@ from gmlx.engine.logprobs import MAX_TOP
 from gmlx.engine.processors import REPEAT_LAST_N, Decoding
 from gmlx.engine.sampling import SamplingParams
 from gmlx.server import tool_prompt
-from gmlx.server.errors import bad_request
+from gmlx.server.errors import APIError, bad_request
 from gmlx.server.fields import check_fields
 from gmlx.server.tools import ToolCall
 
@@ -191,6 +191,18 @@ def parse(body: Any, chat: bool) -> GenerationParams:
         decoding=_decoding(body),
         grammar=_grammar(body, tools) if chat else None,
     )
+
+
+def parse_chat_of(body: dict, renamed: dict[str, str]) -> GenerationParams:
+    """`parse` of the chat body another API's route built from its own (/v1/responses,
+    /v1/messages), its errors naming that API's fields: `renamed` maps chat's names to them."""
+    try:
+        return parse(body, chat=True)
+    except APIError as e:
+        if e.param in renamed:
+            e.message = e.message.replace(f"'{e.param}'", f"'{renamed[e.param]}'")
+            e.param = renamed[e.param]
+        raise
 
 
 def _grammar(body: dict, tools: tool_prompt.ToolSpec | None) -> str | None:

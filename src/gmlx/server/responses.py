@@ -34,6 +34,17 @@ from gmlx.server.state import ServerState
 STORE_SIZE = 256
 _ROLES = ("user", "assistant", "system", "developer")
 _TEXT_PARTS = ("input_text", "output_text")
+# Fields passed on to the chat body as they are, by their names there.
+_FIELDS = (
+    ("model", "model"),
+    ("max_output_tokens", "max_completion_tokens"),
+    ("temperature", "temperature"),
+    ("top_p", "top_p"),
+    ("stream", "stream"),
+    ("parallel_tool_calls", "parallel_tool_calls"),
+)
+# What the chat body's checks name, as the Responses body calls it.
+_CHAT_NAMES = {to: name for name, to in _FIELDS if to != name} | {"response_format": "text.format", "messages": "input"}
 Messages = list[dict[str, Any]]
 
 
@@ -174,14 +185,7 @@ def chat_body(body: Any, store: ResponseStore) -> tuple[dict, Messages]:
         "messages": ([{"role": "system", "content": instructions}] if instructions else []) + conversation,
         "stream_options": {"include_usage": True} if body.get("stream") is True else None,
     }
-    for name, to in (
-        ("model", "model"),
-        ("max_output_tokens", "max_completion_tokens"),
-        ("temperature", "temperature"),
-        ("top_p", "top_p"),
-        ("stream", "stream"),
-        ("parallel_tool_calls", "parallel_tool_calls"),
-    ):
+    for name, to in _FIELDS:
         chat[to] = body.get(name)
     chat["tools"], chat["response_format"] = _tools(body.get("tools")), _response_format(body.get("text"))
     chat["tool_choice"] = _tool_choice(body.get("tool_choice"))
@@ -275,7 +279,7 @@ async def responses(request: Request) -> Response:
     store: ResponseStore = request.app.state.responses
     body = await read_json(request, state)
     chat, conversation = chat_body(body, store)
-    gen = await admit(request, state, openai_api.parse(chat, chat=True), arrived)
+    gen = await admit(request, state, openai_api.parse_chat_of(chat, _CHAT_NAMES), arrived)
     if isinstance(gen, Response):
         return gen
     answer = _Answer(body, gen.state.model_id)
