@@ -28,7 +28,13 @@ def test_every_route_but_the_open_ones_needs_the_key(tiny_models: dict[str, Path
         routes = [(r.path, m) for r in s.app.routes if isinstance(r, Route) for m in r.methods or () if m != "HEAD"]
         assert len(routes) >= 8
         for path, method in routes:
-            for headers in ({}, {"Authorization": "Bearer wrong-key"}, {"Authorization": "right-key"}):
+            wrong = (
+                {},
+                {"Authorization": "Bearer wrong-key"},
+                {"Authorization": "right-key"},
+                {"Authorization": "Basic right-key"},
+            )
+            for headers in wrong:
                 r = c.request(method, path, headers=headers)
                 if path in OPEN_PATHS:
                     assert r.status_code == 200, (path, r.text)
@@ -37,6 +43,8 @@ def test_every_route_but_the_open_ones_needs_the_key(tiny_models: dict[str, Path
             r = c.request(method, path, headers={"Authorization": "Bearer right-key"}, json=chat_body())
             assert r.status_code != 401, (method, path)
         assert c.get("/no/such/route").status_code == 401  # no probing for routes without the key
+        for scheme in ("bearer", "BEARER"):  # a scheme's case is no part of it (RFC 9110)
+            assert c.get("/v1/models", headers={"Authorization": f"{scheme} right-key"}).status_code == 200
 
 
 def test_open_routes_and_default_logs_hold_no_content(

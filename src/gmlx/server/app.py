@@ -52,18 +52,23 @@ class APIKeyMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.key is None or scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
-        given = [
-            b"Bearer " + v if k == b"x-api-key" else v
-            for k, v in scope["headers"]
-            if k in (b"authorization", b"x-api-key")
-        ]
+        given = [_token(k, v) for k, v in scope["headers"] if k in (b"authorization", b"x-api-key")]
         if len(given) > 1:  # which one counts would be the server's guess, and proxies guess differently
             err = APIError(400, f"send the key once, not in {len(given)} headers", "invalid_request")
             return await err.response()(scope, receive, send)
-        if not hmac.compare_digest(given[0] if given else b"", b"Bearer " + self.key):
+        if not hmac.compare_digest(given[0] if given else b"", self.key):
             err = APIError(401, "a valid API key is required: Authorization: Bearer KEY", "invalid_api_key")
             return await err.response()(scope, receive, send)
         await self.app(scope, receive, send)
+
+
+def _token(header: bytes, value: bytes) -> bytes:
+    """The key a header gives: x-api-key's value, or Authorization's after its scheme, which is
+    case-insensitive (RFC 9110: `bearer KEY` is `Bearer KEY`); b"" for another scheme."""
+    if header == b"x-api-key":
+        return value
+    scheme, _, token = value.partition(b" ")
+    return token.strip(b" ") if scheme.lower() == b"bearer" else b""
 
 
 async def chat_completions(request: Request) -> Response:
