@@ -152,6 +152,24 @@ def test_estimate_and_dry_run_agree(live_server: LiveServer) -> None:
     assert est["need_bytes"] > live_server.model.table().stream_bytes(est["prompt_tokens"] + 100) - 1
 
 
+def test_estimate_counts_a_row_for_every_choice(live_server: LiveServer) -> None:
+    """`n` choices decode as n rows, each with its own cache; more than the decode batch is the
+    400 the request itself would get, whether estimated, dry-run or sent."""
+    body = {"messages": [{"role": "user", "content": "hello world"}], "max_tokens": 100}
+    over = {**body, "n": live_server.model.gate.width + 1}
+    with live_server.client() as c:
+        one = c.post("/v1/estimate", json=body).json()
+        three = c.post("/v1/estimate", json={**body, "n": 3}).json()
+        refused = [
+            c.post("/v1/estimate", json=over),
+            c.post("/v1/chat/completions", json={**over, "dry_run": True}),
+            c.post("/v1/chat/completions", json=over),
+        ]
+    row = one["need_bytes"] - live_server.model.table().budget.prefill_bytes
+    assert row > 0 and three["need_bytes"] == one["need_bytes"] + 2 * row
+    assert [(r.status_code, r.json()["error"]["param"]) for r in refused] == [(400, "n")] * 3
+
+
 def test_estimate_edge_cases(live_server: LiveServer) -> None:
     with live_server.client() as c:
         long = c.post("/v1/estimate", json={"messages": [{"role": "user", "content": "word " * 400}]}).json()

@@ -116,6 +116,20 @@ def test_plan_errors_exit_2(tiny_models: dict[str, Path], tmp_path: Path) -> Non
     assert "cannot reach" in one_line_error(invoke("plan", "--url", "http://127.0.0.1:9", "--width", 1, "--depth", 1))
 
 
+def test_flags_that_cannot_apply_are_usage_errors(tiny_models: dict[str, Path]) -> None:
+    """With --url the server's settings answer, so an offline flag would be ignored; --model names a
+    served model, so offline it would be. Each is refused before anything is asked or read."""
+    llama, url, query = tiny_models["llama"], "http://127.0.0.1:9", ("--width", 1, "--depth", 1)
+    for args in (
+        [llama, "--url", url, *query],
+        ["--url", url, *query, "--memory", "1GiB"],
+        ["--url", url, "--table", "--kv-bits", 4],
+    ):
+        assert "offline only" in one_line_error(invoke("plan", *args)), args
+    assert "--kv-bits" in one_line_error(invoke("estimate", "--url", url, "--prompt", "hi", "--kv-bits", 3))
+    assert "--model names" in one_line_error(invoke("plan", llama, *query, "--model", "other"))
+
+
 def test_plan_url_matches_offline(small_memory_model: tuple[Path, int], monkeypatch: pytest.MonkeyPatch) -> None:
     """`--url` answers with the server's table: the arithmetic `gmlx plan` runs offline, plus what
     the server's warm-up measured of a prefill chunk (the tiny model's blocks hold more than derived)."""
@@ -140,8 +154,11 @@ def test_plan_url_matches_offline(small_memory_model: tuple[Path, int], monkeypa
         assert r.exit_code == 0 and f"figures from the server at {server.url}" in r.stdout
         held = server.model.table().to_json()
         served = invoke_json("plan", "--url", server.url, "--table")
+        named = invoke_json("plan", "--url", server.url, "--table", "--model", "cap")
+        unknown = invoke("plan", "--url", server.url, "--table", "--model", "nope")
         shown = invoke("plan", "--url", server.url, "--table")
-    assert served == {"table": held, "assumptions": {"source": "server", "url": server.url}}
+    assert served == named == {"table": held, "assumptions": {"source": "server", "url": server.url}}
+    assert "'nope' is not loaded" in one_line_error(unknown)
     assert held == expected.to_json()
     # Offline, the same budget without the measurement: more room than the server found.
     built = invoke_json("plan", path, "--table", "--memory", memory, "--weights", "float", "--decode-batch", 4)
@@ -191,6 +208,12 @@ def test_estimate_prompt_and_exit_codes(tiny_models: dict[str, Path], tmp_path: 
         is False
     )
     assert "exactly one of" in one_line_error(invoke("estimate", llama))
+    for n in (1, 3, 9):  # the server's decode batch is 8
+        (tmp_path / f"n{n}.json").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}], "n": n}))
+    one, three = (invoke_json("estimate", llama, "--body", tmp_path / f"n{n}.json")["estimate"] for n in (1, 3))
+    row = one["need_bytes"] - invoke_json("plan", llama, "--table")["table"]["budget"]["prefill_bytes"]
+    assert row > 0 and three["need_bytes"] == one["need_bytes"] + 2 * row  # each choice its own row
+    assert "'n' must be at most 8" in one_line_error(invoke("estimate", llama, "--body", tmp_path / "n9.json"))
     (tmp_path / "bad.json").write_text('{"messages": "x"}')
     assert "'messages'" in one_line_error(invoke("estimate", llama, "--body", tmp_path / "bad.json"))
     (tmp_path / "broken.json").write_text("{")

@@ -57,11 +57,13 @@ def estimate(
     kv: KVFormat = FP16,
     running: int = 0,
     longest: int = 0,
+    choices: int = 1,
 ) -> dict:
     """The fields of POST /v1/estimate.
 
     need_bytes is one prefill chunk's working set plus the stream's memory (its KV cache as
-    mlx_lm allocates it, and its logits rows) for the prompt and `max_tokens` more when set.
+    mlx_lm allocates it, and its logits rows) for the prompt and `max_tokens` more when set, for
+    each of its `choices` (`n`: each choice is a row of its own, its own cache).
     context_ok says whether the request fits the window as the
     generation routes judge it: the prompt leaves room for one generated token, and the prompt
     plus `max_tokens`, when set, does not pass the window (else a 400 context_length_exceeded).
@@ -76,11 +78,13 @@ def estimate(
     deeper than the rest pads theirs to its depth too.
     """
     depth = prompt_tokens + (max_tokens or 0)
-    need = prefill_bytes + stream_bytes(g, depth, kv)
+    need = prefill_bytes + choices * stream_bytes(g, depth, kv)
     need_now = need
     if running:
         joined = max(depth, longest)
-        need_now = prefill_bytes + (running + 1) * stream_bytes(g, joined, kv) - running * stream_bytes(g, longest, kv)
+        need_now = (
+            prefill_bytes + (running + choices) * stream_bytes(g, joined, kv) - running * stream_bytes(g, longest, kv)
+        )
     cold = max(0, prompt_tokens - warm_tokens)
     prefill_s = (
         prefill_fit.seconds(cold, prefill_step) if prefill_fit else cold / prefill_tok_s if prefill_tok_s else None
@@ -164,11 +168,16 @@ def _not_loaded_terms(table: CapacityTable, free_now_bytes: int | None) -> dict:
 
 
 def estimate_not_loaded(
-    table: CapacityTable, *, prompt_tokens: int, max_tokens: int | None, free_now_bytes: int | None
+    table: CapacityTable,
+    *,
+    prompt_tokens: int,
+    max_tokens: int | None,
+    free_now_bytes: int | None,
+    choices: int = 1,
 ) -> dict:
     """The estimate for a model that is not loaded (_not_loaded_terms)."""
     terms = _not_loaded_terms(table, free_now_bytes)
-    return estimate(table.geometry, prompt_tokens=prompt_tokens, max_tokens=max_tokens, **terms)
+    return estimate(table.geometry, prompt_tokens=prompt_tokens, max_tokens=max_tokens, choices=choices, **terms)
 
 
 def estimate_embedding_not_loaded(table: CapacityTable, *, input_tokens: list[int], free_now_bytes: int | None) -> dict:

@@ -211,6 +211,14 @@ def ask_server(method: str, url: str, route: str, api_key: str | None, **kw: Any
     return answer
 
 
+def _offline_only(url: str | None, flags: dict[str, Any]) -> None:
+    """With --url the server's own settings answer, so a flag that shapes only the offline answer
+    is a usage error rather than silently ignored; `flags` maps each such flag's name to its value."""
+    given = [name for name, value in flags.items() if value not in (None, [])]
+    if url and given:
+        fail(f"{', '.join(given)}: offline only; with --url the server's own settings answer", EXIT_ERROR)
+
+
 def _server_assumptions(url: str) -> dict[str, Any]:
     return {"source": "server", "url": url}
 
@@ -278,10 +286,21 @@ def _show_table(table: dict[str, Any]) -> None:
     console.print(widths, "", depths)
 
 
-def served_table(url: str, api_key: str | None) -> dict[str, Any]:
-    """The capacity table a running server holds, from the capacity section of its /v1/metrics."""
+def served_table(url: str, api_key: str | None, model_id: str | None = None) -> dict[str, Any]:
+    """The capacity table a running server holds for `model_id` (default: its preloaded model),
+    from its /v1/metrics: the capacity section, or that model's among the resident models."""
     server = ask_server("GET", url, "/v1/metrics", api_key).get("server")
-    capacity = server.get("capacity") if isinstance(server, dict) else None
+    server = server if isinstance(server, dict) else {}
+    capacity = server.get("capacity")
+    if model_id is not None:
+        resident = {m.get("model"): m for m in server.get("resident_models") or [] if isinstance(m, dict)}
+        if model_id not in resident:
+            fail(
+                f"{model_id!r} is not loaded at {url}, so it has no table there "
+                "(--width and --depth ask for its plan, which a model not loaded gets from its header)",
+                EXIT_ERROR,
+            )
+        capacity = resident[model_id].get("capacity")
     if not isinstance(capacity, dict) or any(capacity.get(k) is None for k in _TABLE_KEYS):
         fail(f"the server at {url} has no capacity table yet (is its model still loading?)", EXIT_ERROR)
     return {k: capacity[k] for k in _TABLE_KEYS}
@@ -322,9 +341,14 @@ def plan_command(
         "kv_value_bits": kv_value_bits,
         "kv_tail_tokens": kv_tail_tokens,
     }
+    offline_flags = {"MODEL": model, "--memory": memory, "--weights": weights, "--decode-batch": decode_batch}
+    offline_flags |= {"--prefill-step": prefill_step, "--max-kv-size": max_kv_size, "--beside": beside}
+    _offline_only(url, offline_flags | {"--" + k.replace("_", "-"): v for k, v in kv_flags.items()})
+    if model_id is not None and not url:
+        fail("--model names a model a server serves, with --url; offline, give its file as MODEL", EXIT_ERROR)
     if whole_table:
         if url:
-            table, assumptions = served_table(url, api_key), _server_assumptions(url)
+            table, assumptions = served_table(url, api_key, model_id), _server_assumptions(url)
         else:
             o = offline(model, memory, weights, decode_batch, prefill_step, kv_flags, max_kv_size, beside)
             table, assumptions = o.table.to_json(), o.assumptions
@@ -382,8 +406,12 @@ def _estimate_offline(o: Offline, body: dict[str, Any]) -> dict[str, Any]:
                 out = estimate_embedding_not_loaded(o.table, input_tokens=[len(i) for i in inputs], free_now_bytes=free)
             else:
                 p = openai_api.parse(body, chat=True)
+                if p.n > o.table.decode_batch:  # as the server refuses it: its choices decode side by side
+                    fail(f"'n' must be at most {o.table.decode_batch}, the decode batch", EXIT_ERROR)
                 ids = openai_api.prompt_token_ids(load_tokenizer(o.header), p, vocab_size)
-                out = estimate_not_loaded(o.table, prompt_tokens=len(ids), max_tokens=p.max_tokens, free_now_bytes=free)
+                out = estimate_not_loaded(
+                    o.table, prompt_tokens=len(ids), max_tokens=p.max_tokens, free_now_bytes=free, choices=p.n
+                )
     except APIError as e:
         fail(e.message, EXIT_ERROR)
     return {**out, "model": o.path.stem}
@@ -410,22 +438,19 @@ def estimate_command(
 ) -> None:
     """Would one request fit: its prompt tokens, memory need and context. Exit 0 if it fits, 1 if not, 2 on error."""
     body = _request_body(body_file, prompt, max_tokens)
+    kv_flags = {
+        "kv_bits": kv_bits,
+        "kv_group_size": kv_group_size,
+        "kv_scheme": kv_scheme,
+        "kv_value_bits": kv_value_bits,
+        "kv_tail_tokens": kv_tail_tokens,
+    }
+    offline_flags = {"MODEL": model, "--memory": memory, "--weights": weights, "--max-kv-size": max_kv_size}
+    _offline_only(url, offline_flags | {"--" + k.replace("_", "-"): v for k, v in kv_flags.items()})
     if url:
         answer, assumptions = ask_server("POST", url, "/v1/estimate", api_key, json=body), _server_assumptions(url)
     else:
-        o = offline(
-            model,
-            memory,
-            weights,
-            kv_flags={
-                "kv_bits": kv_bits,
-                "kv_group_size": kv_group_size,
-                "kv_scheme": kv_scheme,
-                "kv_value_bits": kv_value_bits,
-                "kv_tail_tokens": kv_tail_tokens,
-            },
-            max_kv_size=max_kv_size,
-        )
+        o = offline(model, memory, weights, kv_flags=kv_flags, max_kv_size=max_kv_size)
         answer = _estimate_offline(o, body)
         assumptions = {
             **o.assumptions,

@@ -121,6 +121,7 @@ async def estimate_body(state: ServerState, body: Any) -> dict:
         media = media_parts(body)
         p = openai_api.parse(_text_only(body) if media else body, chat=True)
         m = state.find(p.model)
+        m.check_choices(p.n)
         out = (
             await _served_estimate(state, m, p)
             if m.ready
@@ -160,15 +161,17 @@ async def _served_estimate(state: ServerState, m: ModelState, p: openai_api.Gene
         prompt_tokens=len(prompt_ids),
         max_tokens=p.max_tokens,
         first_step_s=1 / measured.decode_tok_s if measured else 0.0,
-        **_served_terms(m),
+        choices=p.n,
+        **_served_terms(m, p.n),
         **_batch(engine),
         **_prompt_cache_hit(engine, prompt_ids),
     )
     return {**out, "model": m.model_id}
 
 
-def _served_terms(m: ModelState) -> dict[str, Any]:
-    """What an estimate on the resident model reads from its table and its engine's measurements."""
+def _served_terms(m: ModelState, slots: int = 1) -> dict[str, Any]:
+    """What an estimate on the resident model reads from its table and its engine's measurements,
+    for a request of `slots` rows (choices)."""
     engine, table = m.engine, m.table()
     assert engine is not None and engine.loaded is not None and table is not None
     budget, stats, measured, cache = table.budget, engine.stats, engine.measured, engine.prompt_cache
@@ -180,7 +183,7 @@ def _served_terms(m: ModelState) -> dict[str, Any]:
         "prefill_tok_s": stats.prefill_tok_s() or (measured.prefill_tok_s if measured else None),
         "prefill_fit": fit_prefill(list(stats.recent_prefills)),
         "prefill_step": engine.prefill_step,
-        "queue_wait_s": queue_wait_s(m),
+        "queue_wait_s": queue_wait_s(m, slots),
         "kv": table.kv,
     }
 
@@ -209,7 +212,8 @@ def _not_loaded_estimate(state: ServerState, m: ModelState, p: openai_api.Genera
         tokenizer, vocab_size = _file_tokenizer(m)
         ids = openai_api.prompt_token_ids(tokenizer, p, vocab_size)
     table, load = _beside(state, m)
-    return estimate_not_loaded(table, prompt_tokens=len(ids), max_tokens=p.max_tokens, free_now_bytes=None) | load
+    out = estimate_not_loaded(table, prompt_tokens=len(ids), max_tokens=p.max_tokens, free_now_bytes=None, choices=p.n)
+    return out | load
 
 
 def _not_loaded_embedding_estimate(state: ServerState, m: ModelState, inputs: list[str | list[int]]) -> dict:
@@ -257,16 +261,18 @@ def _prompt_cache_hit(engine: Engine, prompt_ids: list[int]) -> dict:
     return {"warm_tokens": hit.warm_tokens, "cache_tier": hit.tier}
 
 
-def queue_wait_s(m: ModelState) -> float:
-    """Expected wait for a slot: none when one is free and nobody queues, else the drain time
-    of everyone ahead (the Retry-After arithmetic, unrounded)."""
+def queue_wait_s(m: ModelState, slots: int = 1) -> float:
+    """Expected wait for `slots` slots together: none when they are free and nobody queues, else
+    the time for everyone ahead and the running requests it lacks slots for to finish (the
+    Retry-After arithmetic, unrounded)."""
     gate = m.gate
-    if gate.running < gate.width and not gate.waiting:
+    if gate.running + slots <= gate.width and not gate.waiting:
         return 0.0
+    ahead = gate.waiting + max(1, gate.running + slots - gate.width)
     mean, rate = m.drain_rate()
     if not mean or not rate:
-        return float(gate.retry_after())
-    return round((gate.waiting + 1) * mean / rate, 3)
+        return float(gate.retry_after(waiting=ahead))
+    return round(ahead * mean / rate, 3)
 
 
 async def estimate_route(request: Request) -> Response:

@@ -141,8 +141,7 @@ async def admit(
     /v1/responses and /v1/messages share it. A request for a model that is not resident starts
     its load and waits in its queue; its prompt is tokenized once the model is there."""
     m = state.find(p.model)
-    if p.n > m.gate.width:  # its choices decode side by side, each a row of the batch
-        raise bad_request(f"'n' must be at most {m.gate.width}, the decode batch of {m.model_id!r}", "n")
+    m.check_choices(p.n)
     assert state.residency is not None
     async with state.residency.pinned(m):  # resident until its slots keep it so
         if p.sampling.top_k >= m.deployment.header.geometry.vocab_size:

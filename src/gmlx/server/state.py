@@ -25,7 +25,7 @@ from gmlx.kernels import fast as kernels_fast
 from gmlx.server import openai_api
 from gmlx.server.admission import AdmissionGate
 from gmlx.server.connections import ConnectionStats
-from gmlx.server.errors import APIError
+from gmlx.server.errors import APIError, bad_request
 from gmlx.server.prometheus import Histograms
 from gmlx.settings import Settings
 
@@ -116,6 +116,11 @@ class ModelState:
     def __post_init__(self) -> None:
         s = self.settings
         self.gate = AdmissionGate(s.decode_batch, s.queue_size, s.queue_timeout, self.drain_rate)
+
+    def check_choices(self, n: int) -> None:
+        """A 400 for more choices than its decode batch: they decode side by side, each a row."""
+        if n > self.gate.width:
+            raise bad_request(f"'n' must be at most {self.gate.width}, the decode batch of {self.model_id!r}", "n")
 
     def drain_rate(self) -> tuple[float | None, float | None]:
         """(mean generated tokens per request, aggregate decode tok/s) for its queue's wait, or Nones."""
