@@ -7,6 +7,7 @@ import asyncio
 import json
 import shutil
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -287,12 +288,18 @@ def test_bad_model_input(folder: Path, tmp_path: Path) -> None:
         assert c.post("/v1/models/twin/unload").json()["error"]["code"] == "model_not_loaded"
         broken = c.post(CHAT, json=ask("broken"))
         assert broken.status_code == 503 and broken.json()["error"]["code"] == "model_unavailable"
+        assert broken.headers["Retry-After"] == "60"  # not tried again until the file changes
+        plan = c.get("/v1/capacity/plan", params={"width": 1, "depth": 16, "model": "broken"})
+        assert plan.status_code == 404 and plan.json()["error"]["code"] == "model_not_found"  # not a 500
         entry = c.get("/v1/models/broken").json()
         assert entry["status"] == "unloaded" and "truncated" in entry["load_error"]
         assert str(folder) not in entry["load_error"]  # the file's name, not where it lives
         again = c.post(CHAT, json=ask("broken"))  # the same file is not loaded again
         assert again.status_code == 503 and "failed to load" in again.json()["error"]["message"]
         assert c.post(CHAT, json=ask(None)).status_code == 200  # the others keep serving
+        long.unlink()  # its weights are in memory: it serves on without its file
+        assert c.post(CHAT, json=ask(None)).status_code == 200
+        assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4}).status_code == 200
         server.model.pins += 1  # a request readying for its slot: the model is busy
         try:
             refused = c.post(f"/v1/models/{server.model_id}/unload")
@@ -312,6 +319,27 @@ def test_keep_alive_and_max_resident(tiny_models: dict[str, Path], folder: Path)
         # Idle past the keep-alive, every model is unloaded, the preloaded one too.
         server.wait_until(lambda: set(statuses(c).values()) == {"unloaded"}, timeout=20)
         assert c.post(CHAT, json=ask(None)).status_code == 200  # and loads again when asked for
+
+
+def test_keep_alive_counts_from_the_end_of_the_last_request(tmp_path: Path) -> None:
+    """A model is idle from when its last request ended, not from when it arrived: one that ran
+    longer than the keep-alive was unloaded within a second of its end."""
+    path = write_model(tmp_path / "long.gguf", "llama", context=16384)
+    with LiveServer(path, keep_alive="3s") as server, server.client() as c:
+
+        async def four_seconds() -> None:  # then the client leaves, and the request ends
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as ac:
+                request = asyncio.create_task(ac.post("/v1/completions", json={**LONG, "stream": False}))
+                await asyncio.sleep(4)
+                assert not request.done()
+                request.cancel()
+                await asyncio.gather(request, return_exceptions=True)
+
+        asyncio.run(four_seconds())
+        server.wait_until(lambda: not server.model.gate.running)
+        time.sleep(1.5)
+        assert statuses(c)[server.model_id] == "loaded"
+        server.wait_until(lambda: statuses(c)[server.model_id] == "unloaded", timeout=20)
 
 
 def test_presets_give_a_model_its_own_id_and_settings(tiny_models: dict[str, Path], tmp_path: Path) -> None:

@@ -40,6 +40,7 @@ class AdmissionGate:
         self.last_reject_reason: str | None = None
         self.last_reject_at: float | None = None  # monotonic
         self.closed = False
+        self.last_release = 0.0  # unix time slots were last given back (a request ended)
         self.admission_allowed: Callable[[], bool] = lambda: True
 
     @property
@@ -106,6 +107,7 @@ class AdmissionGate:
     def release(self, slots: int = 1) -> None:
         """Free slots: the oldest waiter takes them over if admission allows, else the running count drops."""
         self.running -= slots
+        self.last_release = time.time()
         self.poke()
 
     def poke(self) -> None:

@@ -64,9 +64,12 @@ def live_state(state: ServerState, m: ModelState) -> LiveState:
 
 def planned_table(state: ServerState, m: ModelState) -> CapacityTable:
     """The table `m` would build beside the models resident now, from its header (while it has
-    none of its own: it is not resident, or still loading)."""
+    none of its own: it is not resident, or still loading); a 404 when its file cannot be read."""
     assert state.residency is not None
-    return m.deployment.planned_table(state.residency.others_bytes(m))[0]
+    try:
+        return m.deployment.planned_table(state.residency.others_bytes(m))[0]
+    except (GGUFError, OSError) as e:
+        raise _unreadable(m, e) from None
 
 
 async def capacity_plan(request: Request) -> Response:
@@ -202,8 +205,13 @@ def _file_tokenizer(m: ModelState) -> tuple[Any, int]:
         st = path.stat()
         return _reader(str(path), st.st_mtime_ns, st.st_size), m.deployment.header.geometry.vocab_size
     except (GGUFError, OSError) as e:
-        log.warning("cannot estimate for %s: %s", path, e)
-        raise APIError(404, f"model {m.model_id!r} in the models directory cannot be read", "model_not_found") from None
+        raise _unreadable(m, e) from None
+
+
+def _unreadable(m: ModelState, e: Exception) -> APIError:
+    """What a capacity route answers for a model whose file cannot be read (its path stays in the log)."""
+    log.warning("cannot plan or estimate for %s: %s", m.deployment.path, e)
+    return APIError(404, f"model {m.model_id!r} in the models directory cannot be read", "model_not_found")
 
 
 def _not_loaded_estimate(state: ServerState, m: ModelState, p: openai_api.GenerationParams) -> dict:
@@ -227,8 +235,11 @@ def _beside(state: ServerState, m: ModelState) -> tuple[CapacityTable, dict]:
     """The table a model not loaded would build beside the resident models, and what its load
     would do: whether it can load now, and the idle models it would unload first."""
     assert state.residency is not None
-    fits, leaving = state.residency.room_for(m)
-    table = m.deployment.planned_table(state.residency.others_bytes(m, leaving))[0]
+    try:
+        fits, leaving = state.residency.room_for(m)
+        table = m.deployment.planned_table(state.residency.others_bytes(m, leaving))[0]
+    except (GGUFError, OSError) as e:
+        raise _unreadable(m, e) from None
     return table, {"model": m.model_id, "loadable": fits, "evicts": [r.model_id for r in leaving] if fits else []}
 
 

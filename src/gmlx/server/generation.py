@@ -144,13 +144,15 @@ async def admit(
     m.check_choices(p.n)
     assert state.residency is not None
     async with state.residency.pinned(m):  # resident until its slots keep it so
-        if p.sampling.top_k >= m.deployment.header.geometry.vocab_size:
-            p = replace(p, sampling=replace(p.sampling, top_k=0))  # keeping every token is no top-k (mlx_lm refuses it)
         rid = rid or openai_api.new_id(p.chat)
         admitted = await _queue(request, m, p, rid, arrived, prepared)
     if isinstance(admitted, Response):
         return admitted
     row, prepared = admitted
+    assert m.engine is not None and m.engine.loaded is not None  # admitted: its model is loaded
+    # The loaded model's vocabulary, not its file's: the file may have gone since it loaded.
+    if p.sampling.top_k >= m.engine.loaded.geometry.vocab_size:
+        p = replace(p, sampling=replace(p.sampling, top_k=0))  # keeping every token is no top-k (mlx_lm refuses it)
 
     queued_s = row.queued_s(time.monotonic())
     state.histograms.observe_queue_wait(m.model_id, queued_s)

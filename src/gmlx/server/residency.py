@@ -26,6 +26,7 @@ from gmlx.deployment import Deployment
 from gmlx.engine.engine import Engine
 from gmlx.gguf.header import GGUFError
 from gmlx.heap import trim_heap
+from gmlx.server.admission import RETRY_AFTER_MAX_S
 from gmlx.server.errors import APIError
 from gmlx.server.state import LOADING_RETRY_AFTER_S, ModelState, ServerState
 from gmlx.server.system import models_dir_files
@@ -75,7 +76,7 @@ class Residency:
     def room_for(self, m: ModelState) -> tuple[bool, list[ModelState]]:
         """Whether `m` may load, and the idle models that would be unloaded first, oldest use first."""
         resident = [r for r in self._state.resident() if r is not m]
-        idle = sorted((r for r in resident if r.status == "loaded" and r.idle), key=lambda r: r.last_used)
+        idle = sorted((r for r in resident if r.status == "loaded" and r.idle), key=lambda r: r.busy_at())
         cap = self._state.settings.max_resident
         leaving: list[ModelState] = []
         while not (
@@ -112,13 +113,13 @@ class Residency:
             if m.engine is not None:  # loaded by a request that held the lock before this one
                 return
             if m.load_error is not None and m.failed_file == _file_version(m):
-                raise _unavailable(m, f"it failed to load: {m.load_error}")
+                raise _failed(m)
             try:  # its header: what the decision reads, before any weight
                 ok, leaving = self.room_for(m)
             except (GGUFError, OSError) as e:
                 log.error("cannot serve %s: %s", m.model_id, e)
                 m.load_error, m.failed_file = _private(m, str(e)), _file_version(m)
-                raise _unavailable(m, f"it failed to load: {m.load_error}") from None
+                raise _failed(m) from None
             if not ok:
                 busy = [r.model_id for r in self._state.resident() if r is not m and r not in leaving]
                 why = "it does not fit in memory" + (f" beside {', '.join(busy)}, which are busy" if busy else "")
@@ -129,7 +130,7 @@ class Residency:
                 log.info(
                     "unloading %s (idle since %.0f s) to make room for %s",
                     r.model_id,
-                    time.time() - r.last_used,
+                    time.time() - r.busy_at(),
                     m.model_id,
                 )
                 if not await self._unload_if_idle(r, locked=True):  # a request took it up meanwhile
@@ -165,7 +166,7 @@ class Residency:
         the least recently used idle model, unless it is the only one resident (it is what serves).
         True when one will be."""
         resident = self._state.resident()
-        idle = sorted((r for r in resident if r.status == "loaded" and r.idle), key=lambda r: r.last_used)
+        idle = sorted((r for r in resident if r.status == "loaded" and r.idle), key=lambda r: r.busy_at())
         if not idle or len(resident) < 2 or self._loop is None:
             return False
         log.warning("memory governor: orange; unloading the idle model %s", idle[0].model_id)
@@ -208,7 +209,7 @@ class Residency:
             log.error("cannot serve %s: %s", m.model_id, engine.load_error)
             m.load_error, m.failed_file = _private(m, engine.load_error or "unknown error"), _file_version(m)
             m.detach()
-            m.gate.refuse_waiting(_unavailable(m, f"it failed to load: {m.load_error}"))
+            m.gate.refuse_waiting(_failed(m))
             return
         m.loaded_at = time.time()
         m.gate.poke()
@@ -234,8 +235,8 @@ class Residency:
             await asyncio.sleep(min(_KEEP_ALIVE_POLL_S, seconds))
             now = time.time()
             for m in self._state.resident():
-                if m.status == "loaded" and m.idle and now - m.last_used >= seconds:
-                    log.info("unloading %s: idle for %.0f s (keep-alive %g s)", m.model_id, now - m.last_used, seconds)
+                if m.status == "loaded" and m.idle and now - m.busy_at() >= seconds:
+                    log.info("unloading %s: idle for %.0f s (keep-alive %g s)", m.model_id, now - m.busy_at(), seconds)
                     await self._unload_if_idle(m)
 
     def _spawn(self, coro: Any) -> None:
@@ -270,7 +271,13 @@ def _private(m: ModelState, error: str) -> str:
     return error.replace(str(path.resolve()), path.name).replace(str(path), path.name)
 
 
-def _unavailable(m: ModelState, why: str, retry_after: int | None = None) -> APIError:
+def _unavailable(m: ModelState, why: str, retry_after: int) -> APIError:
     return APIError(
         503, f"model {m.model_id!r} cannot be loaded now: {why}", "model_unavailable", retry_after=retry_after
     )
+
+
+def _failed(m: ModelState) -> APIError:
+    """A model whose file failed to load: not tried again until the file changes, which a retry
+    cannot know of, so it is told to come back late (503s carry Retry-After)."""
+    return _unavailable(m, f"it failed to load: {m.load_error}", RETRY_AFTER_MAX_S)

@@ -154,6 +154,11 @@ class ModelState:
         busy = self.pins or self.gate.running or self.gate.waiting or (engine is not None and engine.in_flight)
         return not busy
 
+    def busy_at(self) -> float:
+        """Unix time it was last busy: a request named it, its load finished, or a request ended;
+        what its idle time (keep-alive, the least recently used first) counts from."""
+        return max(self.last_used, self.loaded_at or 0.0, self.gate.last_release)
+
     def weight_bytes(self) -> int:
         """Resident weights, its drafter's included: measured once loaded, planned before."""
         engine = self.engine
