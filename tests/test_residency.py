@@ -316,9 +316,18 @@ def test_keep_alive_and_max_resident(tiny_models: dict[str, Path], folder: Path)
         assert c.post(CHAT, json=ask("other")).status_code == 200
         assert c.post(CHAT, json=ask("twin")).status_code == 200  # two at most: the oldest idle one made room
         assert {m for m, s in statuses(c).items() if s == "loaded"} == {"other", "twin"}
+        system = c.get("/system").json()  # the model it names is one that is loaded, whose compute type it gives
+        assert system["model"] == system["models"]["active"] and system["model"] in {"other", "twin"}
         # Idle past the keep-alive, every model is unloaded, the preloaded one too.
         server.wait_until(lambda: set(statuses(c).values()) == {"unloaded"}, timeout=20)
+        # It still takes work (a load balancer that heard "loading" would never send what loads it).
+        ready = c.get("/health", params={"ready": 1})
+        assert ready.status_code == 200 and ready.json()["ready"] is True
+        assert c.get("/system").json()["state"] == "unloaded"
+        usage = [line for line in c.get("/metrics").text.splitlines() if line.startswith("vllm:kv_cache_usage_perc")]
+        assert len(usage) == 1 and float(usage[0].split()[-1]) < 0.5  # not 1.0, which a router reads as saturated
         assert c.post(CHAT, json=ask(None)).status_code == 200  # and loads again when asked for
+        assert c.get("/system").json()["state"] == "ready"
 
 
 def test_keep_alive_counts_from_the_end_of_the_last_request(tmp_path: Path) -> None:

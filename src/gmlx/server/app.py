@@ -147,15 +147,18 @@ def _model_entry(state: ServerState, m: ModelState) -> dict[str, Any]:
 
 
 async def health(request: Request) -> Response:
-    """Ready while some model can take a request now: the preloaded one's reason otherwise."""
+    """Ready while some model can take a request now; otherwise the reason of the preloaded model,
+    or where it is not resident, of the first that is."""
     state: ServerState = request.app.state.gmlx
     body: dict[str, Any] = {"status": "healthy", "pid": os.getpid()}
     if request.query_params.get("ready") not in ("1", "true", "yes"):
         return JSONResponse(body)
-    reasons = [_not_ready(state, m) for m in [state.default, *(m for m in state.resident() if m is not state.default)]]
-    if any(r is None for r in reasons):
+    models = [state.default, *(m for m in state.resident() if m is not state.default)]
+    reasons = {m.model_id: _not_ready(state, m) for m in models}
+    if any(r is None for r in reasons.values()):
         return JSONResponse({**body, "ready": True})
-    reason, retry = reasons[0]  # type: ignore[misc]
+    first = next((m for m in models if m.engine is not None), state.default)
+    reason, retry = reasons[first.model_id]  # type: ignore[misc]
     return JSONResponse(
         {**body, "ready": False, "reason": reason}, status_code=503, headers={"Retry-After": str(retry)}
     )
@@ -163,10 +166,10 @@ async def health(request: Request) -> Response:
 
 def _not_ready(state: ServerState, m: ModelState) -> tuple[str, int] | None:
     gate = m.gate
-    if not m.ready:
-        return "loading", LOADING_RETRY_AFTER_S
     if gate.closed:
         return "shutting_down", RETRY_AFTER_FULL_S
+    if not m.ready and not state.cold:  # cold: every model unloaded, idle; a request loads it again
+        return "loading", LOADING_RETRY_AFTER_S
     if state.band in ("orange", "red"):
         return "pressure", gate.retry_after(waiting=max(1, gate.waiting))
     if gate.waiting:

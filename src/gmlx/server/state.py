@@ -324,8 +324,14 @@ class ServerState:
 
     @property
     def ready(self) -> bool:
-        """Some model can take work."""
-        return any(m.ready for m in self.models.values())
+        """Some model can take work: one is loaded, or every one was unloaded (idle past its keep-alive)
+        and the first request loads its model again."""
+        return any(m.ready for m in self.models.values()) or self.cold
+
+    @property
+    def cold(self) -> bool:
+        """No model resident or loading, and the preloaded one did not fail to load."""
+        return all(m.engine is None for m in self.models.values()) and self.default.load_error is None
 
     @property
     def closed(self) -> bool:

@@ -62,6 +62,8 @@ def system_info(state: ServerState) -> dict:
     loaded = serving.engine.loaded if serving.engine is not None else None
     if state.closed:
         status = "draining"
+    elif state.cold:
+        status = "unloaded"  # idle past its keep-alive: the next request loads it
     elif state.ready:
         status = "ready"
     else:
@@ -82,12 +84,12 @@ def system_info(state: ServerState) -> dict:
         "uptime_s": round(time.time() - state.started_at, 1),
         "device": platform.device_name(),
         "compute_type": compute,
-        "model": state.model_id,
+        "model": serving.model_id,  # whose compute_type this is
         "gpu": gpu_telemetry(),
         "host": host.telemetry(),  # CPU per core and RSS: what a console shows without a GPU
         "activity": {"active": sum(g.running for g in gates), "waiting": sum(g.waiting for g in gates)},
         "models": {
-            "active": state.model_id,
+            "active": serving.model_id,
             "loaded": [m.model_id for m in state.resident() if m.ready],
             "available": available_models(state),
         },
