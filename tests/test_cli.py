@@ -129,3 +129,21 @@ def test_inspect_and_plan_agree_on_the_kv_element(
     assert info["kv_format"]["from"] == planned["from"]
     full = info["kv_bytes_per_token"]["full"]
     assert full["bytes_per_token"] == full["layers"] * 2 * (64 + 64) * planned["element_bytes"]
+
+
+def test_serve_on_a_port_in_use_fails_before_saying_ready(tiny_models: dict[str, Path]) -> None:
+    """A port another process holds: exit 1 (failure), saying where it could not listen, and no
+    "ready:" line (it exited 3, the code for an unusable model file, after one)."""
+    import os
+    import socket
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GMLX_")}
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        args = [sys.executable, "-m", "gmlx", "serve", str(tiny_models["llama"]), "--port", str(port)]
+        r = subprocess.run([*args, "--log-level", "info"], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert f"cannot serve on 127.0.0.1:{port}" in r.stderr and "ready: " not in r.stderr, r.stderr[-2000:]

@@ -16,6 +16,7 @@ import gmlx
 from gmlx import platform
 from gmlx.cli.common import (
     EXIT_BAD_MODEL,
+    EXIT_FAILED,
     JSON_OPT,
     MODEL_ARG,
     console,
@@ -297,12 +298,17 @@ def _serve(settings: Settings) -> int:
     preloaded = state.default
     engine = preloaded.engine
 
+    unbound = threading.Event()  # the server could not start (its port taken): no "ready" line
+
     def report_load() -> None:
         engine.ready.wait()
         if engine.load_error or engine.loaded is None:
             log.error("cannot serve %s: %s", path, engine.load_error)
             server.should_exit = True
             return
+        while not server.started:  # it is ready once it listens too
+            if unbound.wait(0.05):
+                return
         m, s = engine.loaded, preloaded.settings
         log.info(
             "ready: %s (%s, %s weights, %s) loaded in %.1f s; decode batch %d, queue %d, context %d tokens",
@@ -345,9 +351,17 @@ def _serve(settings: Settings) -> int:
         log.debug("building the tokenizer ahead failed", exc_info=True)
     state.residency.preload()
     threading.Thread(target=report_load, name="load-report", daemon=True).start()
-    server.run()
+    try:
+        server.run()
+    except SystemExit:  # uvicorn could not start, and said why (the port taken, most often)
+        if server.started:
+            raise
+        unbound.set()
     for running in state.engines():  # the app's lifespan stops them too; this covers a server that never started
         running.stop()
+    if unbound.is_set():
+        log.error("cannot serve on %s:%d", settings.host, settings.port)
+        return EXIT_FAILED
     return EXIT_BAD_MODEL if engine.load_error else 0
 
 
