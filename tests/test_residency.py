@@ -387,6 +387,22 @@ def test_a_bad_presets_file_is_one_line_and_exit_2(
     assert expected in r.output and len(r.output.strip().splitlines()) == 1, r.output
 
 
+def test_a_preset_id_that_is_a_folder_files_name_is_refused(
+    tiny_models: dict[str, Path], folder: Path, tmp_path: Path, no_settings_env: None
+) -> None:
+    """The folder's twin.gguf would be hidden behind a preset of that id naming another file:
+    `gmlx serve` refuses it at start (exit 2, this error's one line)."""
+    from gmlx.deployment import deployments
+    from gmlx.presets import load_presets
+    from gmlx.server.system import models_dir_files
+    from gmlx.settings import SettingsError, resolve_settings
+
+    preset = tmp_path / "presets.toml"
+    preset.write_text(f'[models.twin]\npath = "{folder / "other.gguf"}"\n')
+    with pytest.raises(SettingsError, match="model id 'twin' names two files"):
+        deployments(resolve_settings({}), tiny_models["llama"], load_presets(preset), models_dir_files(str(folder)))
+
+
 def test_models_json_lists_presets_and_folder(tiny_models: dict[str, Path], folder: Path, tmp_path: Path) -> None:
     preset = tmp_path / "presets.yaml"
     preset.write_text(json.dumps({"models": {"named": {"path": str(folder / "other.gguf")}}}))

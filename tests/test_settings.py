@@ -74,6 +74,20 @@ def test_toml_config_with_dashed_keys(tmp_path):
     assert s.sources["decode_batch"] == f"config {cfg}"
 
 
+def test_a_file_may_name_a_setting_by_its_flag(tmp_path):
+    """`--max-tokens` sets max_tokens_default: a config file or a preset may say either."""
+    from gmlx.presets import load_presets
+
+    assert resolve(config=toml(tmp_path, "max-tokens = 64\n")).max_tokens_default == 64
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"")
+    presets = tmp_path / "presets.toml"
+    presets.write_text(f'[models.short]\npath = "{model}"\nmax_tokens = 16\n')
+    assert load_presets(presets)["short"].settings == {"max_tokens_default": 16}
+    with pytest.raises(SettingsError, match="given twice"):
+        resolve(config=toml(tmp_path, "max_tokens = 1\nmax_tokens_default = 2\n"))
+
+
 def test_yaml_config(tmp_path):
     for suffix in (".yaml", ".yml"):
         cfg = tmp_path / f"gmlx{suffix}"

@@ -92,8 +92,8 @@ def deployments(
             _add(out, _deploy(s, p, p.path, "preset"))
     taken = {d.path.resolve() for d in out.values()}
     for model_id, path in sorted(folder_files.items()):
-        if model_id not in out and path.resolve() not in taken:
-            out[model_id] = Deployment(model_id, path, s, "models_dir")
+        if path.resolve() not in taken:  # a file a preset or the argument names is served by that id
+            _add(out, Deployment(model_id, path, s, "models_dir"))
     return out
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gmlx.settings import MODEL_KEYS, SettingsError, load_table
+from gmlx.settings import MODEL_KEYS, SettingsError, load_table, setting_key
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ def load_presets(path: str | Path) -> dict[str, Preset]:
         at = f"{where}: model {model_id!r}"
         if not isinstance(entry, dict):
             raise SettingsError(f"{at}: expected a table with a path and settings")
-        keys = {str(k).replace("-", "_"): v for k, v in entry.items()}
+        keys = {setting_key(k): v for k, v in entry.items()}
         if not model_id or "/" in model_id:  # an id is one path segment of /v1/models/{id}
             raise SettingsError(f"{at}: an id must be non-empty and hold no '/'")
         raw = keys.pop("path", None)

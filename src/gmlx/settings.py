@@ -300,13 +300,24 @@ def load_table(path: Path, where: str) -> dict[str, Any]:
     return data
 
 
+# Flags whose setting has another name: a file may use either.
+_FLAG_NAMES = {"max_tokens": "max_tokens_default"}
+
+
+def setting_key(key: object) -> str:
+    """A config or preset file's key as the setting it names: dashes or underscores, the flag's
+    name or the setting's."""
+    name = str(key).replace("-", "_")
+    return _FLAG_NAMES.get(name, name)
+
+
 def _load_config(path: Path) -> dict[str, Any]:
     where = f"config {path}"
     data = load_table(path, where)
-    out = {str(k).replace("-", "_"): v for k, v in data.items()}
+    out = {setting_key(k): v for k, v in data.items()}
     if len(out) < len(data):
-        raise SettingsError(f"{where}: a key is given both with dashes and with underscores")
-    if unknown := sorted(k for k in data if str(k).replace("-", "_") not in _SPECS):
+        raise SettingsError(f"{where}: a key is given twice (with dashes and underscores, or as flag and setting)")
+    if unknown := sorted(k for k in data if setting_key(k) not in _SPECS):
         raise SettingsError(f"{where}: unknown key(s): {', '.join(map(str, unknown))}")
     return out
 
