@@ -199,8 +199,13 @@ def test_a_memory_for_one_model_swaps_them_only_when_idle(tmp_path: Path) -> Non
         first.pins += 1
         try:
             assert c.post(CHAT, json=ask("twin")).json()["error"]["code"] == "model_unavailable"
+            # The capacity routes say so too, not that a request would load it.
+            plan = c.get("/v1/capacity/plan", params={"width": 1, "depth": 16, "model": "twin"}).json()
+            estimate = c.post("/v1/estimate", json=ask("twin")).json()
         finally:
             first.pins -= 1
+        assert plan["admit_now"] is False and "nor loadable now" in plan["reason"]
+        assert estimate["loadable"] is False and estimate["evicts"] == [] and "cannot load now" in estimate["note"]
 
 
 def test_the_plan_beside_another_model_is_the_offline_plan_beside_it(

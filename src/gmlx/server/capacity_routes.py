@@ -54,7 +54,12 @@ def _positive_int(request: Request, name: str) -> int:
 def live_state(state: ServerState, m: ModelState) -> LiveState:
     not_ready = None
     if m.status == "unloaded":
-        not_ready = "model not loaded (a request for it loads it)"
+        refusal = state.residency.refusal(m) if state.residency is not None else None
+        not_ready = (
+            f"model not loaded, nor loadable now: {refusal}"
+            if refusal
+            else "model not loaded (a request for it loads it)"
+        )
     elif not m.ready:
         not_ready = "model loading"
     elif m.gate.closed:
@@ -132,10 +137,12 @@ async def estimate_body(state: ServerState, body: Any) -> dict:
         )
     notes: list[str] = []
     if not m.ready:
+        refusal = out.pop("refusal", None)
         evicts = ", ".join(out["evicts"]) or "nothing"
+        loading = f"it cannot load now ({refusal})" if refusal else f"loading it would unload {evicts}"
         notes.append(
             f"{m.model_id!r} is not loaded: need_bytes and fits_drained are for it beside the models "
-            f"resident now; loading it would unload {evicts}; fits_now and est_ttft_s are null: it "
+            f"resident now; {loading}; fits_now and est_ttft_s are null: it "
             "holds no memory now and has no measured prefill rate"
         )
     out["resident"] = m.ready
@@ -236,11 +243,14 @@ def _beside(state: ServerState, m: ModelState) -> tuple[CapacityTable, dict]:
     would do: whether it can load now, and the idle models it would unload first."""
     assert state.residency is not None
     try:
-        fits, leaving = state.residency.room_for(m)
+        refusal = state.residency.refusal(m)
+        leaving = [] if refusal else state.residency.room_for(m)[1]
         table = m.deployment.planned_table(state.residency.others_bytes(m, leaving))[0]
     except (GGUFError, OSError) as e:
         raise _unreadable(m, e) from None
-    return table, {"model": m.model_id, "loadable": fits, "evicts": [r.model_id for r in leaving] if fits else []}
+    return table, {"model": m.model_id, "loadable": refusal is None, "evicts": [r.model_id for r in leaving]} | (
+        {"refusal": refusal} if refusal else {}
+    )
 
 
 async def _served_embedding_estimate(m: ModelState, inputs: list[str | list[int]]) -> dict:

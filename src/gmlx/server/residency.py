@@ -87,6 +87,12 @@ class Residency:
             leaving.append(idle.pop(0))
         return True, leaving
 
+    def refusal(self, m: ModelState) -> str | None:
+        """Why a request for `m`, not resident, would be refused now; None when it would load."""
+        if m.load_error is not None and m.failed_file == _file_version(m):
+            return f"it failed to load: {m.load_error}"
+        return None if self.room_for(m)[0] else "no room for it beside the busy models"
+
     @staticmethod
     def _fits(m: ModelState, others: int) -> bool:
         table, _ = m.deployment.planned_table(others)
