@@ -405,6 +405,10 @@ def test_a_warm_up_that_measures_more_per_chunk_token_than_derived_raises_the_se
     # Blocks that hold less than derived keep the derivation: the fan-out's peak was measured against it.
     less = prefill_growth(GEMMA3, FP16, True, 32, 3 * MiB, 3 * MiB + round(32 * derived / 2))
     assert less.unplanned == 0 and capacity_table(GEMMA3, **table, growth=less).budget == plain.budget
+    # The longer prefill peaking lower is noise (a tiny model's), no measure: null, not a negative figure.
+    noise = prefill_growth(GEMMA3, FP16, True, 32, 3 * MiB, 2 * MiB)
+    assert noise.to_json()["prefill_bytes_per_token_measured"] is None and noise.unplanned == 0
+    assert warmup_per_token(GEMMA3, 32, None)["kv_bytes_per_token_measured"] is None
 
 
 def test_the_kernels_scratch_the_warm_up_measured_is_set_aside_once_a_batch() -> None:

@@ -284,7 +284,7 @@ def kv_bytes_per_token(g: ModelGeometry, kv: KVFormat = FP16) -> float:
     return sum(per_token for _, per_token, _ in kv_profile(g, kv))
 
 
-def warmup_per_token(g: ModelGeometry, tokens: int, measured_kv_bytes: int, kv: KVFormat = FP16) -> dict:
+def warmup_per_token(g: ModelGeometry, tokens: int, measured_kv_bytes: int | None, kv: KVFormat = FP16) -> dict:
     """Per-token KV bytes at the warm-up, predicted and measured.
 
     Right after a prefill of `tokens` the caches do not all hold `tokens` slots: full-attention
@@ -298,5 +298,7 @@ def warmup_per_token(g: ModelGeometry, tokens: int, measured_kv_bytes: int, kv: 
     slots = predicted / per_token if per_token else 0
     return {
         "kv_bytes_per_token_predicted": round(per_token, 1),
-        "kv_bytes_per_token_measured": round(measured_kv_bytes / slots, 1) if slots else None,
+        "kv_bytes_per_token_measured": round(measured_kv_bytes / slots, 1)
+        if slots and measured_kv_bytes is not None
+        else None,
     }

@@ -190,7 +190,8 @@ class PrefillGrowth:
     def to_json(self) -> dict:
         return {
             "prefill_bytes_per_token_predicted": round(self.predicted, 1),
-            "prefill_bytes_per_token_measured": round(self.measured, 1),
+            # Below zero the two peaks were noise (a tiny model's): no measure, null.
+            "prefill_bytes_per_token_measured": round(self.measured, 1) if self.measured >= 0 else None,
             "prefill_scratch_bytes_per_token_measured": round(self.scratch, 1),
         }
 

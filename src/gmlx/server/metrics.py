@@ -92,11 +92,13 @@ def _model_capacity(m: ModelState) -> dict | None:
     if table is None or engine is None or out is None:
         return None
     if (measured := engine.measured) is not None:
+        # Below zero the measure failed (a tiny model's KV under what else MLX freed meanwhile): null.
+        kv = measured.kv_bytes if measured.kv_bytes >= 0 else None
         out["warmup"] = {
             "tokens": measured.tokens,
             "kv_bytes_predicted": kv_bytes_after_prefill(table.geometry, measured.tokens, table.kv),
-            "kv_bytes_measured": measured.kv_bytes,
-            **warmup_per_token(table.geometry, measured.tokens, measured.kv_bytes, table.kv),
+            "kv_bytes_measured": kv,
+            **warmup_per_token(table.geometry, measured.tokens, kv, table.kv),
             "prefill_tok_s_measured": round(measured.prefill_tok_s, 1),
             "decode_tok_s_measured": round(measured.decode_tok_s, 2),
             # The warm-up prompt is short, so its peak sits well under one full chunk's prediction.
