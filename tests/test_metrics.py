@@ -18,6 +18,7 @@ from conftest import LiveServer
 from prometheus_client.parser import text_string_to_metric_families
 from tiny_models import write_model
 
+from gmlx import platform
 from gmlx.engine.engine import Request
 from gmlx.server import metrics
 from gmlx.server.memory_governor import MemoryReading
@@ -217,6 +218,14 @@ def test_snapshot_sections_and_prometheus_agree(live_server: LiveServer) -> None
     assert_prometheus_matches(s, text)
     values = prometheus_values(text)
     assert s["concurrency"]["decode_batch"] == 4 and s["capacity"]["warmup"]["kv_bytes_measured"] > 0
+    # Headroom is what the governor sees left: where MLX shares the host's memory (not CUDA's), the
+    # whole resident size counts, not MLX's buffers alone.
+    mem, budget = s["memory"], live_server.model.table().budget
+    held = mlx = mem["active_bytes"] + mem["cache_bytes"]
+    if platform.backend() != "cuda":
+        assert mem["process_rss_bytes"] > mlx  # the interpreter, the libraries, the tokenizer
+        held = mem["process_rss_bytes"]
+    assert mem["headroom_bytes"] == budget.total_bytes - budget.reserve_bytes - held
     assert values[("gmlx_requests_finished_total", (("reason", "length"),))] == 1
     assert values[("gmlx_requests_finished_total", (("reason", "stop"),))] == 0  # every reason from the start
     assert values[("gmlx_generated_tokens_total", ())] == s["totals"]["generated_tokens"] == 6

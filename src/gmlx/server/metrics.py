@@ -13,7 +13,7 @@ from typing import Any
 import mlx.core as mx
 import psutil
 
-from gmlx import kernels
+from gmlx import kernels, platform
 from gmlx.capacity.memory import kv_bytes_after_prefill, kv_bytes_per_token, warmup_per_token
 from gmlx.engine.engine import drafting_refused
 from gmlx.server.admission import RETRY_AFTER_FULL_S, AdmissionGate
@@ -73,13 +73,17 @@ def _memory(s: ServerState) -> dict:
     table = s.budget_table()
     usable = table.budget.total_bytes - table.budget.reserve_bytes if table else None
     vm = psutil.virtual_memory()
+    rss = _PROCESS.memory_info().rss
+    # Where MLX's buffers share the host's memory, what the process holds beside them counts too,
+    # as the governor counts it: the whole resident size when it is the larger.
+    held = active + cache if platform.backend() == "cuda" else max(active + cache, rss)
     return {
         "active_bytes": active,
         "cache_bytes": cache,
         "peak_bytes": mx.get_peak_memory(),  # MLX's high-water mark since the start-up warm-up
-        "headroom_bytes": usable - active - cache if usable is not None else None,
+        "headroom_bytes": usable - held if usable is not None else None,
         "budget_bytes": table.budget.total_bytes if table else None,
-        "process_rss_bytes": _PROCESS.memory_info().rss,
+        "process_rss_bytes": rss,
         # What the CPU kernels keep outside MLX's buffers; freed once the prompts are prefilled.
         "kernels_scratch_bytes": kernels.scratch_bytes() if kernels.available() else None,
         "system_available_bytes": vm.available,

@@ -51,7 +51,11 @@ _MEMORY = (
     ("active_bytes", "gmlx_memory_active_bytes", "Bytes MLX's arrays hold now"),
     ("cache_bytes", "gmlx_memory_cache_bytes", "Bytes MLX's buffer cache holds for reuse"),
     ("peak_bytes", "gmlx_memory_peak_bytes", "MLX's high-water mark of active bytes since the start-up warm-up"),
-    ("headroom_bytes", "gmlx_memory_headroom_bytes", "Usable budget left after active and cached bytes"),
+    (
+        "headroom_bytes",
+        "gmlx_memory_headroom_bytes",
+        "Usable budget left after MLX's active and cached bytes, or the resident size where larger (not on CUDA)",
+    ),
     ("budget_bytes", "gmlx_memory_budget_bytes", "The memory budget the capacity table is built on"),
     ("process_rss_bytes", "gmlx_memory_process_rss_bytes", "Resident set size of this server's process"),
     ("kernels_scratch_bytes", "gmlx_memory_kernels_scratch_bytes", "CPU kernels' scratch outside MLX"),
