@@ -221,18 +221,21 @@ async def complete(request: Request, gen: Generation) -> dict | Response:
     except ClientGone:
         gen.abandon("client_gone")
         return Response(status_code=499)
-    if isinstance(failure, Failed):
-        # Stopped to relieve memory is the server's load, not its fault: 503, try again later.
-        pressure = failure.code == "memory_pressure"
-        raise APIError(
-            503 if pressure else 500,
-            failure.message,
-            failure.code,
-            retry_after=state.gate.retry_after() if pressure else None,
-        )
     if failure is not None:
-        raise APIError(503, "the server is shutting down", "shutting_down", retry_after=RETRY_AFTER_FULL_S)
+        raise _ended_error(state, failure)
     return gen.completion()
+
+
+def _ended_error(m: ModelState, failure: object) -> APIError:
+    """What a request the engine ended answers, as a status or as a stream's error event: a
+    `Failed` is a 500, or a 503 to try again later when it was stopped to relieve memory (the
+    server's load, not its fault); anything else ended it as the server shut down."""
+    if not isinstance(failure, Failed):
+        return APIError(503, "the server is shutting down", "shutting_down", retry_after=RETRY_AFTER_FULL_S)
+    pressure = failure.code == "memory_pressure"
+    return APIError(
+        503 if pressure else 500, failure.message, failure.code, retry_after=m.gate.retry_after() if pressure else None
+    )
 
 
 async def _decoding(m: ModelState, p: openai_api.GenerationParams) -> Decoding:
@@ -455,13 +458,9 @@ class Generation:
                     yield _sse_data(
                         openai_api.chunk(p, rid, model, c.index, finish=finish, fingerprint=self.fingerprint)
                     )
-            if failure is not None:
-                message, code = (
-                    (failure.message, failure.code)
-                    if isinstance(failure, Failed)
-                    else ("the server is shutting down", "shutting_down")
-                )
-                yield _sse_data({"error": {"message": message, "type": "server_error", "code": code}})
+            if failure is not None:  # the error the request would have had as a status, Retry-After in it
+                error = _ended_error(self.state, failure)
+                yield _sse_data({"error": {**error.body()["error"], "retry_after": error.retry_after}})
             elif p.include_usage:
                 yield _sse_data(openai_api.chunk(p, rid, model, use=self._usage(), fingerprint=self.fingerprint))
             yield "data: [DONE]\n\n"
