@@ -187,7 +187,8 @@ def _embedding_rows(s: ServerState, now: float) -> list[dict]:
 
 
 def _requests(s: ServerState) -> list[dict]:
-    """Queued rows first (generation, then embeddings), then what the engines run."""
+    """Queued rows first (waiting for a slot, generation then embeddings; then admitted but not yet
+    begun), then what the engines run."""
     now = time.monotonic()
     embedding = _embedding_rows(s, now)
     rows = [
@@ -236,7 +237,9 @@ def _requests(s: ServerState) -> list[dict]:
                     "kv_bytes": table.stream_bytes(len(r.prompt_ids) + r.generated) if table is not None else None,
                 }
             )
-    return rows + [r for r in embedding if r["state"] != "queued"]
+    rows += [r for r in embedding if r["state"] != "queued"]
+    # Queued rows first: also those an engine holds (their slots taken) but has not begun to prefill.
+    return sorted(rows, key=lambda r: r["state"] != "queued")
 
 
 def _embeddings(s: ServerState) -> dict:
