@@ -174,6 +174,12 @@ def test_what_the_fuzz_found_stays_fixed(open_server: LiveServer) -> None:
             {"messages": hi, "max_completion_tokens": 2, "max_tokens": 0},
             {"messages": hi, "max_completion_tokens": 2, "max_tokens": "many"},
             {"messages": hi, "response_format": {}},
+            {  # a tool message with calls, which only an assistant's may have
+                "messages": [
+                    *hi,
+                    {"role": "tool", "tool_call_id": "c1", "content": "4", "tool_calls": [{"id": "c2"}]},
+                ]
+            },
         ],
         ("POST", "/v1/estimate"): [{"messages": hi, "response_format": {}}],
         ("GET", "/v1/metrics"): [{"format": "xml"}, {"format": "null"}],

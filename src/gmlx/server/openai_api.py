@@ -105,16 +105,15 @@ def _message(m: Any, i: int) -> dict[str, Any]:
         if m.get(key) is not None and not isinstance(m[key], str):
             raise bad_request(f"messages[{i}].{key} must be a string", "messages")
     text = _message_text(m.get("content"), i)
+    calls = m.get("tool_calls") not in (None, [])
+    if calls and role != "assistant":  # a tool message's too: dropped, they would change the prompt unseen
+        raise bad_request(f"messages[{i}]: only an assistant message has tool_calls", "messages")
     if role in _TOOL_ROLES:
         return tool_prompt.tool_result(m, i, text)
     # OpenAI's newer name for the system role, which is the one chat templates know.
     out = {"role": "system" if role == "developer" else role, "content": text}
-    if m.get("tool_calls") not in (None, []):
-        if role != "assistant":
-            raise bad_request(f"messages[{i}]: only an assistant message has tool_calls", "messages")
-        out["tool_calls"] = tool_prompt.assistant_calls(
-            m["tool_calls"], i
-        )  # absent otherwise: templates test for the key
+    if calls:  # absent otherwise: templates test for the key
+        out["tool_calls"] = tool_prompt.assistant_calls(m["tool_calls"], i)
     return out
 
 
