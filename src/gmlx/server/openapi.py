@@ -991,7 +991,7 @@ def document(api_key: bool, vocab_size: int | None = None, decode_batch: int | N
     }
     if decode_batch is not None:
         schemas = doc["components"]["schemas"]
-        for name in ("ChatCompletionRequest", "CompletionRequest"):
+        for name in ("ChatCompletionRequest", "CompletionRequest", "ChatEstimateRequest"):
             schemas[name] = _most_choices(schemas[name], decode_batch)
     if api_key:
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
