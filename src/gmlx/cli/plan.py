@@ -211,10 +211,19 @@ def ask_server(method: str, url: str, route: str, api_key: str | None, **kw: Any
     return answer
 
 
-def _offline_only(url: str | None, flags: dict[str, Any]) -> None:
+def _kv_flags(
+    bits: int | None, group: int | None, scheme: str | None, value_bits: int | None, tail: int | None
+) -> dict[str, Any]:
+    """The KV quantization flags, by the setting each gives."""
+    names = ("kv_bits", "kv_group_size", "kv_scheme", "kv_value_bits", "kv_tail_tokens")
+    return dict(zip(names, (bits, group, scheme, value_bits, tail), strict=True))
+
+
+def _offline_only(url: str | None, flags: dict[str, Any], kv_flags: dict[str, Any]) -> None:
     """With --url the server's own settings answer, so a flag that shapes only the offline answer
     is a usage error rather than silently ignored; `flags` maps each such flag's name to its value."""
-    given = [name for name, value in flags.items() if value not in (None, [])]
+    named = flags | {"--" + k.replace("_", "-"): v for k, v in kv_flags.items()}
+    given = [name for name, value in named.items() if value not in (None, [])]
     if url and given:
         fail(f"{', '.join(given)}: offline only; with --url the server's own settings answer", EXIT_ERROR)
 
@@ -334,16 +343,10 @@ def plan_command(
     ),
 ) -> None:
     """Can W streams of D tokens fit, and start now? Exit 0 if ok, 1 if not, 2 on error."""
-    kv_flags = {
-        "kv_bits": kv_bits,
-        "kv_group_size": kv_group_size,
-        "kv_scheme": kv_scheme,
-        "kv_value_bits": kv_value_bits,
-        "kv_tail_tokens": kv_tail_tokens,
-    }
+    kv_flags = _kv_flags(kv_bits, kv_group_size, kv_scheme, kv_value_bits, kv_tail_tokens)
     offline_flags = {"MODEL": model, "--memory": memory, "--weights": weights, "--decode-batch": decode_batch}
     offline_flags |= {"--prefill-step": prefill_step, "--max-kv-size": max_kv_size, "--beside": beside}
-    _offline_only(url, offline_flags | {"--" + k.replace("_", "-"): v for k, v in kv_flags.items()})
+    _offline_only(url, offline_flags, kv_flags)
     if model_id is not None and not url:
         fail("--model names a model a server serves, with --url; offline, give its file as MODEL", EXIT_ERROR)
     if whole_table:
@@ -438,15 +441,10 @@ def estimate_command(
 ) -> None:
     """Would one request fit: its prompt tokens, memory need and context. Exit 0 if it fits, 1 if not, 2 on error."""
     body = _request_body(body_file, prompt, max_tokens)
-    kv_flags = {
-        "kv_bits": kv_bits,
-        "kv_group_size": kv_group_size,
-        "kv_scheme": kv_scheme,
-        "kv_value_bits": kv_value_bits,
-        "kv_tail_tokens": kv_tail_tokens,
-    }
-    offline_flags = {"MODEL": model, "--memory": memory, "--weights": weights, "--max-kv-size": max_kv_size}
-    _offline_only(url, offline_flags | {"--" + k.replace("_", "-"): v for k, v in kv_flags.items()})
+    kv_flags = _kv_flags(kv_bits, kv_group_size, kv_scheme, kv_value_bits, kv_tail_tokens)
+    _offline_only(
+        url, {"MODEL": model, "--memory": memory, "--weights": weights, "--max-kv-size": max_kv_size}, kv_flags
+    )
     if url:
         answer, assumptions = ask_server("POST", url, "/v1/estimate", api_key, json=body), _server_assumptions(url)
     else:
