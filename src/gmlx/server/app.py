@@ -154,11 +154,10 @@ async def health(request: Request) -> Response:
     if request.query_params.get("ready") not in ("1", "true", "yes"):
         return JSONResponse(body)
     models = [state.default, *(m for m in state.resident() if m is not state.default)]
-    reasons = {m.model_id: _not_ready(state, m) for m in models}
-    if any(r is None for r in reasons.values()):
+    reasons = [(m, _not_ready(state, m)) for m in models]
+    if any(r is None for _, r in reasons):
         return JSONResponse({**body, "ready": True})
-    first = next((m for m in models if m.engine is not None), state.default)
-    reason, retry = reasons[first.model_id]  # type: ignore[misc]
+    reason, retry = next((r for m, r in reasons if m.engine is not None), reasons[0][1])  # type: ignore[misc]
     return JSONResponse(
         {**body, "ready": False, "reason": reason}, status_code=503, headers={"Retry-After": str(retry)}
     )

@@ -54,7 +54,7 @@ def _positive_int(request: Request, name: str) -> int:
 def live_state(state: ServerState, m: ModelState) -> LiveState:
     not_ready = None
     if m.status == "unloaded":
-        refusal = state.residency.refusal(m) if state.residency is not None else None
+        refusal = state.residency.outlook(m)[0] if state.residency is not None else None
         not_ready = (
             f"model not loaded, nor loadable now: {refusal}"
             if refusal
@@ -243,8 +243,7 @@ def _beside(state: ServerState, m: ModelState) -> tuple[CapacityTable, dict]:
     would do: whether it can load now, and the idle models it would unload first."""
     assert state.residency is not None
     try:
-        refusal = state.residency.refusal(m)
-        leaving = [] if refusal else state.residency.room_for(m)[1]
+        refusal, leaving = state.residency.outlook(m)
         table = m.deployment.planned_table(state.residency.others_bytes(m, leaving))[0]
     except (GGUFError, OSError) as e:
         raise _unreadable(m, e) from None

@@ -87,11 +87,13 @@ class Residency:
             leaving.append(idle.pop(0))
         return True, leaving
 
-    def refusal(self, m: ModelState) -> str | None:
-        """Why a request for `m`, not resident, would be refused now; None when it would load."""
-        if m.load_error is not None and m.failed_file == _file_version(m):
-            return f"it failed to load: {m.load_error}"
-        return None if self.room_for(m)[0] else "no room for it beside the busy models"
+    def outlook(self, m: ModelState) -> tuple[str | None, list[ModelState]]:
+        """For `m`, not resident: why a request for it would be refused now (None: it would load),
+        and the idle models its load would unload first."""
+        if _failed_before(m):
+            return f"it failed to load: {m.load_error}", []
+        ok, leaving = self.room_for(m)
+        return (None, leaving) if ok else ("no room for it beside the busy models", [])
 
     @staticmethod
     def _fits(m: ModelState, others: int) -> bool:
@@ -118,7 +120,7 @@ class Residency:
         async with self._lock:
             if m.engine is not None:  # loaded by a request that held the lock before this one
                 return
-            if m.load_error is not None and m.failed_file == _file_version(m):
+            if _failed_before(m):
                 raise _failed(m)
             try:  # its header: what the decision reads, before any weight
                 ok, leaving = self.room_for(m)
@@ -261,6 +263,11 @@ def _release(engine: Engine) -> None:
     gc.collect()
     mx.clear_cache()
     trim_heap()
+
+
+def _failed_before(m: ModelState) -> bool:
+    """Its last load failed on the file as it is now: not tried again until the file changes."""
+    return m.load_error is not None and m.failed_file == _file_version(m)
 
 
 def _file_version(m: ModelState) -> tuple[int, int] | None:
