@@ -111,10 +111,10 @@ def test_openmetrics_when_the_accept_header_asks(server: LiveServer) -> None:
     snap = snapshot(server.state)
     classic = {  # less the histograms' creation times, which the classic parser reads as families of their own
         f.name
-        for f in text_string_to_metric_families(histograms.render(snap, router=True).decode())
+        for f in text_string_to_metric_families(histograms.render(snap, router=server.model_id).decode())
         if not f.name.endswith("_created")
     }
-    text = histograms.render(snap, router=True, accept=f"{OPENMETRICS}, text/plain;q=0.5").decode()
+    text = histograms.render(snap, router=server.model_id, accept=f"{OPENMETRICS}, text/plain;q=0.5").decode()
     assert text.endswith("# EOF\n") and text.count("# EOF") == 1
     parsed = {f.name: f for f in openmetrics_families(text)}
     assert {*parsed} | {"gmlx_config_info", "gmlx_model_info"} == classic | {"gmlx_config", "gmlx_model"}

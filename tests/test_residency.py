@@ -323,6 +323,9 @@ def test_keep_alive_and_max_resident(tiny_models: dict[str, Path], folder: Path)
         assert {m for m, s in statuses(c).items() if s == "loaded"} == {"other", "twin"}
         system = c.get("/system").json()  # the model it names is one that is loaded, whose compute type it gives
         assert system["model"] == system["models"]["active"] and system["model"] in {"other", "twin"}
+        # The series a router reads keep one identity, the preloaded model's, whatever is resident.
+        router_series = f'vllm:kv_cache_usage_perc{{model_name="{server.model_id}"}}'
+        assert router_series in c.get("/metrics").text
         # Idle past the keep-alive, every model is unloaded, the preloaded one too.
         server.wait_until(lambda: set(statuses(c).values()) == {"unloaded"}, timeout=20)
         # It still takes work (a load balancer that heard "loading" would never send what loads it).
@@ -330,7 +333,8 @@ def test_keep_alive_and_max_resident(tiny_models: dict[str, Path], folder: Path)
         assert ready.status_code == 200 and ready.json()["ready"] is True
         assert c.get("/system").json()["state"] == "unloaded"
         usage = [line for line in c.get("/metrics").text.splitlines() if line.startswith("vllm:kv_cache_usage_perc")]
-        assert len(usage) == 1 and float(usage[0].split()[-1]) < 0.5  # not 1.0, which a router reads as saturated
+        assert len(usage) == 1 and usage[0].startswith(router_series)
+        assert float(usage[0].split()[-1]) < 0.5  # not 1.0, which a router reads as saturated
         assert c.post(CHAT, json=ask(None)).status_code == 200  # and loads again when asked for
         assert c.get("/system").json()["state"] == "ready"
 

@@ -191,10 +191,12 @@ async def metrics_route(request: Request) -> Response:
 
 
 async def router_metrics(request: Request) -> Response:
-    """GET /metrics: the Prometheus text of /v1/metrics?format=prometheus plus the vLLM series routers read."""
+    """GET /metrics: the Prometheus text of /v1/metrics?format=prometheus plus the vLLM series routers read.
+    Their model_name is the preloaded model's id whatever is resident: one series a server, whose
+    identity a router's or an autoscaler's query keeps while models load and unload."""
     state: ServerState = request.app.state.gmlx
     accept = request.headers.get("accept")
-    text = state.histograms.render(snapshot(state), router=True, accept=accept)
+    text = state.histograms.render(snapshot(state), router=state.default.model_id, accept=accept)
     return Response(text, media_type=content_type(accept))
 
 

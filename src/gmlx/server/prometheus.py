@@ -204,24 +204,17 @@ def _label(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def router_model(s: dict) -> str:
-    """The model_name of the vLLM series, one each for the whole server: the first resident model,
-    the preloaded one while it is resident ("" while none is)."""
-    models = s.get("resident_models") or []
-    return models[0]["model"] if models else ""
-
-
 class _Snapshot:
     """A collector over whatever snapshot it was last given."""
 
     def __init__(self) -> None:
         self.snap: dict[str, Any] = {}
-        self.router = False  # /metrics: add the vLLM series
+        self.router: str | None = None  # /metrics: add the vLLM series, with this model_name
 
     def collect(self) -> Iterator[Metric]:
         s = self.snap.get("server", {})
-        if self.router:
-            yield from _vllm(s, router_model(s))
+        if self.router is not None:
+            yield from _vllm(s, self.router)
         yield _config(s)
         yield from _fields(s.get("concurrency") or {}, _CONCURRENCY)
         yield from _queue(s.get("queue") or {})
@@ -567,9 +560,9 @@ class Histograms:
         """`server.latency`: each series' count and p50/p95/p99 over the last WINDOW_S seconds, all models together."""
         return {"window_s": WINDOW_S, **{name: window.summary() for name, (_, window) in self._series.items()}}
 
-    def render(self, snap: dict, router: bool = False, accept: str | None = None) -> bytes:
+    def render(self, snap: dict, router: str | None = None, accept: str | None = None) -> bytes:
         """The text for `snap` in the format `accept` asks for (content_type says which); with
-        `router`, the vLLM series too (/metrics). On the event loop only."""
+        `router`, the vLLM series too, labelled model_name=router (/metrics). On the event loop only."""
         s = snap.get("server", {})
         self._snapshot.snap, self._snapshot.router = snap, router
         for m in s.get("resident_models") or []:  # each resident model's histograms, at 0 before its first request
