@@ -13,7 +13,7 @@ import numpy as np
 import openai
 import pytest
 from conftest import LiveServer, needs_kernels
-from tiny_models import VOCAB_KIND
+from tiny_models import VOCAB_KIND, write_model
 from tiny_vocab import BYTE, CONTROL, USER_DEFINED, byte_alphabet
 
 from gmlx import kernels
@@ -253,6 +253,40 @@ def test_bad_response_format_is_400(live_server: LiveServer, fmt: object) -> Non
             assert error["param"] == "response_format" and error["code"] == "invalid_request"
         assert c.post(CHAT, json=structured(temperature=0)).status_code == 200  # the engine keeps serving
     assert live_server.engine.alive
+
+
+def test_output_a_grammar_holds_ends_where_the_grammar_does(tmp_path: Path) -> None:
+    """A stop string inside a JSON string value does not cut the JSON (it would be invalid under
+    finish_reason stop), nor a forced call (its JSON would become the reply's text); and JSON that
+    closes on the max_tokens-th token is complete, not cut."""
+    tool = {"type": "function", "function": {"name": "pet", "parameters": SCHEMA}}
+    roomy = write_model(tmp_path / "roomy.gguf", "llama", context=4096)  # the tool prompt needs it
+    with LiveServer(roomy) as server, server.client() as c:
+        whole = c.post(CHAT, json=structured(temperature=0)).json()
+        content, tokens = whole["choices"][0]["message"]["content"], whole["usage"]["completion_tokens"]
+        jsonschema.validate(json.loads(content), SCHEMA)
+        inside = content[content.index(":") :][:3]  # e.g. ': "', written before the JSON closes
+        for stop in ([inside], ["}"], [inside, "}"]):
+            choice = c.post(CHAT, json=structured(temperature=0, stop=stop)).json()["choices"][0]
+            assert (choice["message"]["content"], choice["finish_reason"]) == (content, "stop"), stop
+        exact = c.post(CHAT, json=structured(temperature=0, max_tokens=tokens)).json()["choices"][0]
+        assert (exact["message"]["content"], exact["finish_reason"]) == (content, "stop")
+        cut = c.post(CHAT, json=structured(temperature=0, max_tokens=tokens - 1)).json()["choices"][0]
+        assert cut["finish_reason"] == "length" and content.startswith(cut["message"]["content"])
+        ask = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 200, "temperature": 0, "tools": [tool]}
+        one = {**ask, "tool_choice": "required", "parallel_tool_calls": False, "stop": ["}", '"']}
+        called = c.post(CHAT, json=one).json()["choices"][0]
+        assert called["finish_reason"] == "tool_calls" and called["message"]["content"] is None
+        [call] = called["message"]["tool_calls"]
+        jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMA)
+        # Calls until max_tokens (a tiny random model does not close the array): the whole ones, no text.
+        many = c.post(CHAT, json={**ask, "tool_choice": "required"}).json()["choices"][0]
+        assert many["finish_reason"] == "length" and many["message"]["content"] is None
+        assert many["message"]["tool_calls"]
+        for call in many["message"]["tool_calls"]:
+            jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMA)
+        free = c.post(CHAT, json={**ask, "stop": ["a"], "max_tokens": 40}).json()["choices"][0]
+        assert "a" not in (free["message"]["content"] or "")  # free text is cut by stop as before
 
 
 def test_bad_schema_message_names_the_problem(live_server: LiveServer) -> None:

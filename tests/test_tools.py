@@ -146,6 +146,18 @@ def test_text_is_held_back_only_while_it_may_open_a_call() -> None:
     assert llama.feed('{"answer') == ['{"answer']  # a bare object that does not open with "name" is content
 
 
+def test_forced_calls_go_out_as_each_completes_and_a_cut_one_is_dropped() -> None:
+    """`required` lets a looping model write calls until max_tokens: the complete ones are its
+    answer, and the grammar's cut-off JSON is not made the assistant's text."""
+    text = '[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "arguments": {}}, {"name'
+    parser = ToolCallParser(FORCED, NAMES)
+    assert parser.feed(text[:60]) == parser.calls[:1] and calls_of(parser) == [PARIS]  # before the array ends
+    assert parser.parse(text[60:]) == (None, parser.calls) and calls_of(parser) == [PARIS, ("get_time", "{}")]
+    for cut in range(len(text) + 1):
+        assert streamed(FORCED, [text[:cut], text[cut:]]) == (None, [PARIS, ("get_time", "{}")]), cut
+    assert ToolCallParser(FORCED, NAMES).parse('{"name": "get_weather", "arguments": {"ci') == ("", [])
+
+
 def test_parallel_tool_calls_false_keeps_the_first_call() -> None:
     text = OUTPUTS[1][1]
     assert streamed(HERMES, [text], parallel=False) == (None, [PARIS])
@@ -215,6 +227,22 @@ def test_bad_tools_are_a_400_naming_the_field(body: dict, param: str) -> None:
     with pytest.raises(APIError) as e:
         chat(**body)
     assert (e.value.status, e.value.param) == (400, param), e.value.message
+
+
+def test_a_schema_no_grammar_can_hold_is_refused_only_where_a_call_is_forced() -> None:
+    """MCP servers' tools use keywords llguidance lacks (`uniqueItems`, `not`); under `auto` and
+    `none` nothing constrains the call, so one such tool must not fail every turn of a loop."""
+    unique = {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}
+    tool = {"type": "function", "function": {"name": "tag", "parameters": unique}}
+    for choice in ("auto", "none"):
+        assert chat(tools=[tool, WEATHER], tool_choice=choice).tools is not None
+    forced = chat(tools=[tool, WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert forced.tools is not None and forced.tools.grammar is not None  # the other tool is not held
+    for choice in ("required", {"type": "function", "function": {"name": "tag"}}):
+        with pytest.raises(APIError) as e:
+            chat(tools=[tool], tool_choice=choice)
+        assert e.value.param == "tools" and "tools[0].function.parameters" in e.value.message
+        assert "uniqueItems" in e.value.message
 
 
 def test_tool_turns_reach_the_template_as_transformers_gives_them() -> None:

@@ -33,6 +33,7 @@ from mlx_lm.tokenizer_utils import StreamingDetokenizer
 from gmlx import kernels, upstream
 from gmlx.engine.budget import PrefillBudget
 from gmlx.engine.embeddings import EmbedJob, embed
+from gmlx.engine.grammar import GrammarProcessor
 from gmlx.engine.logprobs import Scored, TokenLogprob, score_rows, token_logprob
 from gmlx.engine.processors import Decoding, LogitsProcessor
 from gmlx.engine.prompt_cache import MISS, Hit, PromptCache
@@ -143,7 +144,14 @@ class _Stream:
     detok: StreamingDetokenizer
     stops: StopMatcher
     checkpoints: dict[int, str]  # prompt position -> kind of cache to keep there, still to take
+    grammar: GrammarProcessor | None = None  # the row's matcher, when a grammar holds its output
     draft_state: tuple | None = None  # the drafter's cache from the stream's last lane
+
+    def whole_at(self, token: int) -> bool:
+        """Whether a grammar holds the output and takes it, ending in `token`, as complete: max_tokens
+        reached on the token that closed the JSON is a finish, not a cut."""
+        length = len(self.req.prompt_ids) + self.req.generated
+        return self.grammar is not None and self.grammar.accepts(length, token)
 
 
 # Commands the engine thread takes from its queue.
@@ -682,12 +690,14 @@ class Engine:
             return
         try:
             hit, cache = self.prompt_cache.fetch(req.prompt_ids) if self.prompt_cache is not None else (MISS, None)
+            processors = req.decoding.processors(len(req.prompt_ids))
             stream = _Stream(
                 req,
                 self._guarded_sampler(req),
                 continuation_detokenizer(self.loaded.tokenizer, req.prompt_ids),
                 StopMatcher(req.stop),
                 self._checkpoint_plan(req, hit.warm_tokens),
+                next((p for p in processors if isinstance(p, GrammarProcessor)), None),
             )
             [uid] = gen.insert_segments(
                 [_split(req.prompt_ids, hit.warm_tokens, sorted(stream.checkpoints))],
@@ -695,7 +705,7 @@ class Engine:
                 caches=[cache or self._make_cache(self.loaded.model)],
                 all_tokens=[req.prompt_ids[: hit.warm_tokens]],
                 samplers=[stream.sampler],
-                logits_processors=[self._processors(req)],
+                logits_processors=[self._guarded(req, processors)],
             )
         except Exception as e:  # not yet active, so the loop's handler would not end it: it would hang
             log.exception("request %s: starting it failed", req.id)
@@ -748,9 +758,8 @@ class Engine:
 
         return make_sampler(req.sampling, on_error=failed)
 
-    def _processors(self, req: Request) -> list[LogitsProcessor]:
-        """The request's logits processors, fresh for its row, each made to fail that request
-        alone as its sampler is."""
+    def _guarded(self, req: Request, processors: list[LogitsProcessor]) -> list[LogitsProcessor]:
+        """The request's logits processors, each made to fail that request alone as its sampler is."""
 
         def guarded(processor: LogitsProcessor) -> LogitsProcessor:
             def process(tokens: mx.array, logits: mx.array) -> mx.array:
@@ -763,7 +772,7 @@ class Engine:
 
             return process
 
-        return [guarded(p) for p in req.decoding.processors(len(req.prompt_ids))]
+        return [guarded(p) for p in processors]
 
     # --- speculative decoding: one request alone, with the drafter --------------------------
 
@@ -958,7 +967,7 @@ class Engine:
             for cache, tokens in gen.remove([req.uid], return_prompt_caches=self.prompt_cache is not None).values():
                 self._keep_final(cache, tokens)
         if hit or finish_reason is not None:
-            reason = "stop" if hit else finish_reason
+            reason = "stop" if hit or (finish_reason == "length" and stream.whole_at(token)) else finish_reason
             self._finish(
                 req,
                 Finished(

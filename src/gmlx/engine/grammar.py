@@ -169,6 +169,15 @@ class GrammarProcessor:
         self._seen = start
         self._bitmask = llguidance.numpy.allocate_token_bitmask(1, constraint.vocab_size)
 
+    def accepts(self, length: int, last: int) -> bool:
+        """Whether the grammar takes the row's output as whole once the row is `length` tokens long
+        (prompt included), the last being `last`: max_tokens reached just as the JSON closed."""
+        m = self._matcher
+        if self._seen < length and not m.is_stopped():
+            m.consume_token(last)  # mlx_lm masks a step ahead: the row's last token may be unseen yet
+            self._seen = length
+        return m.is_accepting() and not m.is_error()
+
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         if tokens.shape[0] > self._seen:
             new = tokens[self._seen :].tolist()

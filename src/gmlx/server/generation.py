@@ -308,6 +308,9 @@ class Generation:
         self._rest: asyncio.Task[None] | None = None
         to_loop = relay(asyncio.get_running_loop())  # a step's events for every stream: one loop wake-up
         template = self.engine.loaded.tokenizer.chat_template  # type: ignore[union-attr]
+        # Output a grammar holds (response_format, a forced call) ends where the grammar does: a stop
+        # string inside one of its JSON strings would cut it invalid, under finish_reason "stop".
+        stop = p.stop if prepared.decoding.constraint is None else ()
         self.choices: list[Choice] = []
         for i in range(p.n):
             req = EngineRequest(
@@ -315,7 +318,7 @@ class Generation:
                 prepared.prompt_ids,
                 prepared.max_tokens,
                 _seeded(p.sampling, i),
-                p.stop,
+                stop,
                 anchor_tokens=prepared.anchor,
                 logprobs=p.logprobs,
                 decoding=prepared.decoding,

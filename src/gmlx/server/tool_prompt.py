@@ -8,7 +8,10 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import Any
+
+from jsonschema import Draft202012Validator, SchemaError
 
 from gmlx.engine.grammar import GrammarError, json_schema_grammar
 from gmlx.server.errors import bad_request
@@ -77,12 +80,20 @@ def _tool(tool: Any, i: int) -> dict[str, Any]:
     if (parameters := fn.get("parameters")) is not None:
         if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
             raise bad_request(f"{where}.function.parameters must be a JSON Schema of type object", "tools")
-        # Checked as the grammar a forced call would need, whatever the tool_choice: one rule for all.
-        try:
-            json_schema_grammar(parameters)
-        except GrammarError as e:
-            raise bad_request(f"{where}.function.parameters cannot be used: {e}", "tools") from None
+        if (problem := _schema_problem(json.dumps(parameters, sort_keys=True))) is not None:
+            raise bad_request(f"{where}.function.parameters is not a valid JSON Schema: {problem}", "tools")
     return {"type": "function", "function": fn}
+
+
+@lru_cache(maxsize=512)  # a harness sends the same tools every turn; a check takes about a millisecond
+def _schema_problem(schema: str) -> str | None:
+    """What makes a schema (as JSON text) invalid under JSON Schema 2020-12, or None. Validity only:
+    whether a grammar can hold a call to it is asked only when a call is forced."""
+    try:
+        Draft202012Validator.check_schema(json.loads(schema))
+    except SchemaError as e:
+        return f"{e.message} at {'/'.join(map(str, e.absolute_path)) or 'its root'}"
+    return None
 
 
 def _choice(value: Any, names: frozenset[str]) -> tuple[str, str | None]:
@@ -117,9 +128,17 @@ def tool_spec(body: dict) -> ToolSpec | None:
         return None
     spec = ToolSpec(tools, kind, function, parallel is not False)
     if not spec.forced:
-        return spec
+        return spec  # the model's calls are its own, unchecked: any schema the template can render will do
+    functions = spec.callable_parameters()
+    for i, t in enumerate(tools):  # a grammar holds the call: each schema it may take must compile
+        if (parameters := functions.get(t["function"]["name"])) is not None:
+            try:
+                json_schema_grammar(parameters)
+            except GrammarError as e:
+                where, forcing = f"tools[{i}].function.parameters", "required" if kind == "required" else function
+                raise bad_request(f"{where} cannot hold the call tool_choice {forcing} forces: {e}", "tools") from None
     # A named function is called once; `required` may call several when parallel calls are allowed.
-    schema = forced_call_schema(spec.callable_parameters(), spec.parallel and kind == "required")
+    schema = forced_call_schema(functions, spec.parallel and kind == "required")
     try:
         return replace(spec, grammar=json_schema_grammar(schema))
     except GrammarError as e:

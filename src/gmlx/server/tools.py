@@ -155,9 +155,8 @@ class ToolCallParser:
 
     def _drain(self, final: bool) -> list[Piece]:
         out: list[Piece] = []
-        if self.fmt is FORCED:  # the grammar made it a call: parse it once it is all there
-            if final:
-                self._section(out, self._buf, "")
+        if self.fmt is FORCED:
+            self._forced_calls(out)
             return out
         while self._buf or (final and self._marker is not None):
             if self._marker is not None:
@@ -166,6 +165,26 @@ class ToolCallParser:
             elif not self._open_section(out, final):
                 break
         return out
+
+    def _forced_calls(self, out: list[Piece]) -> None:
+        """The grammar made the output a call, or an array of calls: each goes out once its JSON
+        is complete. What max_tokens cut off is dropped, not made content: it is the grammar's
+        JSON, not the model's text, and the finish reason says `length`."""
+        buf = self._buf.lstrip()
+        if not self._at_start:  # inside the array: a call follows a comma
+            buf = buf.removeprefix(",").lstrip()
+        elif buf.startswith("["):
+            self._at_start, buf = False, buf[1:].lstrip()
+        while buf.startswith("{"):
+            try:
+                value, end = _DECODER.raw_decode(buf)
+            except (ValueError, RecursionError):  # not complete yet
+                break
+            if (call := _call(value, self.names)) is not None:
+                self.calls.append(call)
+                out.append(call)
+            buf = buf[end:].lstrip().removeprefix(",").lstrip()
+        self._buf = buf
 
     def _open_section(self, out: list[Piece], final: bool) -> bool:
         """Give out text up to the next call section and open it; False when nothing more can be decided."""
