@@ -368,6 +368,8 @@ def test_presets_give_a_model_its_own_id_and_settings(tiny_models: dict[str, Pat
     )
     with LiveServer(tiny_models["llama"], models_preset=str(preset)) as server, server.client() as c:
         assert server.model_id == "main"  # the positional file keeps its preset's id
+        unloaded = c.get("/v1/models/small").json()  # a harness sizes its prompts by it before the first request
+        assert (unloaded["status"], unloaded["context_length"]) == ("unloaded", 128)
         assert c.post(CHAT, json=ask("small")).status_code == 200
         small = c.get("/v1/models/small").json()
         assert small["context_length"] == 128 and small["source"] == "preset"

@@ -43,6 +43,13 @@ class Deployment:
         return choose_mode(self.settings.weights, self.header)  # type: ignore[arg-type]
 
     @property
+    def context_length(self) -> int:
+        """The window it would serve, from its header: the GGUF's, or max_kv_size when smaller
+        (what LoadedModel.context_length says once it is loaded)."""
+        trained, cap = self.header.geometry.context_length, self.settings.max_kv_size
+        return trained if cap is None else min(trained, cap)
+
+    @property
     def memory(self) -> int:
         """The memory its table plans with: the setting, or the device's or system's."""
         return self.settings.memory or platform.total_memory_bytes()

@@ -17,6 +17,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gmlx.deployment import Deployment
+from gmlx.gguf.header import GGUFError
 from gmlx.server.admission import RETRY_AFTER_FULL_S
 from gmlx.server.aliases import UnprefixedAliases
 from gmlx.server.build import build_engine
@@ -134,7 +135,7 @@ def _model_entry(state: ServerState, m: ModelState) -> dict[str, Any]:
         "status": m.status,
     }
     loaded = m.engine.loaded if m.engine is not None else None
-    entry["context_length"] = loaded.context_length if loaded is not None else None
+    entry["context_length"] = loaded.context_length if loaded is not None else _planned_context(d)
     table = m.table()
     entry["max_context_at_width_1"] = table.max_context_at_width(1) if table else None
     if loaded is not None and (kv_quant := getattr(m.engine, "kv_quant", None)) is not None:
@@ -144,6 +145,15 @@ def _model_entry(state: ServerState, m: ModelState) -> dict[str, Any]:
     if m.load_error is not None:
         entry["load_error"] = m.load_error
     return entry
+
+
+def _planned_context(d: Deployment) -> int | None:
+    """A model not loaded: its window from its header (a harness sizes its prompts by it), or None
+    while its file cannot be read (its load_error, or a load, says why)."""
+    try:
+        return d.context_length
+    except (GGUFError, OSError):
+        return None
 
 
 async def health(request: Request) -> Response:
