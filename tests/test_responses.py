@@ -46,6 +46,15 @@ def test_plain_text_is_the_chat_answer(client: openai.OpenAI, server: LiveServer
     assert r.usage.input_tokens == chat.usage.prompt_tokens and r.usage.output_tokens == chat.usage.completion_tokens
     assert r.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
     assert r.instructions == "Be brief." and r.output[0].type == "message" and r.output[0].role == "assistant"
+    # Cut by max_output_tokens, the message is incomplete as the response is (OpenAI's shape), streamed or not.
+    cut = client.responses.create(input="Tell me about the sea.", max_output_tokens=1, **args)
+    [item] = cut.output
+    assert (cut.status, item.status, cut.incomplete_details.reason) == ("incomplete", "incomplete", "max_output_tokens")
+    assert cut.output_text
+    *_, last = client.responses.create(input="Tell me about the sea.", max_output_tokens=1, stream=True, **args)
+    final = last.response
+    assert last.type == "response.incomplete" and final.output[0].status == "incomplete"
+    assert final.output_text == cut.output_text
 
 
 def test_streamed_events(client: openai.OpenAI, server: LiveServer, scripted: Script) -> None:

@@ -229,13 +229,14 @@ class _Answer:
             "truncation": "disabled",
         }
 
-    def message(self, text: str, status: str = "completed") -> dict:
+    def message(self, text: str, cut: bool = False) -> dict:
+        """The assistant's text as an output item; `cut` by max_output_tokens, it is incomplete, as the response is."""
         item = {
             "type": "message",
             "id": "msg_" + uuid.uuid4().hex[:24],
-            "status": status,
+            "status": "incomplete" if cut else "completed",
             "role": "assistant",
-            "content": [_part(text)] if status == "completed" else [],
+            "content": [_part(text)],
         }
         self.text += text
         return item
@@ -290,9 +291,11 @@ async def responses(request: Request) -> Response:
         return completion
     choice = completion["choices"][0]
     message = choice["message"]
-    if message["content"] or not message.get("tool_calls"):  # an answer with no call always has its message
-        answer.output.append(answer.message(message["content"] or ""))
-    answer.output.extend(answer.call(c) for c in message.get("tool_calls", []))
+    cut = choice["finish_reason"] == "length"
+    calls = message.get("tool_calls") or []
+    if message["content"] or not calls:  # an answer with no call always has its message
+        answer.output.append(answer.message(message["content"] or "", cut and not calls))
+    answer.output.extend(answer.call(c) for c in calls)
     answer.set_usage(completion["usage"])
     answer.keep(store, conversation)
     return JSONResponse(answer.to_json("incomplete" if choice["finish_reason"] == "length" else "completed"))
@@ -318,7 +321,7 @@ async def _events(
             return []
         item, index, open_item = open_item, len(answer.output), None
         if item["type"] == "message":
-            done = answer.message(item["text"])
+            done = answer.message(item["text"], finish == "length")  # "stop" until the last chunk
             done["id"] = item["id"]
             out = [
                 event(
