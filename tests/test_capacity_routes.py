@@ -152,6 +152,18 @@ def test_estimate_and_dry_run_agree(live_server: LiveServer) -> None:
     assert est["need_bytes"] > live_server.model.table().stream_bytes(est["prompt_tokens"] + 100) - 1
 
 
+def test_a_completions_body_is_estimated_and_dry_run_too(live_server: LiveServer) -> None:
+    with live_server.client() as c:
+        for prompt in ("Once upon a time", [1, 2, 3, 4, 5]):
+            body = {"prompt": prompt, "max_tokens": 50, "n": 2}
+            est = c.post("/v1/estimate", json=body).json()
+            dry = c.post("/v1/completions", json={**body, "dry_run": True}).json()
+            real = c.post("/v1/completions", json={**body, "max_tokens": 1}).json()
+            assert est == dry and est["prompt_tokens"] == real["usage"]["prompt_tokens"] and est["estimated"]
+        assert c.post("/v1/completions", json={"prompt": "x", "dry_run": "yes"}).json()["error"]["param"] == "dry_run"
+        assert c.post("/v1/completions", json={"prompt": [10**6], "dry_run": True}).status_code == 400  # as sent
+
+
 def test_estimate_counts_a_row_for_every_choice(live_server: LiveServer) -> None:
     """`n` choices decode as n rows, each with its own cache; more than the decode batch is the
     400 the request itself would get, whether estimated, dry-run or sent."""

@@ -1,4 +1,4 @@
-"""GET /v1/capacity/plan and POST /v1/estimate (also `"dry_run": true` on chat completions)."""
+"""GET /v1/capacity/plan and POST /v1/estimate (also `"dry_run": true` on chat and completions)."""
 
 from __future__ import annotations
 
@@ -113,12 +113,16 @@ def _text_only(body: dict) -> dict:
     return {**body, "messages": messages}
 
 
-async def estimate_body(state: ServerState, body: Any) -> dict:
+async def estimate_body(state: ServerState, body: Any, chat: bool | None = None) -> dict:
     """The estimate for a chat-completions body; renders the prompt exactly as a real request would,
     for a resident model or for one not loaded (from its header, never loading it). An embeddings
-    body (`input`, no `messages`) gets the estimate of that request."""
+    body (`input`, no `messages`) gets the estimate of that request, and a completions body
+    (`prompt`, no `messages`; or `chat` False: the completions route's dry run) that of its prompt."""
     media: list[str] = []
-    if isinstance(body, dict) and "input" in body and "messages" not in body:
+    shaped = isinstance(body, dict) and "messages" not in body
+    if chat is None:
+        chat = not (shaped and "prompt" in body)
+    if shaped and "input" in body:
         inputs = embeddings.parse_inputs(body)
         m = state.find(body.get("model"))
         if m.ready:
@@ -126,8 +130,8 @@ async def estimate_body(state: ServerState, body: Any) -> dict:
         else:
             out = await asyncio.to_thread(_not_loaded_embedding_estimate, state, m, inputs)
     else:
-        media = media_parts(body)
-        p = openai_api.parse(_text_only(body) if media else body, chat=True)
+        media = media_parts(body) if chat else []
+        p = openai_api.parse(_text_only(body) if media else body, chat=chat)
         m = state.find(p.model)
         m.check_choices(p.n)
         out = (

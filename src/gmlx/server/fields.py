@@ -34,6 +34,7 @@ HONOURED_BOTH = (
     "logit_bias",
     "repeat_last_n",
     "n",
+    "dry_run",
 )
 HONOURED_CHAT = (
     "messages",
@@ -42,7 +43,6 @@ HONOURED_CHAT = (
     "tools",
     "tool_choice",
     "parallel_tool_calls",
-    "dry_run",
 )
 HONOURED_COMPLETION = ("prompt",)
 

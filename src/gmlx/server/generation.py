@@ -46,8 +46,8 @@ async def generate(request: Request, chat: bool) -> Response:
     arrived = time.monotonic()  # a client's TTFT counts from its request, so the server's does
     state: ServerState = request.app.state.gmlx
     body = await read_json(request, state)
-    if chat and isinstance(body, dict) and body.get("dry_run") is True:
-        return JSONResponse(await estimate_body(state, body))
+    if isinstance(body, dict) and body.get("dry_run") is True:
+        return JSONResponse(await estimate_body(state, body, chat))
     p, prepared = openai_api.parse(body, chat), None
     if p.stream and request.headers.get(QUEUE_EVENTS_HEADER, "").lower() in ("1", "true", "yes"):
         m = state.find(p.model)

@@ -164,8 +164,7 @@ def parse(body: Any, chat: bool) -> GenerationParams:
     stream = bool(_typed(body, "stream", bool, "a boolean"))
     options = _typed(body, "stream_options", dict, "an object") or {}
     _typed(options, "include_usage", bool, "a boolean")  # checked like the rest, not just truth-tested
-    if chat:
-        _typed(body, "dry_run", bool, "a boolean")  # true is answered before parse(); anything but a flag is a 400
+    _typed(body, "dry_run", bool, "a boolean")  # true is answered before parse(); anything but a flag is a 400
     sampling = SamplingParams(
         temperature=_number(body, "temperature", 0.0, 2.0, 1.0),
         top_p=_number(body, "top_p", 0.0, 1.0, 1.0),

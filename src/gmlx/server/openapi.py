@@ -225,6 +225,9 @@ def _embedding_request(vocab_size: int | None) -> dict:
     }
 
 
+_DRY_RUN = _nullable({"type": "boolean", "description": "true: answer with the estimate, run nothing."})
+
+
 def _completion_request(vocab_size: int | None) -> dict:
     """The completions body; the token ids' bound is the served model's vocabulary, once it is loaded."""
     token = {"type": "integer", "minimum": 0} | ({} if vocab_size is None else {"maximum": vocab_size - 1})
@@ -245,6 +248,7 @@ def _completion_request(vocab_size: int | None) -> dict:
                 "description": "Report each token's log-probability and this many alternatives.",
             }
         ),
+        dry_run=_DRY_RUN,
     )
 
 
@@ -560,7 +564,7 @@ SCHEMAS: dict[str, dict] = {
         **_CHAT_LOGPROBS,
         **_TOOLS,
         **_RESPONSE_FORMAT,
-        dry_run=_nullable({"type": "boolean", "description": "true: answer with the estimate, run nothing."}),
+        dry_run=_DRY_RUN,
     ),
     "ChatEstimateRequest": _body(
         "messages",
@@ -790,7 +794,16 @@ PATHS: dict[str, dict[str, dict]] = {
         )
     },
     "/v1/completions": {
-        "post": _op("Text completion", _GENERATION_OK, 400, 404, 408, 413, 503, body="CompletionRequest")
+        "post": _op(
+            "Text completion (or, with dry_run, its estimate)",
+            _GENERATION_OK,
+            400,
+            404,
+            408,
+            413,
+            503,
+            body="CompletionRequest",
+        )
     },
     "/v1/embeddings": {
         "post": _op(
@@ -906,7 +919,7 @@ PATHS: dict[str, dict[str, dict]] = {
     },
     "/v1/estimate": {
         "post": _op(
-            "What one chat or embeddings request would need, without running it",
+            "What one chat, completions or embeddings request would need, without running it",
             {"description": "The estimate", "content": _json(_ref("Estimate"))},
             400,
             404,
@@ -983,8 +996,9 @@ def document(api_key: bool, vocab_size: int | None = None, decode_batch: int | N
                 "CompletionRequest": _completion_request(vocab_size),
                 "EmbeddingRequest": _embedding_request(vocab_size),
                 "EstimateRequest": {
-                    "oneOf": [_ref("ChatEstimateRequest"), _ref("EmbeddingRequest")],
-                    "description": "A chat-completions body, or an embeddings body (the estimate's kind says which).",
+                    "oneOf": [_ref("ChatEstimateRequest"), _ref("CompletionRequest"), _ref("EmbeddingRequest")],
+                    "description": "A chat-completions, completions or embeddings body (the estimate's kind "
+                    "says which of generation and embedding).",
                 },
             }
         },
