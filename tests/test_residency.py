@@ -318,6 +318,14 @@ def test_keep_alive_and_max_resident(tiny_models: dict[str, Path], folder: Path)
         LiveServer(tiny_models["llama"], models_dir=str(folder), keep_alive="3s", max_resident=2) as server,
         server.client() as c,
     ):
+
+        def prompt_cache() -> dict:
+            return c.get("/v1/metrics").json()["server"]["prompt_cache"]
+
+        assert c.post(CHAT, json=ask(None)).status_code == 200
+        assert c.post(CHAT, json=ask(None)).status_code == 200  # its prompt, from the preloaded model's cache
+        counted = prompt_cache()
+        assert counted["hits"] >= 1 and counted["misses"] >= 1
         assert c.post(CHAT, json=ask("other")).status_code == 200
         assert c.post(CHAT, json=ask("twin")).status_code == 200  # two at most: the oldest idle one made room
         assert {m for m, s in statuses(c).items() if s == "loaded"} == {"other", "twin"}
@@ -335,8 +343,15 @@ def test_keep_alive_and_max_resident(tiny_models: dict[str, Path], folder: Path)
         usage = [line for line in c.get("/metrics").text.splitlines() if line.startswith("vllm:kv_cache_usage_perc")]
         assert len(usage) == 1 and usage[0].startswith(router_series)
         assert float(usage[0].split()[-1]) < 0.5  # not 1.0, which a router reads as saturated
+        unloaded = prompt_cache()  # empty, its counters as they stood: Prometheus counters never fall
+        assert unloaded["enabled"] and (unloaded["bytes"], unloaded["entries"]) == (0, 0)
+        assert {k: unloaded[k] for k in ("hits", "misses", "stored_bytes")} == {
+            k: counted[k] for k in ("hits", "misses", "stored_bytes")
+        }
         assert c.post(CHAT, json=ask(None)).status_code == 200  # and loads again when asked for
         assert c.get("/system").json()["state"] == "ready"
+        again = prompt_cache()
+        assert again["misses"] == counted["misses"] + 1 and again["hits"] == counted["hits"]  # a fresh cache
 
 
 def test_keep_alive_counts_from_the_end_of_the_last_request(tmp_path: Path) -> None:

@@ -61,6 +61,19 @@ class PromptCacheStats:
     stored_bytes: int = 0
     evicted_bytes: int = 0
 
+    def to_json(self) -> dict:
+        hits = sum(self.hits.values())
+        lookups = hits + self.misses
+        return {
+            "hits": hits,
+            "hits_by_tier": {t: self.hits.get(t, 0) for t in TIERS[:-1]},
+            "misses": self.misses,
+            "hit_rate": round(hits / lookups, 4) if lookups else None,
+            "reused_tokens": self.reused_tokens,
+            "stored_bytes": self.stored_bytes,
+            "evicted_bytes": self.evicted_bytes,
+        }
+
 
 class PromptCache:
     def __init__(self, max_bytes: int, block_tokens: int = 16) -> None:
@@ -182,9 +195,6 @@ class PromptCache:
 
     def snapshot(self) -> dict:
         with self._lock:
-            st = self.stats
-            hits = sum(st.hits.values())
-            lookups = hits + st.misses
             return {
                 "enabled": self.enabled,
                 "max_bytes": self.max_bytes,
@@ -192,11 +202,5 @@ class PromptCache:
                 "entries": len(self._lru),
                 "block_tokens": self.block_tokens,
                 "entries_by_kind": dict(Counter(e.kind for e in self._lru.values())),
-                "hits": sum(st.hits.values()),
-                "hits_by_tier": {t: st.hits.get(t, 0) for t in TIERS[:-1]},
-                "misses": st.misses,
-                "hit_rate": round(hits / lookups, 4) if lookups else None,
-                "reused_tokens": st.reused_tokens,
-                "stored_bytes": st.stored_bytes,
-                "evicted_bytes": st.evicted_bytes,
+                **self.stats.to_json(),
             }

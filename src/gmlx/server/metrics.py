@@ -301,10 +301,17 @@ def _kv_cache(s: ServerState) -> dict:
 
 
 def _prompt_cache(s: ServerState) -> dict:
-    """The preloaded model's prompt cache (each model has its own; a reload starts it afresh)."""
-    engine = s.default.engine
-    cache = engine.prompt_cache if engine is not None else None
-    return cache.snapshot() if cache is not None else {"enabled": False}
+    """The preloaded model's prompt cache (each model has its own; a reload starts its entries
+    afresh, its counters go on). While it is not loaded: empty, its counters as they stand."""
+    m = s.default
+    if m.engine is not None:
+        cache = m.engine.prompt_cache
+        return cache.snapshot() if cache is not None else {"enabled": False}
+    limit = m.settings.prompt_cache_limit(m.deployment.memory)
+    if limit <= 0:
+        return {"enabled": False}
+    empty = {"max_bytes": limit, "bytes": 0, "entries": 0, "block_tokens": m.settings.prompt_cache_block}
+    return {"enabled": True, **empty, "entries_by_kind": {}, **m.prompt_cache_stats.to_json()}
 
 
 def _resident_models(s: ServerState) -> list[dict]:

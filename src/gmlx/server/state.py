@@ -20,6 +20,7 @@ from gmlx.capacity.table import (
 )
 from gmlx.deployment import Deployment
 from gmlx.engine.engine import Engine, EngineStats
+from gmlx.engine.prompt_cache import PromptCacheStats
 from gmlx.gguf.vocab import token_bytes
 from gmlx.kernels import fast as kernels_fast
 from gmlx.server import openai_api
@@ -103,6 +104,7 @@ class ModelState:
     failed_file: tuple[int, int] | None = None  # the file's (mtime, size) then: a changed file is tried again
     others_bytes: int = 0  # the other models' weights beside it when it loaded: its table's
     stats: EngineStats = field(default_factory=EngineStats)  # every engine it has had records here
+    prompt_cache_stats: PromptCacheStats = field(default_factory=PromptCacheStats)  # so do their prompt caches
     embeddings: dict[str, EmbeddingRow] = field(default_factory=dict)  # id -> row, queued or running
     embedding_stats: EmbeddingStats = field(default_factory=EmbeddingStats)
     pins: int = 0  # requests readying for its gate (Residency.pinned): it stays resident meanwhile
@@ -232,6 +234,8 @@ class ModelState:
         self.engine, self.others_bytes, self.load_error, self.loaded_at = engine, others_bytes, None, None
         self._table = self._table_json = self._token_bytes = None
         engine.stats = self.stats  # its counts go on across loads (Prometheus counters never fall)
+        if engine.prompt_cache is not None:  # its entries start afresh, its counts go on
+            engine.prompt_cache.stats = self.prompt_cache_stats
         engine.on_token_gap = lambda seconds: self.histograms.observe_gap(self.model_id, seconds)
 
     def detach(self) -> Engine | None:
