@@ -524,6 +524,7 @@ def test_plan_ok() -> None:
         (1, 256, dataclasses.replace(IDLE, waiting=2), "2 waiting for a slot"),
         (4, 256, dataclasses.replace(IDLE, in_flight=5), "3 free slot(s) of 8, need 4"),
         (1, 256, dataclasses.replace(IDLE, in_flight=9), "0 free slot(s) of 8, need 1"),
+        (9, 1, IDLE, "width 9 exceeds the decode batch 8"),  # never together, whatever the memory
         # A server taking no work at all says why first; then the memory answer, the governor,
         # the queue and the slots.
         (2, 2048, LiveState(8, 8, 3, "red", not_ready="shutting down"), "shutting down"),
@@ -535,6 +536,7 @@ def test_plan_ok() -> None:
 def test_plan_reasons(width: int, depth: int, live: LiveState, reason: str) -> None:
     p = plan(small_table(), width, depth, live, "m")
     assert p["reason"] == reason and p["admit_now"] is False
+    assert p["ok"] is (p["max_width_at_depth"] >= width)  # the memory answer agrees with the table it shows
     assert p["slots"] == max(0, live.decode_batch - live.in_flight)
 
 

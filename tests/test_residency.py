@@ -241,7 +241,7 @@ def test_the_plan_beside_another_model_is_the_offline_plan_beside_it(
         default = c.get("/v1/capacity/plan", params={"width": 2, "depth": 256}).json()
     for key in ("ok", "max_context_at_width", "max_width_at_depth", "model"):
         assert before[key] == offline["plan"][key] == after[key], key
-    assert before["admit_now"] is False and before["reason"].startswith("model not loaded")
+    assert before["admit_now"] is True and before["reason"] == "ok"  # a request loads it now, and waits
     assert after["admit_now"] is True and default["model"] == "tiny-llama"
 
 
@@ -340,6 +340,8 @@ def test_keep_alive_and_max_resident(tiny_models: dict[str, Path], folder: Path)
         ready = c.get("/health", params={"ready": 1})
         assert ready.status_code == 200 and ready.json()["ready"] is True
         assert c.get("/system").json()["state"] == "unloaded"
+        plan = c.get("/v1/capacity/plan", params={"width": 1, "depth": 64}).json()  # a balancer's plan check agrees
+        assert plan["admit_now"] is True and plan["ok"] is True
         usage = [line for line in c.get("/metrics").text.splitlines() if line.startswith("vllm:kv_cache_usage_perc")]
         assert len(usage) == 1 and usage[0].startswith(router_series)
         assert float(usage[0].split()[-1]) < 0.5  # not 1.0, which a router reads as saturated

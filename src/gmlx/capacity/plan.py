@@ -27,13 +27,16 @@ def plan(
         raise ValueError(f"{'width' if width < 1 else 'depth'} must be at least 1")
     max_context = table.max_context_at_width(width) if table else None
     max_width = table.max_width_at_depth(depth) if table else None
+    too_wide = table is not None and width > table.decode_batch  # more streams than ever run together
     # Overcommit keeps the table's figures on show but stops them deciding anything.
-    ok = None if max_context is None or overcommit else depth <= max_context
+    ok = None if max_context is None or overcommit else depth <= max_context and not too_wide
     slots = max(0, live.decode_batch - live.in_flight)
     free = min(slots, 1) if live.band == "yellow" else slots  # yellow lets one stream in at a time
 
     if live.not_ready:
         reason = live.not_ready
+    elif ok is False and too_wide:
+        reason = f"width {width} exceeds the decode batch {live.decode_batch}"
     elif ok is False:
         reason = f"depth {depth} exceeds max context {max_context} at width {width}"
     elif live.band not in _OPEN_BANDS:

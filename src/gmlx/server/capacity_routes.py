@@ -52,14 +52,12 @@ def _positive_int(request: Request, name: str) -> int:
 
 
 def live_state(state: ServerState, m: ModelState) -> LiveState:
+    """A model not loaded admits now when a request could load it now (it waits for the load, as
+    /health?ready=1 reads it): a plan check that said otherwise would keep an idle server out forever."""
     not_ready = None
     if m.status == "unloaded":
         refusal = state.residency.outlook(m)[0] if state.residency is not None else None
-        not_ready = (
-            f"model not loaded, nor loadable now: {refusal}"
-            if refusal
-            else "model not loaded (a request for it loads it)"
-        )
+        not_ready = f"model not loaded, nor loadable now: {refusal}" if refusal else None
     elif not m.ready:
         not_ready = "model loading"
     elif m.gate.closed:
