@@ -310,7 +310,8 @@ def test_bad_model_input(folder: Path, tmp_path: Path) -> None:
             refused = c.post(f"/v1/models/{server.model_id}/unload")
         finally:
             server.model.pins -= 1
-        assert refused.status_code == 409 and refused.json()["error"]["code"] == "model_busy"
+        error = refused.json()["error"]
+        assert refused.status_code == 409 and (error["code"], error["type"]) == ("model_busy", "invalid_request_error")
 
 
 def test_keep_alive_and_max_resident(tiny_models: dict[str, Path], folder: Path) -> None:
@@ -388,6 +389,8 @@ def test_presets_give_a_model_its_own_id_and_settings(tiny_models: dict[str, Pat
         unloaded = c.get("/v1/models/small").json()  # a harness sizes its prompts by it before the first request
         assert (unloaded["status"], unloaded["context_length"]) == ("unloaded", 128)
         assert c.post(CHAT, json=ask("small")).status_code == 200
+        loaded = c.get("/v1/models/small").json()
+        assert loaded["status"] == "loaded" and loaded["created"] == unloaded["created"]  # one model, one date
         small = c.get("/v1/models/small").json()
         assert small["context_length"] == 128 and small["source"] == "preset"
         resident = {m["model"]: m for m in c.get("/v1/metrics").json()["server"]["resident_models"]}

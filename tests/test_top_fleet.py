@@ -44,7 +44,9 @@ def test_top_once_with_a_key_per_server(tiny_models: dict[str, Path], tmp_path: 
         assert good.exit_code == 0, good.output
         assert good.stdout.count("tiny-llama") >= 2
         swapped = invoke("top", "--once", "--url", f"{a.url}#two", "--url", f"{b.url}#one")
-        assert swapped.exit_code == 1 and "needs its API key" in swapped.output
+        assert swapped.exit_code == 1 and "refused the API key given" in swapped.output
+        keyless = invoke("top", "--once", "--url", a.url)
+        assert keyless.exit_code == 1 and "needs its API key" in keyless.output
         listed = tmp_path / "fleet"
         listed.write_text(f"{a.url}#one\n{b.url}#two\n")
         assert invoke("top", "--once", "--url", f"@{listed}").exit_code == 0

@@ -48,7 +48,8 @@ def test_one_decode_figure_everywhere() -> None:
     p = polled("busy_yellow")
     for t in range(11):
         p.metrics["totals"]["generated_tokens"] = 900 + 30 * t
-        p._sample(float(t))
+        p.polled_at = float(t)  # as poll() does
+        p._sample(p.polled_at)
     text = plain_text([p, polled("idle_green")])
     assert "41.3" not in text  # rates.decode_tok_s: a window the client does not know
     assert "per request, recent: prefill 612.0 tok/s  decode 21.8 tok/s  lifetime 22.4 tok/s" in text

@@ -306,6 +306,35 @@ async def test_poller_survives_odd_answers(fake: FakeServer) -> None:
     assert "memory  -" in text and "slots - / -" in text
 
 
+@pytest.mark.anyio
+async def test_a_restarted_server_shows_no_rate_from_before_it_went_down() -> None:
+    """The decode rate shown as "now" is the last poll's: after a crash and a restart the old
+    figure is history (the sparkline), not what the idle server does now."""
+    from gmlx.tui.render import spark_label
+
+    server = FakeServer("busy_yellow")
+    totals = server.data["metrics"]["server"]["totals"]
+    p = Poller(server.url, interval=0.01)  # a rate window of 0.1 s
+    try:
+        for _ in range(3):
+            await p.poll()
+            totals["generated_tokens"] += 50
+            await asyncio.sleep(0.12)
+        await p.poll()
+        assert p.latest(p.history.decode) > 0 and "now -" not in spark_label(p, "decode")
+        server.stop()
+        await p.poll()
+        assert p.status is Status.DOWN and p.latest(p.history.decode) is None
+        totals["generated_tokens"] = 0  # a new process
+        server.start()
+        await p.poll()
+        assert p.status is Status.UP and p.latest(p.history.decode) is None
+        assert "now -" in spark_label(p, "decode") and "peak -" not in spark_label(p, "decode")
+    finally:
+        await p.aclose()
+        server.stop()
+
+
 def test_backoff_doubles_and_is_capped() -> None:
     p = Poller("http://127.0.0.1:1", interval=1.0)
     assert [p.delay for p.failures in range(7)] == [1, 2, 4, 8, 16, 30, 30]
@@ -419,6 +448,7 @@ def settle(app: TopApp, shown_as: list[tuple[str, str]]) -> Callable[[Pilot], An
                 at = [now - HISTORY_S + (cells - len(values) + i + 0.5) * HISTORY_S / cells for i in range(len(values))]
                 series.clear()
                 series.extend(zip(at, values))
+                p.polled_at = at[-1]  # the latest sample is the last poll's: the figure "now"
         app.draw()
         await pilot.pause()
 

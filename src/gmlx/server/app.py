@@ -130,7 +130,7 @@ def _model_entry(state: ServerState, m: ModelState) -> dict[str, Any]:
     entry: dict[str, Any] = {
         "id": m.model_id,
         "object": "model",
-        "created": int(m.loaded_at or state.started_at),
+        "created": _created(d, state.started_at),
         "owned_by": "gmlx",
         "status": m.status,
     }
@@ -145,6 +145,15 @@ def _model_entry(state: ServerState, m: ModelState) -> dict[str, Any]:
     if m.load_error is not None:
         entry["load_error"] = m.load_error
     return entry
+
+
+def _created(d: Deployment, started_at: float) -> int:
+    """The file's modification time, steady across loads and unloads (the server's start when the
+    file is gone: a loaded model serves on without it)."""
+    try:
+        return int(d.path.stat().st_mtime)
+    except OSError:
+        return int(started_at)
 
 
 def _planned_context(d: Deployment) -> int | None:

@@ -37,6 +37,8 @@ _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    408: "invalid_request_error",  # the body did not arrive in time: the client's side
+    409: "invalid_request_error",  # a conflict with the model's state (model_busy): ask again later
     413: "invalid_request_error",
     503: "service_unavailable",
 }

@@ -39,10 +39,6 @@ class History:
         while series[0][0] < now - HISTORY_S:
             series.popleft()
 
-    @staticmethod
-    def last(series: deque[tuple[float, float]]) -> float | None:
-        return series[-1][1] if series else None
-
 
 def window(series: deque[tuple[float, float]], now: float, cells: int) -> list[float]:
     """The last HISTORY_S as `cells` values, oldest first: the largest sample in each slice of time,
@@ -65,6 +61,7 @@ class Poller:
         self.url = url.rstrip("/")
         self.interval = interval
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._keyed = bool(api_key)
         self._http = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=max(2.0, 2 * interval))
         self.status = Status.CONNECTING
         self.error: str | None = None
@@ -95,8 +92,8 @@ class Poller:
             self.metrics = {}
             return self._fail(
                 Status.AUTH,
-                "this server needs its API key: --url URL#KEY, a fleet file, "
-                "or --api-key KEY (GMLX_API_KEY) for every server",
+                ("this server refused the API key given" if self._keyed else "this server needs its API key")
+                + ": --url URL#KEY, a fleet file, or --api-key KEY (GMLX_API_KEY) for every server",
             )
         if not metrics.is_success:
             message = dict_of(dict_of(_json(metrics)).get("error")).get("message")
@@ -133,9 +130,12 @@ class Poller:
         if waiting is not None:
             self.history.add(self.history.queue, now, waiting)
 
-    def rate(self, series: deque[tuple[float, float]]) -> float | None:
-        """The latest rate while the server answers; None while what is shown is stale."""
-        return History.last(series) if self.status is Status.UP else None
+    def latest(self, series: deque[tuple[float, float]]) -> float | None:
+        """What the last poll measured; None where it measured nothing: the server is down, or a
+        fresh rate window still fills after a restart or an outage (an older sample is not "now")."""
+        if self.status is not Status.UP or not series or series[-1][0] != self.polled_at:
+            return None
+        return series[-1][1]
 
     async def aclose(self) -> None:
         await self._http.aclose()

@@ -323,7 +323,7 @@ def spark_label(p: Poller, name: str) -> str:
         "prefill": (h.prefill, "prefill tok/s", _rate),
         "queue": (h.queue, "queue depth", f.count),
     }[name]
-    now = None if stale(p) else h.last(series)
+    now = p.latest(series)
     peak = max((v for _, v in series), default=None)
     return f"{what}  now {show(now)}  peak {show(peak)}"
 
@@ -443,7 +443,7 @@ def fleet_row(p: Poller) -> tuple[RenderableType, ...]:
         cell(f.text(band), BAND_STYLE.get(band, "dim")),
         cell(f"{f.text(conc.get('in_flight'))} / {f.text(conc.get('decode_batch'))}"),
         cell(f"{f.text(conc.get('waiting'))} / {f.text(conc.get('queue_cap'))}"),
-        cell(_rate(p.rate(p.history.decode))),  # the detail's decode figure: one source
+        cell(_rate(p.latest(p.history.decode))),  # the detail's decode figure: one source
         f.DASH if old else f.text(len(f.list_of(p.metrics.get("requests")))),
     )
 
