@@ -144,3 +144,47 @@ def test_a_slot_granted_as_the_client_leaves_is_not_leaked() -> None:
             await unless_disconnected(LeavingClient(), wait_honouring_cancel())  # type: ignore[arg-type]
 
     asyncio.run(run())
+
+
+class _Connected:
+    """A request whose client stays: `receive` waits for ever."""
+
+    async def receive(self) -> dict:
+        await asyncio.Event().wait()
+        return {}
+
+
+def test_a_waiter_whose_caller_is_cancelled_leaves_no_slot_behind() -> None:
+    """A queued stream closed while it waited (the client reset its connection) cancels the task
+    awaiting its place. Its place goes back, and a slot granted as the cancel landed is released:
+    either one held for good would shrink the server by a slot per such client."""
+    from gmlx.server.http import unless_disconnected
+
+    async def run() -> None:
+        gate = AdmissionGate(1, 4, 10)
+        await gate.acquire()  # every slot busy
+        release = lambda _: gate.release()  # noqa: E731
+
+        async def wait_for_place() -> None:
+            await unless_disconnected(_Connected(), gate.acquire(), abandon=release)  # type: ignore[arg-type]
+
+        queued = asyncio.create_task(wait_for_place())
+        await asyncio.sleep(0.01)
+        assert gate.waiting == 1
+        queued.cancel()
+        await asyncio.gather(queued, return_exceptions=True)
+        await asyncio.sleep(0.01)
+        assert gate.waiting == 0
+        gate.release()
+        assert gate.running == 0  # nobody was handed the freed slot
+        # Granted just as its caller is cancelled: the grant is released, not kept.
+        await gate.acquire()
+        granted = asyncio.create_task(wait_for_place())
+        await asyncio.sleep(0.01)
+        gate.release()  # hands the slot to the waiter...
+        granted.cancel()  # ...as its caller goes
+        await asyncio.gather(granted, return_exceptions=True)
+        await asyncio.sleep(0.01)
+        assert (gate.running, gate.waiting) == (0, 0)
+
+    asyncio.run(run())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import socket
+import struct
 import threading
 import time
 from pathlib import Path
@@ -127,3 +128,28 @@ def test_a_model_loading_streams_queue_events(tmp_path: Path, tiny_models: dict[
         with c.stream("POST", "/v1/chat/completions", json={**ASK, "model": "other"}, headers=HEADER) as r:
             lines = [line for line in r.iter_lines() if line]
     assert lines[-1] == "data: [DONE]" and any(line.startswith("data: {") for line in lines)
+
+
+def test_a_client_resetting_while_queued_leaves_no_slot_behind(server: LiveServer) -> None:
+    """The stream is closed under the waiting request (a reset, not a polite close): the slot it
+    would have been handed must not stay taken once the holder leaves, round after round."""
+    host, port = server.url.removeprefix("http://").split(":")
+    body = json.dumps(ASK).encode()
+    for _ in range(3):
+        release = Holder(server)
+        try:
+            sock = socket.create_connection((host, int(port)))
+            sock.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"X-Gmlx-Queue-Events: 1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+            )
+            heard = b""
+            while b": queued" not in heard:
+                heard += sock.recv(1000)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            sock.close()  # RST
+            time.sleep(0.2)
+        finally:
+            release.set()
+        server.wait_until(lambda: server.model.gate.running == 0 and server.model.gate.waiting == 0, timeout=5)
+    assert httpx.get(server.url + "/health", params={"ready": 1}).status_code == 200

@@ -143,7 +143,7 @@ async def _answer(
         # Checked before the queue when the model is there; while it loads, once it holds a slot.
         ids = row.tokenized(await asyncio.to_thread(_tokenize, m, inputs)) if m.ready else None
         try:
-            await unless_disconnected(request, m.gate.acquire(1))
+            await unless_disconnected(request, m.gate.acquire(1), abandon=lambda _: m.gate.release(1))
         except ClientGone:
             return Response(status_code=499)
     slot = Slot(m.gate)

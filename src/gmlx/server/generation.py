@@ -11,6 +11,7 @@ that last token. Without a prompt cache they are submitted together and each pre
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -32,7 +33,7 @@ from gmlx.server.admission import RETRY_AFTER_FULL_S, Slot
 from gmlx.server.capacity_routes import estimate_body
 from gmlx.server.errors import APIError, bad_request
 from gmlx.server.fingerprint import system_fingerprint
-from gmlx.server.http import ClientGone, read_json, relay, unless_disconnected
+from gmlx.server.http import ClientGone, give_up, read_json, relay, unless_disconnected
 from gmlx.server.state import ModelState, QueuedRow, ServerState
 
 log = logging.getLogger("gmlx.server")
@@ -87,6 +88,7 @@ async def _queued_stream(
     it, as is a 400 only its loading model could find (a prompt longer than its window)."""
     rid = openai_api.new_id(p.chat)
     task = asyncio.ensure_future(admit(request, state, p, arrived, rid, prepared))
+    gen: Generation | Response | None = None
     try:
         told = False
         while not task.done():
@@ -106,10 +108,17 @@ async def _queued_stream(
             yield "data: [DONE]\n\n"
             return
         if isinstance(gen, Generation):
-            async for data in gen.stream():
-                yield data
+            async with contextlib.aclosing(gen.stream()) as events:  # closed with this stream: its rows end
+                async for data in events:
+                    yield data
     finally:
-        task.cancel()  # the client left while it waited: its place goes back (a done task ignores this)
+        if gen is None:  # the client left while it waited: its place goes back, and what admission gave since
+            give_up(task, _abandon)
+
+
+def _abandon(admitted: Generation | Response) -> None:
+    if isinstance(admitted, Generation):
+        admitted.abandon("client_gone")
 
 
 def sse(events: AsyncIterator[str]) -> StreamingResponse:
@@ -184,7 +193,7 @@ async def _queue(
         arrived,
     )
     try:
-        await unless_disconnected(request, m.gate.acquire(p.n))
+        await unless_disconnected(request, m.gate.acquire(p.n), abandon=lambda _: m.gate.release(p.n))
     except ClientGone:
         log.info("%s prompt=%s generated=0 model=%s finish=client_gone (while queued)", rid, row_prompt, m.model_id)
         return Response(status_code=499)
@@ -221,6 +230,9 @@ async def complete(request: Request, gen: Generation) -> dict | Response:
     except ClientGone:
         gen.abandon("client_gone")
         return Response(status_code=499)
+    except asyncio.CancelledError:  # its handler was cancelled: nobody reads the answer
+        gen.abandon("client_gone")
+        raise
     if failure is not None:
         raise _ended_error(state, failure)
     return gen.completion()

@@ -91,11 +91,16 @@ async def until_disconnected(request: Request) -> None:
         pass
 
 
-async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await `work`, cancelling it (and raising ClientGone) if the client goes away first."""
+async def unless_disconnected(request: Request, work: Awaitable[T], abandon: Callable[[T], None] | None = None) -> T:
+    """Await `work`, cancelling it (and raising ClientGone) if the client goes away first. When the
+    caller is cancelled itself, the work is too, and a result it still yields goes to `abandon`:
+    nobody else will own it (a slot granted in that moment would otherwise be held for good)."""
     task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(until_disconnected(request))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        give_up(task, abandon)
+        raise
     finally:
         watcher.cancel()
     if task.done():
@@ -108,6 +113,18 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
         return await task
     except asyncio.CancelledError:
         raise ClientGone from None
+
+
+def give_up(task: asyncio.Future[T], abandon: Callable[[T], None] | None = None) -> None:
+    """Cancel work nobody will await. What it yields anyway (it was done, or finished as the cancel
+    landed) goes to `abandon`; its error is retrieved, so none is logged as never retrieved."""
+
+    def settle(t: asyncio.Future[T]) -> None:
+        if not t.cancelled() and t.exception() is None and abandon is not None:
+            abandon(t.result())
+
+    task.add_done_callback(settle)
+    task.cancel()
 
 
 class Relay:
