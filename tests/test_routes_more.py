@@ -94,6 +94,9 @@ def test_more_stop_strings_than_openai_allows_are_honoured(server: LiveServer) -
         assert (choice["text"], choice["finish_reason"]) == (text[: text.index(stop)], "stop")
         r = c.post("/v1/completions", json={**body, "stop": [f"s{i}" for i in range(17)]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "stop"
+        long = c.post("/v1/completions", json={**body, "stop": ["x" * 4097]})  # no role marker: refused
+        assert long.status_code == 400 and "4096 characters" in long.json()["error"]["message"]
+        assert c.post("/v1/completions", json={**body, "stop": ["\x00" * 4096]}).status_code == 200
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,8 @@ from gmlx.server.errors import APIError, bad_request
 from gmlx.server.fields import check_fields
 from gmlx.server.tools import ToolCall
 
-_MAX_STOPS = 16
+MAX_STOPS = 16
+MAX_STOP_CHARS = 4096  # each; longer ones are no role marker, and only cost the engine thread
 _TOOL_ROLES = ("tool", "function")  # function: OpenAI's older tool role (a name, no call id)
 ROLES = (
     "system",
@@ -155,8 +156,10 @@ def parse(body: Any, chat: bool) -> GenerationParams:
     stops = [stop] if isinstance(stop, str) else stop
     if stops is not None and (not isinstance(stops, list) or not all(isinstance(s, str) for s in stops)):
         raise bad_request("'stop' must be a string or a list of strings", "stop")
-    if stops and len(stops) > _MAX_STOPS:
-        raise bad_request(f"at most {_MAX_STOPS} stop strings", "stop")
+    if stops and len(stops) > MAX_STOPS:
+        raise bad_request(f"at most {MAX_STOPS} stop strings", "stop")
+    if stops and max(map(len, stops)) > MAX_STOP_CHARS:
+        raise bad_request(f"a stop string may be at most {MAX_STOP_CHARS} characters long", "stop")
     top_k = _integer(body, "top_k")
     seed = _integer(body, "seed")
     if seed is not None and not 0 <= seed < 2**64:  # MLX's random key takes an unsigned 64-bit seed

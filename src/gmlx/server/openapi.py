@@ -19,10 +19,9 @@ from starlette.responses import JSONResponse, Response
 import gmlx
 from gmlx.engine.logprobs import MAX_TOP
 from gmlx.server import fields
-from gmlx.server.openai_api import ROLES
+from gmlx.server.openai_api import MAX_STOP_CHARS, MAX_STOPS, ROLES
 
 OPEN_PATHS = frozenset({"/health", "/system"})  # the same as app.OPEN_PATHS (a test checks)
-MAX_STOPS = 16  # openai_api._MAX_STOPS
 MAX_EMBEDDING_INPUTS = 2048  # embeddings.MAX_INPUTS
 MEDIA_PARTS = ["image_url", "input_image", "image", "input_audio", "audio", "video", "video_url", "file"]
 
@@ -120,6 +119,7 @@ def _message(parts: list[dict]) -> dict:
     }
 
 
+_STOP = {"type": "string", "maxLength": MAX_STOP_CHARS}
 _SAMPLING: dict[str, Any] = {
     "model": _nullable({"type": "string", "description": "The served model's id; any other is a 404."}),
     "max_tokens": _nullable({"type": "integer", "minimum": 1}),
@@ -132,9 +132,7 @@ _SAMPLING: dict[str, Any] = {
     "top_k": _nullable({"type": "integer", "description": "0 or less: off."}),
     "seed": _nullable({"type": "integer", "minimum": 0, "maximum": 2**64 - 1}),
     "n": _nullable({"type": "integer", "minimum": 1, "description": "Choices, each its own row of the batch."}),
-    "stop": _nullable(
-        {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": MAX_STOPS}]}
-    ),
+    "stop": _nullable({"anyOf": [_STOP, {"type": "array", "items": _STOP, "maxItems": MAX_STOPS}]}),
     "stream": _nullable({"type": "boolean"}),
     "stream_options": _nullable({"type": "object", "properties": {"include_usage": _nullable({"type": "boolean"})}}),
     "presence_penalty": _nullable(
@@ -504,7 +502,7 @@ _MESSAGES_REQUEST = _closed(
         "temperature": _SAMPLING["temperature"],
         "top_p": _SAMPLING["top_p"],
         "top_k": _SAMPLING["top_k"],
-        "stop_sequences": _nullable({"type": "array", "items": _STRING, "maxItems": MAX_STOPS}),
+        "stop_sequences": _nullable({"type": "array", "items": _STOP, "maxItems": MAX_STOPS}),
         "stream": _SAMPLING["stream"],
         "tools": _nullable(
             {
