@@ -55,6 +55,15 @@ def test_preflight_is_answered_before_the_key(keyed: LiveServer) -> None:
         assert ok.json()["choices"][0]["message"]["role"] == "assistant"
 
 
+def test_a_preflight_refused_is_an_openai_error_the_page_can_read(keyed: LiveServer) -> None:
+    with keyed.client() as c:
+        r = c.options(CHAT, headers={**PREFLIGHT, "Access-Control-Request-Method": "PUT"})
+    assert r.status_code == 400 and r.headers["content-type"].startswith("application/json")
+    error = r.json()["error"]
+    assert error["code"] == "cors_refused" and "method" in error["message"]
+    assert r.headers["access-control-allow-origin"] == PAGE
+
+
 def test_an_origin_not_listed_sees_no_cors(keyed: LiveServer) -> None:
     other = {**PREFLIGHT, "Origin": "https://evil.example"}
     with keyed.client() as c:

@@ -142,8 +142,11 @@ def test_repetition_penalty_changes_greedy_output_as_defined(server: LiveServer,
         {"repetition_penalty": 1.5},
         {"repetition_penalty": 1.5, "repeat_last_n": 4},
         {"repetition_penalty": 1.5, "repeat_last_n": -1},
+        {"repetition_penalty": 1.5, "repeat_last_n": 2**32},  # past any context: the whole of it (was a 500)
+        {"repetition_penalty": 1.5, "repeat_last_n": 2**64},
     ):
         last = kw.get("repeat_last_n", 64)
+        last = -1 if last >= 2**31 else last
         expected = by_hand(tiny, repeat=1.5, last_n=len(PROMPT) + STEPS if last == -1 else last)
         assert expected != by_hand(tiny)
         assert served(server, **kw)["text"] == text_of(tiny, expected), kw
@@ -166,6 +169,7 @@ def test_logit_bias_forces_and_bans(server: LiveServer, tiny: LoadedModel) -> No
     [
         ({"logit_bias": {"99999": 1}}, "logit_bias"),
         ({"logit_bias": {"hello": 1}}, "logit_bias"),
+        ({"logit_bias": {"9" * 5000: 1}}, "logit_bias"),  # past int()'s digit limit: was a 500
         ({"logit_bias": {"-1": 1}}, "logit_bias"),
         ({"logit_bias": {"5": 101}}, "logit_bias"),
         ({"logit_bias": {"5": "1"}}, "logit_bias"),

@@ -67,6 +67,17 @@ def test_open_routes_and_default_logs_hold_no_content(
     assert "generated=" in server_logs  # the per-request line is logged, without its text
 
 
+def test_a_path_with_control_characters_is_logged_escaped(
+    tiny_models: dict[str, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """An ESC sequence in a 404's path would clear and recolour a terminal tailing the log."""
+    caplog.set_level(logging.INFO)
+    with LiveServer(tiny_models["llama"]) as s, s.client() as c:
+        assert c.get("/v1/models/a%1b%5b2J%1b%5b31mFAKE%00x").status_code == 404
+    logged = [r.getMessage() for r in caplog.records if r.name.startswith("gmlx") and "FAKE" in r.getMessage()]
+    assert logged and all(m.isprintable() and r"\x1b[2J\x1b[31mFAKE\x00x" in m for m in logged)
+
+
 def test_log_input_text_logs_prompts(tiny_models: dict[str, Path], caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO)
     with LiveServer(tiny_models["llama"], log_input_text=True) as s, s.client() as c:

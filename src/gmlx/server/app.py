@@ -223,14 +223,21 @@ async def system_route(request: Request) -> Response:
     return JSONResponse(system_info(request.app.state.gmlx))
 
 
+def _logged_path(request: Request) -> str:
+    """The path with its control characters escaped: a client's ESC or NUL must not reach a terminal
+    that tails the log."""
+    path = request.url.path
+    return path if path.isprintable() else repr(path)[1:-1]
+
+
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
-    log.info("%s %s -> %d %s", request.method, request.url.path, exc.status, exc.code)
+    log.info("%s %s -> %d %s", request.method, _logged_path(request), exc.status, exc.code)
     return exc.response()
 
 
 async def _client_gone(request: Request, exc: Exception) -> Response:
-    log.info("%s %s -> client_gone (mid-upload)", request.method, request.url.path)
+    log.info("%s %s -> client_gone (mid-upload)", request.method, _logged_path(request))
     return Response(status_code=499)  # nobody reads it: the code the log and the metrics would use
 
 

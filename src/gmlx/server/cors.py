@@ -13,7 +13,10 @@ from collections.abc import Sequence
 
 from starlette.datastructures import Headers
 from starlette.middleware.cors import CORSMiddleware
+from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+from gmlx.server.errors import APIError
 
 # Headers a page may read beyond the safelisted ones: when to come back, and the request's id.
 EXPOSED = ("Retry-After",)
@@ -31,6 +34,17 @@ class CORS(CORSMiddleware):
             expose_headers=EXPOSED,
             allow_private_network=True,
         )
+
+    def preflight_response(self, request_headers: Headers) -> Response:
+        """Starlette's answer; a refusal (a method or header not allowed) in the OpenAI shape, as every
+        other refusal is, with the headers Starlette gave it."""
+        response = super().preflight_response(request_headers)
+        if response.status_code < 400:
+            return response
+        why = bytes(response.body).decode().removeprefix("Disallowed CORS ")
+        refused = APIError(400, f"CORS preflight refused: {why} not allowed", "cors_refused").response()
+        refused.headers.update({k: v for k, v in response.headers.items() if k.startswith("access-control-")})
+        return refused
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         origin = Headers(scope=scope).get("origin") if scope["type"] == "http" else None

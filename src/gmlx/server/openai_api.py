@@ -226,6 +226,8 @@ def _decoding(body: dict) -> Decoding:
     last = _integer(body, "repeat_last_n")
     if last is not None and last < -1:
         raise bad_request("'repeat_last_n' must be -1 (the whole context), 0 (off) or more", "repeat_last_n")
+    if last is not None and last >= 2**31:  # past any context: the whole of it (MLX slices with 32-bit indices)
+        last = -1
     return Decoding(
         presence_penalty=_number(body, "presence_penalty", -2.0, 2.0, 0.0),
         frequency_penalty=_number(body, "frequency_penalty", -2.0, 2.0, 0.0),
@@ -241,8 +243,8 @@ def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
     bias = _typed(body, "logit_bias", dict, "an object mapping token ids to numbers") or {}
     out = []
     for key, value in bias.items():
-        if not (key.isascii() and key.isdigit()):
-            raise bad_request(f"logit_bias: {key!r} is not a token id", "logit_bias")
+        if not (key.isascii() and key.isdigit() and len(key) <= 10):  # int() refuses past 4,300 digits
+            raise bad_request(f"logit_bias: {key[:40]!r} is not a token id", "logit_bias")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
             raise bad_request(f"logit_bias[{key!r}] must be a number between -100 and 100", "logit_bias")
         out.append((int(key), float(value)))
