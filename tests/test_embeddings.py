@@ -99,6 +99,7 @@ def test_refusals(server: LiveServer) -> None:
 
         assert error({"input": [1] * (context + 1)})["code"] == "context_length_exceeded"
         assert error({"input": []})["param"] == "input"
+        assert 'not {"a": 1}' in error({"input": {"a": 1}})["message"]  # what it got, not "empty"
         assert error({"input": [[]]})["param"] == "input"
         assert error({"input": [True]})["param"] == "input"  # a bool is no token id
         assert error({"input": [10**9]})["param"] == "input"

@@ -148,6 +148,16 @@ def test_refusals(server: LiveServer) -> None:
             error({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]})["param"] == "messages"
         )
         assert error({"messages": [{"role": "system", "content": "x"}]})["param"] == "messages"
+        # Each names what is wrong with the block, not its kind as unsupported.
+        call = {"type": "tool_use", "id": "t1", "name": "f", "input": {}}
+        for block, role, says in (
+            ({**call, "input": "x"}, "assistant", "'input' must be an object"),
+            ({k: v for k, v in call.items() if k != "id"}, "assistant", "'id' must be a string"),
+            (call, "user", "tool_use blocks belong in assistant messages"),
+            ({"type": {"x": 1}}, "user", "blocks are not supported"),
+        ):
+            refused = error({"messages": [{"role": role, "content": [block]}]})
+            assert refused["param"] == "messages" and says in refused["message"], refused
         stops = error({"messages": hi, "stop_sequences": [1]})  # checked as chat's stop
         assert stops["param"] == "stop_sequences" and "'stop_sequences'" in stops["message"]
         assert c.post("/v1/messages", json={"model": server.model_id, "messages": hi}).status_code == 400  # max_tokens

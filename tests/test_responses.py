@@ -160,6 +160,16 @@ def test_refusals(server: LiveServer) -> None:
         assert error({"input": [{"role": "user", "content": [{"type": "input_image"}]}]})["param"] == "input"
         assert error({"instructions": "x"})["param"] == "input"
         assert error({"input": "x", "whatever": 1})["code"] == "unsupported_parameter"
+        # Each names what is wrong with the item, not its kind as unsupported.
+        for item, says in (
+            ({"type": "function_call", "call_id": "c", "name": "f", "arguments": {"a": 1}}, "'arguments' as a string"),
+            ({"type": "function_call", "call_id": "c", "arguments": "{}"}, "'name' as a string"),
+            ({"role": "wizard", "content": "x"}, "role must be one of"),
+            ("hi", "must be an object"),
+            ({"type": ["x"]}, "items are not supported"),
+        ):
+            refused = error({"input": [item]})
+            assert refused["param"] == "input" and says in refused["message"], refused
         too_few = error({"input": "x", "max_output_tokens": 0})  # checked as chat's max_completion_tokens
         assert too_few["param"] == "max_output_tokens" and "'max_output_tokens'" in too_few["message"]
         assert c.post("/responses", json={"input": "x", "max_output_tokens": 2}).status_code == 200  # the bare alias

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import logging
 import time
 import uuid
@@ -46,7 +47,9 @@ def parse_inputs(body: Any) -> list[str | list[int]]:
     value = body.get("input")
     if isinstance(value, str) or (isinstance(value, list) and value and all(is_integer(t) for t in value)):
         value = [value]  # one input
-    if not isinstance(value, list) or not value:
+    if not isinstance(value, list):
+        raise bad_request(f"'input' must be {_SHAPES}, not {json.dumps(value)[:40]}", "input")
+    if not value:
         raise bad_request(f"'input' must be {_SHAPES}, not empty", "input")
     if len(value) > MAX_INPUTS:
         raise bad_request(f"'input' holds {len(value)} inputs; at most {MAX_INPUTS}", "input")

@@ -48,6 +48,28 @@ def _text(blocks: list[dict], where: str) -> str:
     return "".join(b["text"] for b in blocks)
 
 
+# Each block kind a message may hold: its role, and its fields with what each must be.
+_BLOCKS: dict[str, tuple[str | None, tuple[tuple[str, type, str], ...]]] = {
+    "text": (None, (("text", str, "a string"),)),
+    "tool_use": ("assistant", (("id", str, "a string"), ("input", dict, "an object"))),
+    "tool_result": ("user", (("tool_use_id", str, "a string"), ("is_error", bool, "a boolean"))),
+}
+_OPTIONAL = {"input": {}, "is_error": False}  # fields a block may leave out
+
+
+def _block_problem(block: dict, kind: Any, role: str) -> str | None:
+    """What is wrong with a content block, naming the field, or None."""
+    if not isinstance(kind, str) or kind not in _BLOCKS:  # a type may be any JSON
+        return f"{kind!r} blocks are not supported (text, tool_use in assistant messages, tool_result in user ones)"
+    only, fields = _BLOCKS[kind]
+    if only is not None and role != only:
+        return f"{kind} blocks belong in {only} messages, not {role} ones"
+    for name, kind_of, what in fields:
+        if not isinstance(block.get(name, _OPTIONAL.get(name)), kind_of):
+            return f"a {kind} block's {name!r} must be {what}"
+    return None
+
+
 def _message(m: Any, i: int) -> Messages:
     where = f"messages[{i}]"
     role = m.get("role") if isinstance(m, dict) else None
@@ -56,14 +78,11 @@ def _message(m: Any, i: int) -> Messages:
     texts, calls, results = [], [], []
     for block in _blocks(m.get("content"), where):
         kind = block.get("type")
-        if kind == "text" and isinstance(block.get("text"), str):
+        if (problem := _block_problem(block, kind, role)) is not None:
+            raise bad_request(f"{where}: {problem}", "messages")
+        if kind == "text":
             texts.append(block["text"])
-        elif (
-            kind == "tool_use"
-            and role == "assistant"
-            and isinstance(block.get("id"), str)
-            and isinstance(block.get("input", {}), dict)
-        ):
+        elif kind == "tool_use":
             calls.append(
                 {
                     "id": block["id"],
@@ -71,12 +90,7 @@ def _message(m: Any, i: int) -> Messages:
                     "function": {"name": block.get("name"), "arguments": json.dumps(block.get("input", {}))},
                 }
             )
-        elif (
-            kind == "tool_result"
-            and role == "user"
-            and isinstance(block.get("tool_use_id"), str)
-            and isinstance(block.get("is_error", False), bool)
-        ):
+        else:  # a tool_result
             output = _text(_blocks(block.get("content", ""), where), where)
             results.append(
                 {
@@ -85,8 +99,6 @@ def _message(m: Any, i: int) -> Messages:
                     "content": f"Error: {output}" if block.get("is_error") else output,
                 }
             )
-        else:
-            raise bad_request(f"{where}: a {kind!r} block is not supported in a {role} message", "messages")
     if role == "user":
         return [*results, *([{"role": "user", "content": "".join(texts)}] if texts or not results else [])]
     out: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}

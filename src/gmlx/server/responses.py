@@ -93,10 +93,12 @@ def _messages(value: Any) -> Messages:
     out: Messages = []
     for i, item in enumerate(value):
         where = f"input[{i}]"
-        kind = item.get("type", "message") if isinstance(item, dict) else None
-        if kind == "message" and item.get("role") in _ROLES:
+        if (problem := _item_problem(item)) is not None:
+            raise bad_request(f"{where}: {problem}", "input")
+        kind = item.get("type", "message")
+        if kind == "message":
             out.append({"role": item["role"], "content": _text(item.get("content"), where)})
-        elif kind == "function_call" and all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
+        elif kind == "function_call":
             call = {
                 "id": item["call_id"],
                 "type": "function",
@@ -106,15 +108,26 @@ def _messages(value: Any) -> Messages:
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "function_call_output" and isinstance(item.get("call_id"), str):
+        else:  # a function_call_output
             out.append({"role": "tool", "tool_call_id": item["call_id"], "content": _text(item.get("output"), where)})
-        else:
-            raise bad_request(
-                f"{where} must be a message (role {', '.join(_ROLES)}), a function_call or a "
-                f"function_call_output; {kind!r} is not supported",
-                "input",
-            )
     return out
+
+
+# The fields each item kind needs as strings (`arguments` is the call's JSON text, as OpenAI sends it).
+_ITEM_STRINGS = {"message": (), "function_call": ("call_id", "name", "arguments"), "function_call_output": ("call_id",)}
+
+
+def _item_problem(item: Any) -> str | None:
+    """What is wrong with an `input` item, naming the field, or None."""
+    if not isinstance(item, dict):
+        return f"an item must be an object (a message, function_call or function_call_output), not {item!r:.40}"
+    kind = item.get("type", "message")
+    if not isinstance(kind, str) or kind not in _ITEM_STRINGS:  # a type may be any JSON
+        return f"{kind!r} items are not supported (a message, function_call or function_call_output)"
+    if kind == "message" and item.get("role") not in _ROLES:
+        return f"a message's role must be one of {', '.join(_ROLES)}, not {item.get('role')!r:.40}"
+    missing = [k for k in _ITEM_STRINGS[kind] if not isinstance(item.get(k), str)]
+    return f"a {kind} needs {missing[0]!r} as a string" if missing else None
 
 
 def _tools(tools: Any) -> list[dict] | None:
