@@ -162,6 +162,8 @@ def test_a_completions_body_is_estimated_and_dry_run_too(live_server: LiveServer
             assert est == dry and est["prompt_tokens"] == real["usage"]["prompt_tokens"] and est["estimated"]
         assert c.post("/v1/completions", json={"prompt": "x", "dry_run": "yes"}).json()["error"]["param"] == "dry_run"
         assert c.post("/v1/completions", json={"prompt": [10**6], "dry_run": True}).status_code == 400  # as sent
+        for route in ("/v1/completions", "/v1/chat/completions"):  # each reads its own body, not embeddings'
+            assert c.post(route, json={"input": "x", "dry_run": True}).status_code == 400
 
 
 def test_estimate_counts_a_row_for_every_choice(live_server: LiveServer) -> None:

@@ -115,12 +115,11 @@ async def estimate_body(state: ServerState, body: Any, chat: bool | None = None)
     """The estimate for a chat-completions body; renders the prompt exactly as a real request would,
     for a resident model or for one not loaded (from its header, never loading it). An embeddings
     body (`input`, no `messages`) gets the estimate of that request, and a completions body
-    (`prompt`, no `messages`; or `chat` False: the completions route's dry run) that of its prompt."""
+    (`prompt`, no `messages`) that of its prompt. A generation route's dry run says which (`chat`):
+    its body is read as that route reads it."""
     media: list[str] = []
-    shaped = isinstance(body, dict) and "messages" not in body
-    if chat is None:
-        chat = not (shaped and "prompt" in body)
-    if shaped and "input" in body:
+    bare = isinstance(body, dict) and "messages" not in body
+    if chat is None and bare and "input" in body:
         inputs = embeddings.parse_inputs(body)
         m = state.find(body.get("model"))
         if m.ready:
@@ -128,6 +127,7 @@ async def estimate_body(state: ServerState, body: Any, chat: bool | None = None)
         else:
             out = await asyncio.to_thread(_not_loaded_embedding_estimate, state, m, inputs)
     else:
+        chat = not (bare and "prompt" in body) if chat is None else chat
         media = media_parts(body) if chat else []
         p = openai_api.parse(_text_only(body) if media else body, chat=chat)
         m = state.find(p.model)
