@@ -343,6 +343,8 @@ def test_keep_alive_and_max_resident(tiny_models: dict[str, Path], folder: Path)
         assert c.get("/system").json()["state"] == "unloaded"
         plan = c.get("/v1/capacity/plan", params={"width": 1, "depth": 64}).json()  # a balancer's plan check agrees
         assert plan["admit_now"] is True and plan["ok"] is True
+        offered = c.get("/v1/metrics").json()["server"]["concurrency"]  # what the next request loads offers
+        assert offered["decode_batch"] == server.model.gate.width and offered["queue_cap"] == server.model.gate.cap
         usage = [line for line in c.get("/metrics").text.splitlines() if line.startswith("vllm:kv_cache_usage_perc")]
         assert len(usage) == 1 and usage[0].startswith(router_series)
         assert float(usage[0].split()[-1]) < 0.5  # not 1.0, which a router reads as saturated

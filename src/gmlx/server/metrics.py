@@ -29,12 +29,18 @@ def _gates(s: ServerState) -> list[AdmissionGate]:
     return [m.gate for m in s.models.values()]
 
 
+def _offering(s: ServerState) -> list[ModelState]:
+    """The models whose slots the server offers: the resident ones, or while none is, the preloaded
+    one, which the next request loads (a ratio over a capacity of 0 would read as no server at all)."""
+    return s.resident() or [s.default]
+
+
 def _concurrency(s: ServerState) -> dict:
     """Every model's together (each model's own are in resident_models)."""
-    resident, gates = s.resident(), _gates(s)
+    offering, gates = _offering(s), _gates(s)
     return {
-        "decode_batch": sum(m.gate.width for m in resident),
-        "queue_cap": sum(m.gate.cap for m in resident),
+        "decode_batch": sum(m.gate.width for m in offering),
+        "queue_cap": sum(m.gate.cap for m in offering),
         "in_flight": sum(g.running for g in gates),
         "waiting": sum(g.waiting for g in gates),
     }
@@ -46,7 +52,7 @@ def _queue(s: ServerState) -> dict:
     last = max(gates, key=lambda g: g.last_reject_at or 0.0)
     return {
         "waiting": sum(g.waiting for g in gates),
-        "cap": sum(m.gate.cap for m in s.resident()),
+        "cap": sum(m.gate.cap for m in _offering(s)),
         "eta_s": max(
             (g.retry_after(RETRY_AFTER_FULL_S) for g in gates if g.waiting), default=s.default.gate.retry_after()
         ),
