@@ -61,7 +61,7 @@ def test_a_preflight_refused_is_an_openai_error_the_page_can_read(keyed: LiveSer
     assert r.status_code == 400 and r.headers["content-type"].startswith("application/json")
     error = r.json()["error"]
     assert error["code"] == "cors_refused" and "method" in error["message"]
-    assert r.headers["access-control-allow-origin"] == PAGE
+    assert r.headers["access-control-allow-origin"] == PAGE and "Origin" in r.headers["vary"]  # not cached for others
 
 
 def test_an_origin_not_listed_sees_no_cors(keyed: LiveServer) -> None:

@@ -43,7 +43,9 @@ class CORS(CORSMiddleware):
             return response
         why = bytes(response.body).decode().removeprefix("Disallowed CORS ")
         refused = APIError(400, f"CORS preflight refused: {why} not allowed", "cors_refused").response()
-        refused.headers.update({k: v for k, v in response.headers.items() if k.startswith("access-control-")})
+        refused.headers.update(
+            {k: v for k, v in response.headers.items() if k.startswith("access-control-") or k == "vary"}
+        )
         return refused
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

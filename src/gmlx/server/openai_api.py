@@ -243,7 +243,7 @@ def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
     bias = _typed(body, "logit_bias", dict, "an object mapping token ids to numbers") or {}
     out = []
     for key, value in bias.items():
-        if not (key.isascii() and key.isdigit() and len(key) <= 10):  # int() refuses past 4,300 digits
+        if not (key.isascii() and key.isdigit() and len(key.lstrip("0")) <= 10):  # int() refuses past 4,300 digits
             raise bad_request(f"logit_bias: {key[:40]!r} is not a token id", "logit_bias")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
             raise bad_request(f"logit_bias[{key!r}] must be a number between -100 and 100", "logit_bias")

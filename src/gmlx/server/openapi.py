@@ -159,7 +159,7 @@ _SAMPLING: dict[str, Any] = {
     "logit_bias": _nullable(
         {
             "type": "object",
-            "propertyNames": {"pattern": "^[0-9]{1,10}$"},
+            "propertyNames": {"pattern": "^0*[0-9]{1,10}$"},
             "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
             "description": "Token ids (of the served model's vocabulary) to biases added to their logits.",
         }
