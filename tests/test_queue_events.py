@@ -112,7 +112,9 @@ def test_a_client_leaving_while_queued_gives_its_place_back(server: LiveServer) 
     try:
         with server.client() as c, c.stream("POST", "/v1/chat/completions", json=ASK, headers=HEADER) as r:
             assert QUEUED.fullmatch(next(r.iter_lines()))
-            assert server.model.gate.waiting == 1
+            server.wait_until(
+                lambda: server.model.gate.waiting == 1, timeout=2
+            )  # listed a tick before the gate counts it
         server.wait_until(lambda: server.model.gate.waiting == 0 and not server.model.queued, timeout=5)
     finally:
         release.set()
