@@ -147,3 +147,25 @@ def test_serve_on_a_port_in_use_fails_before_saying_ready(tiny_models: dict[str,
         r = subprocess.run([*args, "--log-level", "info"], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 1, r.stderr[-2000:]
     assert f"cannot serve on 127.0.0.1:{port}" in r.stderr and "ready: " not in r.stderr, r.stderr[-2000:]
+
+
+def test_a_low_open_file_limit_neither_stops_a_command_nor_is_lowered(tiny_models: dict[str, Path]) -> None:
+    """mlx_lm sets the limit to (2048, 4096) on import: under a hard limit of 1024 (many containers)
+    every command that loads a model crashed with a traceback, and above 4096 the hard limit fell."""
+    import resource
+    import subprocess
+
+    model = str(tiny_models["llama"])
+
+    def limited() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
+
+    for args in (["run", model, "-p", "hi", "-n", "2"], ["estimate", model, "--prompt", "hi"]):
+        r = subprocess.run(
+            [sys.executable, "-m", "gmlx", *args], capture_output=True, text=True, timeout=120, preexec_fn=limited
+        )
+        assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    probe = "import resource, gmlx, mlx_lm.utils; print(resource.getrlimit(resource.RLIMIT_NOFILE)[1])"
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    kept = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert kept.returncode == 0 and int(kept.stdout) == hard, kept.stderr[-2000:]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import glob
 import os
+import resource
 import sys
 import sysconfig
 from dataclasses import dataclass
@@ -54,6 +55,24 @@ def _blas_candidates() -> list[str]:
         for name in _BLAS_NAMES:
             found.extend(sorted(glob.glob(os.path.join(d, name))))
     return found
+
+
+def keep_fd_limit() -> None:
+    """mlx_lm sets the open-file limit to (2048, 4096) when imported, for checkpoints of many files:
+    under a hard limit below 4096 that raises (and every command failed to start), and above it the
+    hard limit is lowered for good, which caps the server's connections (server/connections.py).
+    gmlx reads one GGUF file, so that one call is skipped; every other caller's goes through."""
+    if getattr(resource.setrlimit, "gmlx_keeps_fd_limit", False):
+        return
+    setrlimit = resource.setrlimit
+
+    def guarded(which: int, limits: tuple[int, int]) -> None:
+        if which == resource.RLIMIT_NOFILE and sys._getframe(1).f_globals.get("__name__") == "mlx_lm.utils":
+            return
+        setrlimit(which, limits)
+
+    guarded.gmlx_keeps_fd_limit = True  # type: ignore[attr-defined]
+    resource.setrlimit = guarded
 
 
 @cache
