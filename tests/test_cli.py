@@ -112,7 +112,29 @@ def test_print_config_shows_sources(monkeypatch: pytest.MonkeyPatch) -> None:
     assert r.exit_code == 0, r.output
     cfg = json.loads(r.stdout)
     assert cfg["port"]["source"] == "flag" and cfg["decode_batch"]["source"] == "env MAX_CONCURRENCY"
-    assert cfg["queue_size"]["value"] == "6"
+    assert cfg["queue_size"]["value"] == 6 and cfg["port"]["value"] == 9001  # JSON's types, for jq
+    assert cfg["memory"]["value"] is None and cfg["log_input_text"]["value"] is False
+
+
+def test_a_preset_for_the_preloaded_file_is_shown_and_warned_over_a_flag(
+    tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """Its settings win (the preset names the model's own), so --print-config shows them, and serve
+    says at start which flag each overrides, not a flag's value the server does not use."""
+    from gmlx.cli.serve import overridden
+    from gmlx.deployment import deployments
+    from gmlx.presets import load_presets
+    from gmlx.settings import resolve_settings
+
+    preset = tmp_path / "presets.toml"
+    preset.write_text(f'[models.main]\npath = "{tiny_models["llama"]}"\ndecode_batch = 4\n')
+    args = ["--decode-batch", "3", "--models-preset", str(preset)]
+    r = invoke("serve", str(tiny_models["llama"]), *args, "--print-config", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["decode_batch"] == {"value": 4, "source": "preset 'main'"}
+    server = resolve_settings({"decode_batch": 3, "models_preset": str(preset)})
+    [main] = deployments(server, tiny_models["llama"], load_presets(str(preset)), {}).values()
+    assert overridden(server, main.settings) == ["preset 'main' sets decode_batch 4 over 3 from flag"]
 
 
 @pytest.mark.parametrize("weights", ["float", "native", "gguf"])

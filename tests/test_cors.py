@@ -112,4 +112,4 @@ def test_the_flag(no_settings_env: None, tmp_path: Path) -> None:
         "http://b.test,http://c.test",
         "--print-config",
     )
-    assert config["cors_origins"] == {"value": "http://a.test, http://b.test, http://c.test", "source": "flag"}
+    assert config["cors_origins"] == {"value": ["http://a.test", "http://b.test", "http://c.test"], "source": "flag"}

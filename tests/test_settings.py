@@ -235,5 +235,5 @@ def test_serve_flags_reach_print_config(tmp_path):
     )
     assert r.exit_code == 0, r.output
     shown = json.loads(r.stdout)
-    assert shown["max_kv_size"] == {"value": "4096", "source": "flag"}
+    assert shown["max_kv_size"] == {"value": 4096, "source": "flag"}
     assert shown["models_dir"] == {"value": str(tmp_path), "source": "flag"}

@@ -432,3 +432,20 @@ def _show(name: str, value: Any) -> str:
 def describe(settings: Settings) -> list[tuple[str, str, str]]:
     """(name, shown value, source) for every field, in declaration order, api_key masked."""
     return [(name, _show(name, getattr(settings, name)), settings.sources.get(name, "default")) for name in _SPECS]
+
+
+def to_json(settings: Settings) -> dict[str, dict[str, Any]]:
+    """Every field as {"value", "source"}, the value as JSON has it (null when unset, a list for
+    several), api_key masked as describe() does."""
+
+    def plain(name: str, value: Any) -> Any:
+        if name == "api_key":
+            return _show(name, value)
+        if isinstance(value, tuple):
+            return list(value)
+        return value if value is None or isinstance(value, (bool, int, float)) else str(value)
+
+    return {
+        name: {"value": plain(name, getattr(settings, name)), "source": settings.sources.get(name, "default")}
+        for name in _SPECS
+    }

@@ -27,7 +27,7 @@ from gmlx.cli.common import (
     print_json,
 )
 from gmlx.cli.completions import complete_gguf
-from gmlx.settings import Settings, SettingsError, describe, resolve_settings
+from gmlx.settings import Settings, SettingsError, describe, resolve_settings, to_json
 
 log = logging.getLogger("gmlx.serve")
 _LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
@@ -241,14 +241,36 @@ def serve_command(
 
 
 def _print_config(settings: Settings, json_out: bool) -> None:
-    rows = describe(settings)
+    """What the preloaded model is served with: where a preset names its file, the preset's settings
+    over the server's, each with where it came from."""
+    if settings.models_preset:
+        from gmlx.deployment import deployments
+        from gmlx.presets import load_presets
+
+        try:
+            models = deployments(settings, model_path(settings.model), load_presets(settings.models_preset), {})
+        except SettingsError as e:
+            fail(str(e), 2)
+        settings = next(iter(models.values())).settings
     if json_out:
-        print_json({name: {"value": value, "source": source} for name, value, source in rows})
+        print_json(to_json(settings))
         return
     table = Table("setting", "value", "source", box=None, pad_edge=False)
-    for row in rows:
+    for row in describe(settings):
         table.add_row(*row)
     console.print(table)
+
+
+def overridden(server: Settings, model: Settings) -> list[str]:
+    """Where a preset sets the preloaded model's setting over a flag, a variable or a config file."""
+    return [
+        f"{model.sources[name]} sets {name} {getattr(model, name)!r} over {getattr(server, name)!r} from "
+        f"{server.sources[name]}"
+        for name in server.sources
+        if model.sources.get(name) != server.sources[name]
+        and not server.sources[name].startswith("default")
+        and getattr(model, name) != getattr(server, name)
+    ]
 
 
 def exposure_warning(settings: Settings) -> str | None:
@@ -291,6 +313,8 @@ def _serve(settings: Settings) -> int:
         models = deployments(settings, path, presets, models_dir_files(settings.models_dir))
     except SettingsError as e:
         fail(str(e), 2)
+    for note in overridden(settings, next(iter(models.values())).settings):
+        log.warning("the preloaded model's %s", note)
 
     app = create_app(settings, models)
     state = app.state.gmlx
