@@ -408,6 +408,7 @@ def test_presets_give_a_model_its_own_id_and_settings(tiny_models: dict[str, Pat
         ('[models.a]\npath = "{missing}"\n', "is not a file"),
         ('[models.a]\npath = "{model}"\nport = 9\n', "unknown key(s): port"),
         ('[models.a]\npath = "{model}"\ndecode_batch = 0\n', "decode_batch: 0 from preset 'a' must be >= 1"),
+        ('[models.a]\npath = "{model}"\ndecode_batch = 2\ndecode-batch = 5\n', "a key is given twice"),
     ],
 )
 def test_a_bad_presets_file_is_one_line_and_exit_2(
@@ -418,6 +419,20 @@ def test_a_bad_presets_file_is_one_line_and_exit_2(
     r = invoke("serve", tiny_models["llama"], "--models-preset", preset, "--port", 0)
     assert r.exit_code == 2, r.output
     assert expected in r.output and len(r.output.strip().splitlines()) == 1, r.output
+
+
+def test_a_preset_whose_file_is_no_gguf_fails_at_start(
+    tiny_models: dict[str, Path], tmp_path: Path, no_settings_env: None
+) -> None:
+    """As the positional file does (exit 3), not later as a 503 telling clients to retry."""
+    (tmp_path / "notes.gguf").write_text("hello")
+    preset = tmp_path / "presets.yaml"
+    preset.write_text("models:\n  notes:\n    path: notes.gguf\n")
+    r = invoke("serve", tiny_models["llama"], "--models-preset", preset, "--port", 0)
+    assert r.exit_code == 3 and "notes.gguf" in r.output and "Traceback" not in r.output, r.output
+    preset.write_text(f"models:\n  1:\n    path: {tiny_models['llama']}\n")  # YAML reads the id as a number
+    r = invoke("serve", tiny_models["llama"], "--models-preset", preset, "--port", 0)
+    assert r.exit_code == 2 and "an id must be a non-empty string" in r.output, r.output
 
 
 def test_a_preset_id_that_is_a_folder_files_name_is_refused(

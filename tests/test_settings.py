@@ -133,6 +133,7 @@ def test_config_file_errors(tmp_path, text, match):
         ({"weights": "q4"}, {}, "weights: 'q4' from flag must be one of auto, native, float"),
         ({"prefill_step": 8}, {}, "prefill_step: 8 from flag must be >= 16"),
         ({}, {"PORT": "70000"}, "port: '70000' from env PORT must be between 0 and 65535"),
+        ({}, {"GMLX_MEMORY": "0"}, "memory: '0' from env GMLX_MEMORY must be > 0"),  # not the machine's instead
         ({}, {"GMLX_LOG_LEVEL": "loud"}, "log_level: 'loud' from env GMLX_LOG_LEVEL must be one of"),
         ({}, {"GMLX_GOVERNOR_ORANGE": "0.7"}, "governor thresholds must rise"),
         ({}, {"GMLX_GOVERNOR_YELLOW": "0.01"}, "governor hysteresis 0.05 must be at least 0 and below yellow"),

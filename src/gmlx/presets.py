@@ -36,8 +36,10 @@ def load_presets(path: str | Path) -> dict[str, Preset]:
         if not isinstance(entry, dict):
             raise SettingsError(f"{at}: expected a table with a path and settings")
         keys = {setting_key(k): v for k, v in entry.items()}
-        if not model_id or "/" in model_id:  # an id is one path segment of /v1/models/{id}
-            raise SettingsError(f"{at}: an id must be non-empty and hold no '/'")
+        if len(keys) < len(entry):
+            raise SettingsError(f"{at}: a key is given twice (with dashes and underscores, or as flag and setting)")
+        if not isinstance(model_id, str) or not model_id or "/" in model_id:  # one segment of /v1/models/{id}
+            raise SettingsError(f"{at}: an id must be a non-empty string and hold no '/'")
         raw = keys.pop("path", None)
         if not isinstance(raw, str) or not raw:
             raise SettingsError(f"{at}: 'path' (the GGUF file) is required")

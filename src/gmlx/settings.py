@@ -238,7 +238,7 @@ class Settings:
     # The context window is the GGUF's trained one, or this when smaller (None: the GGUF's).
     max_kv_size: int | None = _f(None, _int, "GMLX_MAX_KV_SIZE", check=_at_least(1))
     # Capacity: the memory the table plans with (None: device or system memory) and what it keeps back.
-    memory: int | None = _f(None, _bytes, "GMLX_MEMORY")
+    memory: int | None = _f(None, _bytes, "GMLX_MEMORY", check=_above(0))
     reserve_fraction: float = _f(0.10, _float, "GMLX_RESERVE_FRACTION", check=_fraction)
     reserve_floor: int = _f(512 * 2**20, _bytes, "GMLX_RESERVE_FLOOR")
     overcommit: bool = _f(False, _bool, "GMLX_OVERCOMMIT")

@@ -315,6 +315,11 @@ def _serve(settings: Settings) -> int:
         fail(str(e), 2)
     for note in overridden(settings, next(iter(models.values())).settings):
         log.warning("the preloaded model's %s", note)
+    for d in models.values():
+        if d.origin == "preset":  # each preset's file is checked now, as the positional one was
+            with model_errors():
+                architecture_for(d.header)
+                check_tokenizer(d.header)
 
     app = create_app(settings, models)
     state = app.state.gmlx
