@@ -59,6 +59,36 @@ def test_cli_writes_the_directory(tiny_models: dict[str, Path], tmp_path: Path) 
     }
 
 
+def test_the_out_dir_is_checked_before_the_model_loads(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """A file, a non-empty directory (another model's safetensors beside the export would be loaded
+    with it) or a path that cannot be made: a one-line usage error, no traceback, before any load."""
+    model = str(tiny_models["qwen3"])
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "config.json").write_text("{}")
+    for out, says in (
+        (tmp_path / "file", "is not a directory"),
+        (tmp_path / "file" / "sub", "cannot create"),
+        (tmp_path / "used", "is not empty"),
+    ):
+        result = CliRunner().invoke(app, ["export", model, str(out)])
+        assert result.exit_code == 2 and says in result.output, result.output
+
+
+def test_one_argument_is_the_directory_for_the_default_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gmlx.cli import export as cli_export
+
+    asked = []
+
+    def model_path(model: str | None) -> Path:  # no load: which model it would export is the question
+        asked.append(model)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(cli_export, "model_path", model_path)
+    result = CliRunner().invoke(app, ["export", str(tmp_path / "out")])
+    assert result.exit_code == 0 and asked == [None] and (tmp_path / "out").is_dir(), result.output
+
+
 @pytest.mark.slow
 def test_default_model_export_writes_about_the_sea(default_model: Path, tmp_path: Path) -> None:
     from mlx_lm import generate
