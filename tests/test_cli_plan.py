@@ -183,8 +183,15 @@ def test_estimate_offline_matches_server(tiny_models: dict[str, Path], tmp_path:
     est = out["estimate"]
     assert est["resident"] is False and est["est_ttft_s"] is None and est["fits_now"] == est["fits_drained"] is True
     assert out["assumptions"]["prefill_tok_s"]["value"] is None
+    completion = {"prompt": "hello world", "max_tokens": 5}  # a completions body, as the route reads it
+    (tmp_path / "completion.json").write_text(json.dumps(completion))
+    offline_completion = invoke_json("estimate", tiny_models["llama"], "--body", tmp_path / "completion.json")
     with LiveServer(tiny_models["llama"], memory=memory, governor=False) as server, server.client() as c:
         served = c.post("/v1/estimate", json=body).json()
+        assert (
+            offline_completion["estimate"]["prompt_tokens"]
+            == c.post("/v1/estimate", json=completion).json()["prompt_tokens"]
+        )
         by_url = invoke_json("estimate", "--url", server.url, "--body", tmp_path / "request.json")
         table = server.model.table()
     for key in ("prompt_tokens", "context_ok", "context_limit", "fits_drained", "model"):
@@ -217,7 +224,9 @@ def test_estimate_prompt_and_exit_codes(tiny_models: dict[str, Path], tmp_path: 
     (tmp_path / "bad.json").write_text('{"messages": "x"}')
     assert "'messages'" in one_line_error(invoke("estimate", llama, "--body", tmp_path / "bad.json"))
     (tmp_path / "broken.json").write_text("{")
-    one_line_error(invoke("estimate", llama, "--body", tmp_path / "broken.json"))
+    assert "broken.json" in one_line_error(invoke("estimate", llama, "--body", tmp_path / "broken.json"))
+    (tmp_path / "utf16.json").write_text('{"prompt": "hi"}', encoding="utf-16")  # was a traceback, exit 1
+    assert "utf16.json" in one_line_error(invoke("estimate", llama, "--body", tmp_path / "utf16.json"))
 
 
 def test_url_api_key(tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:

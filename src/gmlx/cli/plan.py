@@ -83,7 +83,7 @@ def errors() -> Iterator[None]:
     """Every error a user can cause, as one line and exit 2."""
     try:
         yield
-    except (DefaultModelMissing, GGUFError, SettingsError, OSError, json.JSONDecodeError) as e:
+    except (DefaultModelMissing, GGUFError, SettingsError, OSError, ValueError) as e:  # JSON's and UTF-8's too
         fail(" ".join(str(e).split()), EXIT_ERROR)
 
 
@@ -377,13 +377,15 @@ def plan_command(
 
 
 def _request_body(body_file: Path | None, prompt: str | None, max_tokens: int | None) -> dict[str, Any]:
-    """The body to estimate (chat completions, or embeddings): the file's, or one user message;
+    """The body to estimate (chat completions, completions or embeddings): the file's, or one user message;
     --max-tokens overrides."""
     if (body_file is None) == (prompt is None):
         fail("give exactly one of --body and --prompt", EXIT_ERROR)
     if body_file is not None:
-        with errors():
+        try:
             body = json.loads(body_file.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:  # unreadable, not UTF-8, or not JSON: say which file
+            fail(f"{body_file}: {' '.join(str(e).split())}", EXIT_ERROR)
         if not isinstance(body, dict):
             fail(f"{body_file}: the request body must be a JSON object", EXIT_ERROR)
     else:
@@ -407,8 +409,8 @@ def _estimate_offline(o: Offline, body: dict[str, Any]) -> dict[str, Any]:
             if "input" in body and "messages" not in body:  # an embeddings body, as the route tells them apart
                 inputs = embeddings.input_ids(load_tokenizer(o.header), vocab_size, embeddings.parse_inputs(body))
                 out = estimate_embedding_not_loaded(o.table, input_tokens=[len(i) for i in inputs], free_now_bytes=free)
-            else:
-                p = openai_api.parse(body, chat=True)
+            else:  # a completions body (`prompt`, no `messages`) as the route tells it from chat's
+                p = openai_api.parse(body, chat=not ("prompt" in body and "messages" not in body))
                 if p.n > o.table.decode_batch:  # as the server refuses it: its choices decode side by side
                     fail(f"'n' must be at most {o.table.decode_batch}, the decode batch", EXIT_ERROR)
                 ids = openai_api.prompt_token_ids(load_tokenizer(o.header), p, vocab_size)
