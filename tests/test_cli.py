@@ -93,6 +93,21 @@ def test_run_json(tiny_models: dict[str, Path]) -> None:
     assert seeded[0] == seeded[1]
 
 
+def test_flags_that_would_be_ignored_are_usage_errors(tiny_models: dict[str, Path]) -> None:
+    bogus = invoke("inspect", str(tiny_models["llama"]), "--weights", "bogus", "--json")
+    assert bogus.exit_code == 2 and "--weights must be" in bogus.stderr  # it reported mode "bogus"
+    alone = invoke("serve", str(tiny_models["llama"]), "--json")
+    assert alone.exit_code == 2 and "--print-config" in alone.stderr  # it served, and printed nothing
+
+
+def test_run_stops_where_the_context_window_does(tiny_models: dict[str, Path]) -> None:
+    """The tiny model's window is 256 tokens: -n 600 generated 600 past it, as if positions went on."""
+    r = invoke("run", str(tiny_models["llama"]), "--prompt", "hi", "-n", "600", "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["prompt_tokens"] + out["generated_tokens"] <= 256 and "cut to" in r.stderr
+
+
 def test_run_streams_text_then_figures(tiny_models: dict[str, Path]) -> None:
     r = invoke("run", str(tiny_models["llama"]), "--prompt", "hello", "-n", "4")
     assert r.exit_code == 0, r.output

@@ -128,6 +128,7 @@ def test_flags_that_cannot_apply_are_usage_errors(tiny_models: dict[str, Path]) 
         assert "offline only" in one_line_error(invoke("plan", *args)), args
     assert "--kv-bits" in one_line_error(invoke("estimate", "--url", url, "--prompt", "hi", "--kv-bits", 3))
     assert "--model names" in one_line_error(invoke("plan", llama, *query, "--model", "other"))
+    assert "--table shows every width" in one_line_error(invoke("plan", llama, "--table", "--width", 4))
 
 
 def test_plan_url_matches_offline(small_memory_model: tuple[Path, int], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -25,7 +25,7 @@ def test_urls_keys_and_files(tmp_path: Path) -> None:
     assert targets(["http://a:1#"], None) == [Target("http://a:1", None)]  # an empty key is none
 
 
-def test_the_haproxy_configuration_names_the_fleet() -> None:
+def test_the_haproxy_configuration_names_the_fleet(tmp_path: Path) -> None:
     env = {"GMLX_A": "10.0.0.11:8080", "GMLX_B": "10.0.0.12:8080"}
     assert targets([f"@{HAPROXY}"], "k", env) == [
         Target("http://10.0.0.11:8080", "k"),
@@ -35,6 +35,10 @@ def test_the_haproxy_configuration_names_the_fleet() -> None:
         targets([f"@{HAPROXY}"], "k", {"GMLX_A": "10.0.0.11:8080"})
     with pytest.raises(ValueError, match="cannot read the fleet file"):
         targets(["@/nonexistent/fleet"], None)
+    empty = tmp_path / "empty"
+    empty.write_text("# nothing yet\n\n")
+    with pytest.raises(ValueError, match="lists no server"):  # top --once said all was well
+        targets([f"@{empty}"], None)
 
 
 def test_top_once_with_a_key_per_server(tiny_models: dict[str, Path], tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from gmlx.cli.common import (
     JSON_OPT,
     MODEL_ARG,
     console,
+    fail,
     human_bytes,
     model_errors,
     model_path,
@@ -89,6 +90,8 @@ def inspect_command(
     json_out: bool = JSON_OPT,
 ) -> None:
     """Show a model's architecture, geometry, quantization and KV-cache cost, from its header."""
+    if weights not in ("auto", "native", "float", "gguf"):
+        fail(f"--weights must be auto, native, float or gguf, not {weights!r}", 2)
     info = describe(model, weights)  # type: ignore[arg-type]
     if json_out:
         print_json(info)

@@ -349,6 +349,8 @@ def plan_command(
     _offline_only(url, offline_flags, kv_flags)
     if model_id is not None and not url:
         fail("--model names a model a server serves, with --url; offline, give its file as MODEL", EXIT_ERROR)
+    if whole_table and (width is not None or depth is not None):
+        fail("--table shows every width and depth: give it without --width and --depth", EXIT_ERROR)
     if whole_table:
         if url:
             table, assumptions = served_table(url, api_key, model_id), _server_assumptions(url)

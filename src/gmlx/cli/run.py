@@ -88,6 +88,10 @@ def run_command(
         prompt_ids = tokenizer.encode(prompt)
     if len(prompt_ids) >= loaded.context_length:
         fail(f"the prompt has {len(prompt_ids)} tokens; the context holds {loaded.context_length}")
+    room = loaded.context_length - len(prompt_ids)
+    if max_tokens > room:  # the server cuts its default so too: past the window the model has no positions
+        err_console.print(f"note: --max-tokens {max_tokens} cut to {room}, what the context window leaves")
+        max_tokens = room
     sampler = make_sampler(SamplingParams(temp, top_p, top_k, min_p, seed))
 
     # The text comes from our own detokenizer: stream_generate's drops the first token's leading space.

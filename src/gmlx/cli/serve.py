@@ -17,7 +17,6 @@ from gmlx import platform
 from gmlx.cli.common import (
     EXIT_BAD_MODEL,
     EXIT_FAILED,
-    JSON_OPT,
     MODEL_ARG,
     console,
     fail,
@@ -190,9 +189,11 @@ def serve_command(
     print_config: bool = typer.Option(
         False, "--print-config", help="Show each setting and where it came from, then exit."
     ),
-    json_out: bool = JSON_OPT,
+    json_out: bool = typer.Option(False, "--json", help="With --print-config: one JSON object instead of a table."),
 ) -> None:
     """Serve a GGUF model over an OpenAI-compatible API with continuous batching."""
+    if json_out and not print_config:  # the server logs; there is no JSON it could print instead
+        fail("--json goes with --print-config", 2)
     flags = dict(
         model=model,
         host=host,

@@ -48,7 +48,10 @@ def _from_file(path: Path, api_key: str | None, env: Mapping[str, str]) -> list[
     except OSError as e:
         raise ValueError(f"cannot read the fleet file {str(path)!r}: {e.strerror or e}") from None
     if not any(_SECTION.match(line) for line in lines):
-        return [target(line, api_key) for line in lines if line.strip() and not line.lstrip().startswith("#")]
+        listed = [target(line, api_key) for line in lines if line.strip() and not line.lstrip().startswith("#")]
+        if not listed:  # watching nothing would say all is well
+            raise ValueError(f"the fleet file {str(path)!r} lists no server")
+        return listed
     found = [_address(m.group(1).strip('"'), path, env) for line in lines if (m := _SERVER.match(line))]
     if not found:
         raise ValueError(f"the HAProxy configuration {str(path)!r} has no server lines")
