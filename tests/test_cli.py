@@ -206,3 +206,10 @@ def test_a_low_open_file_limit_neither_stops_a_command_nor_is_lowered(tiny_model
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     kept = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert kept.returncode == 0 and int(kept.stdout) == hard, kept.stderr[-2000:]
+
+
+def test_version() -> None:
+    import gmlx
+
+    r = invoke("--version")
+    assert r.exit_code == 0 and r.stdout.strip() == f"gmlx {gmlx.__version__}"

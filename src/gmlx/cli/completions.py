@@ -27,7 +27,14 @@ def script(shell: str) -> str:
     """The script `gmlx --show-completion` prints under `shell`: it calls back into `gmlx` with
     `_GMLX_COMPLETE=complete_<shell>`, so completions follow the typer app (typer has no public
     way to ask for another shell's script than the one it detects)."""
-    return upstream.completion_script("gmlx", "_GMLX_COMPLETE", shell) + "\n"
+    text = upstream.completion_script("gmlx", "_GMLX_COMPLETE", shell) + "\n"
+    if shell == "bash":  # a directory completed alone is one to type on into: no space after its slash
+        text = text.replace(
+            "    return 0\n",
+            "    [[ ${#COMPREPLY[@]} -eq 1 && ${COMPREPLY[0]} == */ ]] && compopt -o nospace\n    return 0\n",
+            1,
+        )
+    return text
 
 
 def write(root: Path = ROOT) -> list[Path]:
