@@ -116,6 +116,14 @@ def test_plan_errors_exit_2(tiny_models: dict[str, Path], tmp_path: Path) -> Non
     assert "cannot reach" in one_line_error(invoke("plan", "--url", "http://127.0.0.1:9", "--width", 1, "--depth", 1))
 
 
+def test_plan_reads_the_config_file_serve_reads(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    config = tmp_path / "gmlx.toml"
+    config.write_text("decode-batch = 4\nmax_kv_size = 128\n")
+    table = invoke_json("plan", tiny_models["llama"], "--table", "--config", config)["table"]
+    assert table["decode_batch"] == 4 and table["context_length"] == 128  # serve --config's, not the defaults
+    assert "--config" in one_line_error(invoke("plan", "--url", "http://127.0.0.1:9", "--table", "--config", config))
+
+
 def test_flags_that_cannot_apply_are_usage_errors(tiny_models: dict[str, Path]) -> None:
     """With --url the server's settings answer, so an offline flag would be ignored; --model names a
     served model, so offline it would be. Each is refused before anything is asked or read."""

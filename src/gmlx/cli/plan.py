@@ -66,6 +66,12 @@ BESIDE_OPT = typer.Option(
     "serving several models.",
     show_default=False,
 )
+CONFIG_OPT = typer.Option(
+    None,
+    "--config",
+    help="The settings file gmlx serve reads (TOML or YAML; GMLX_CONFIG), so the answer is for its settings.",
+    show_default=False,
+)
 # The table's own fields in the capacity section of /v1/metrics (the rest is warm-up measurement).
 _TABLE_KEYS = ("kv_format", "budget", "decode_batch", "context_length", "prefill_step", "headline", "widths", "depths")
 
@@ -101,6 +107,7 @@ def offline(
     kv_flags: dict[str, Any] | None = None,
     max_kv_size: int | None = None,
     beside: list[str] | None = None,
+    config: Path | None = None,
 ) -> Offline:
     """The table `gmlx serve` would build for this model, from its header and the server's own
     settings, with the models of `beside` resident next to it (their weights off its budget)."""
@@ -114,7 +121,7 @@ def offline(
         **(kv_flags or {}),
     }
     with errors():
-        s = resolve_settings(flags)
+        s = resolve_settings(flags, config=config)
         path = resolve_model(s.model)
         d = Deployment(path.stem, path, s)
         others = [Deployment(p.stem, p, s) for p in map(resolve_model, beside or [])]
@@ -335,6 +342,7 @@ def plan_command(
     kv_tail_tokens: int = KV_TAIL_OPT,
     max_kv_size: int = MAX_KV_OPT,
     beside: list[str] = BESIDE_OPT,
+    config: Path = CONFIG_OPT,
     json_out: bool = JSON_OPT,
     url: str = URL_OPT,
     api_key: str = API_KEY_OPT,
@@ -346,6 +354,7 @@ def plan_command(
     kv_flags = _kv_flags(kv_bits, kv_group_size, kv_scheme, kv_value_bits, kv_tail_tokens)
     offline_flags = {"MODEL": model, "--memory": memory, "--weights": weights, "--decode-batch": decode_batch}
     offline_flags |= {"--prefill-step": prefill_step, "--max-kv-size": max_kv_size, "--beside": beside}
+    offline_flags |= {"--config": config}
     _offline_only(url, offline_flags, kv_flags)
     if model_id is not None and not url:
         fail("--model names a model a server serves, with --url; offline, give its file as MODEL", EXIT_ERROR)
@@ -355,7 +364,7 @@ def plan_command(
         if url:
             table, assumptions = served_table(url, api_key, model_id), _server_assumptions(url)
         else:
-            o = offline(model, memory, weights, decode_batch, prefill_step, kv_flags, max_kv_size, beside)
+            o = offline(model, memory, weights, decode_batch, prefill_step, kv_flags, max_kv_size, beside, config)
             table, assumptions = o.table.to_json(), o.assumptions
         if json_out:
             print_json({"table": table, "assumptions": assumptions})
@@ -371,7 +380,7 @@ def plan_command(
         answer = ask_server("GET", url, "/v1/capacity/plan", api_key, params=params)
         assumptions = _server_assumptions(url)
     else:
-        o = offline(model, memory, weights, decode_batch, prefill_step, kv_flags, max_kv_size, beside)
+        o = offline(model, memory, weights, decode_batch, prefill_step, kv_flags, max_kv_size, beside, config)
         # Offline nothing runs: no stream in flight, none waiting, no governor, so admit_now follows memory alone.
         live = LiveState(o.table.decode_batch, in_flight=0, waiting=0, band=None)
         answer, assumptions = plan(o.table, width, depth, live, model=o.path.stem), o.assumptions
@@ -439,6 +448,7 @@ def estimate_command(
     kv_value_bits: int = KV_VALUE_BITS_OPT,
     kv_tail_tokens: int = KV_TAIL_OPT,
     max_kv_size: int = MAX_KV_OPT,
+    config: Path = CONFIG_OPT,
     json_out: bool = JSON_OPT,
     url: str = URL_OPT,
     api_key: str = API_KEY_OPT,
@@ -446,13 +456,12 @@ def estimate_command(
     """Would one request fit: its prompt tokens, memory need and context. Exit 0 if it fits, 1 if not, 2 on error."""
     body = _request_body(body_file, prompt, max_tokens)
     kv_flags = _kv_flags(kv_bits, kv_group_size, kv_scheme, kv_value_bits, kv_tail_tokens)
-    _offline_only(
-        url, {"MODEL": model, "--memory": memory, "--weights": weights, "--max-kv-size": max_kv_size}, kv_flags
-    )
+    offline_flags = {"MODEL": model, "--memory": memory, "--weights": weights, "--max-kv-size": max_kv_size}
+    _offline_only(url, offline_flags | {"--config": config}, kv_flags)
     if url:
         answer, assumptions = ask_server("POST", url, "/v1/estimate", api_key, json=body), _server_assumptions(url)
     else:
-        o = offline(model, memory, weights, kv_flags=kv_flags, max_kv_size=max_kv_size)
+        o = offline(model, memory, weights, kv_flags=kv_flags, max_kv_size=max_kv_size, config=config)
         answer = _estimate_offline(o, body)
         assumptions = {
             **o.assumptions,
