@@ -31,7 +31,9 @@ NB_MODULE(_ext, m) {
   m.def("pack", &gk::pack, "w"_a, "type"_a,
         "Q4_0, Q8_0, Q5_0, Q4_K, Q5_K or Q6_K bytes (rows, row_bytes) in gmlx's packed layout of that type "
         "(PACKED + type).");
-  m.def("in_huge_pages", &gk::in_huge_pages, "arrays"_a,
+  // Without the GIL: it reads a group of weights (page faults on the file) and copies it, seconds on
+  // a large model, while the event loop must go on answering /health.
+  m.def("in_huge_pages", &gk::in_huge_pages, "arrays"_a, nb::call_guard<nb::gil_scoped_release>(),
         "The arrays as views of buffers advised for transparent huge pages (Linux; elsewhere as given).");
   m.def("place_rows", &gk::place_rows, "sources"_a, "rows"_a, "ats"_a, "shape"_a, "dtype"_a, nb::kw_only(),
         "stream"_a = nb::none(),
