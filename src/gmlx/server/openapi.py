@@ -778,31 +778,15 @@ _GENERATION_OK = {
     },
 }
 
+
+def _generation(what: str, body: str) -> dict:
+    """A generation route: its answer, or with dry_run its estimate."""
+    return {"post": _op(f"{what} (or, with dry_run, its estimate)", _GENERATION_OK, 400, 404, 408, 413, 503, body=body)}
+
+
 PATHS: dict[str, dict[str, dict]] = {
-    "/v1/chat/completions": {
-        "post": _op(
-            "Chat completion (or, with dry_run, its estimate)",
-            _GENERATION_OK,
-            400,
-            404,
-            408,
-            413,
-            503,
-            body="ChatCompletionRequest",
-        )
-    },
-    "/v1/completions": {
-        "post": _op(
-            "Text completion (or, with dry_run, its estimate)",
-            _GENERATION_OK,
-            400,
-            404,
-            408,
-            413,
-            503,
-            body="CompletionRequest",
-        )
-    },
+    "/v1/chat/completions": _generation("Chat completion", "ChatCompletionRequest"),
+    "/v1/completions": _generation("Text completion", "CompletionRequest"),
     "/v1/embeddings": {
         "post": _op(
             "One normalised vector per input",

@@ -11,8 +11,6 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
-from jsonschema import Draft202012Validator, SchemaError
-
 from gmlx.engine.grammar import GrammarError, json_schema_grammar
 from gmlx.server.errors import bad_request
 from gmlx.server.tools import forced_call_schema
@@ -89,6 +87,8 @@ def _tool(tool: Any, i: int) -> dict[str, Any]:
 def _schema_problem(schema: str) -> str | None:
     """What makes a schema (as JSON text) invalid under JSON Schema 2020-12, or None. Validity only:
     whether a grammar can hold a call to it is asked only when a call is forced."""
+    from jsonschema import Draft202012Validator, SchemaError  # 80 ms: paid by the first tools, not at start
+
     try:
         Draft202012Validator.check_schema(json.loads(schema))
     except SchemaError as e:
